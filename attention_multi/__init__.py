@@ -1,0 +1,31 @@
+"""attention-multi: d2l's attention mechanisms, written once, native on
+NumPy, PyTorch, JAX and MXNet."""
+from backends import available_backends
+
+from .config import get_backend, set_backend, use_backend
+from .functional import (masked_softmax, nadaraya_watson, sequence_mask,
+                         transpose_output, transpose_qkv)
+from .module import Module
+from .modules import (AdditiveAttention, DotProductAttention, Linear,
+                      MultiHeadAttention, NWKernelRegression, PositionalEncoding,
+                      train_kernel_regression)
+from .params import get_params, set_params
+from .plotting import show_heatmaps
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdditiveAttention", "DotProductAttention", "Linear", "Module",
+    "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
+    "asarray", "available_backends", "get_backend", "get_params",
+    "masked_softmax", "nadaraya_watson", "sequence_mask", "set_backend",
+    "set_params", "show_heatmaps", "train_kernel_regression",
+    "transpose_output", "transpose_qkv", "use_backend",
+]
+
+
+def asarray(data, dtype=None, backend=None, device=None):
+    """``data`` as an array of ``backend`` (default: the current one) on ``device``."""
+    from .config import native_device, resolve_backend
+    B = resolve_backend(backend)
+    return B.asarray(data, dtype, native_device(B, device))

@@ -1,0 +1,90 @@
+"""Argument checks: errors name the argument and show shapes and values."""
+import numpy as np
+
+import backends
+
+_INT32_MAX = 2**31 - 1
+
+
+def backend_of(**arrays):
+    """The one backend of the given arrays; TypeError if they are mixed."""
+    found = {}
+    for name, x in arrays.items():
+        if x is None:
+            continue
+        try:
+            found[name] = backends.get_backend(x)
+        except TypeError:
+            raise TypeError(f"{name} must be a numpy, torch, jax or mxnet array, "
+                            f"got {type(x).__name__}") from None
+    names = sorted({b.name for b in found.values()})
+    if len(names) > 1:
+        listing = ", ".join(f"{n} is {b.name}" for n, b in found.items())
+        raise TypeError(f"arrays of different backends in one call ({listing}); "
+                        f"convert them to one backend first")
+    return next(iter(found.values()))
+
+
+def check_array(backend, name, x, ndim=None, what=""):
+    """TypeError unless ``x`` belongs to ``backend``; ValueError on wrong rank."""
+    if not backend.is_array(x):
+        other = _backend_name(x)
+        raise TypeError(f"{name} must be a {backend.name} array (the backend of this "
+                        f"call), got {other}")
+    if ndim is not None and len(x.shape) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(x.shape)}")
+
+
+def _backend_name(x):
+    try:
+        return f"a {backends.get_backend(x).name} array"
+    except TypeError:
+        return f"an object of type {type(x).__name__}"
+
+
+def check_float(backend, name, x):
+    dtype = backend.dtype_name(x)
+    if dtype not in backend.float_dtypes:
+        raise TypeError(f"{name} must have a floating dtype, got {dtype}")
+
+
+def check_same_dtype(backend, **arrays):
+    dtypes = {n: backend.dtype_name(x) for n, x in arrays.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n} is {d}" for n, d in dtypes.items())
+        raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
+
+
+def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens"):
+    """``valid_lens`` as an int32 array of shape (batch,) or (batch, queries).
+
+    Accepts arrays of the call's backend, NumPy arrays and lists. Values are
+    checked (>= 0, integer-valued) unless they are traced (e.g. under jax.jit);
+    lengths past the end mean no masking, so no clipping is needed.
+    """
+    if not backend.is_array(valid_lens):
+        if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int)):
+            valid_lens = backend.asarray(np.asarray(valid_lens))
+        else:
+            raise TypeError(f"{name} must be a {backend.name} array, a NumPy array "
+                            f"or a list, got {_backend_name(valid_lens)}")
+    shape = tuple(valid_lens.shape)
+    if shape not in ((batch,), (batch, queries)):
+        raise ValueError(f"{name} must have shape ({batch},) (one length per batch "
+                         f"element) or ({batch}, {queries}) (one per query), got "
+                         f"{shape}")
+    dtype = backend.dtype_name(valid_lens)
+    kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
+    if kind not in "iuf":
+        raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
+    if backend.is_concrete(valid_lens):
+        values = backend.to_numpy(valid_lens)
+        if np.isnan(values).any() if kind == "f" else False:
+            raise ValueError(f"{name} contains NaN: {values.tolist()}")
+        if (values < 0).any():
+            raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
+        if kind == "f" and (values != np.round(values)).any():
+            raise ValueError(f"{name} must hold whole numbers, got {values.tolist()}")
+        if values.size and values.max() > _INT32_MAX:  # would wrap in int32
+            valid_lens = backend.where(valid_lens > _INT32_MAX, _INT32_MAX, valid_lens)
+    return backend.astype(valid_lens, "int32")

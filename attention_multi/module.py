@@ -1,0 +1,58 @@
+"""The base of every module: one class, native on every backend.
+
+``MultiHeadAttention(..., backend="torch")`` returns an instance of a subclass
+of both ``MultiHeadAttention`` and the backend's ``module_base``
+(``torch.nn.Module``, ``gluon.Block``, a JAX pytree, or a plain object).
+The mechanism itself is written once, in the public class.
+"""
+from .config import native_device, resolve_backend
+
+
+class Module:
+    _backend = None  # set on the native subclasses by Backend.native_class
+
+    def __new__(cls, *args, backend=None, **kwargs):
+        if cls._backend is None:
+            cls = resolve_backend(backend).native_class(cls)
+        return object.__new__(cls)
+
+    def _start(self, backend=None, device=None, dtype="float32"):
+        """Call first in ``__init__``: sets up the native base. (``backend``
+        was already used by ``__new__`` to pick the native class.)"""
+        self._native_init()
+        self._device = native_device(self._backend, device)
+        self._dtype = dtype
+        if dtype not in self._backend.float_dtypes:
+            raise TypeError(f"dtype={dtype!r} is not supported by the "
+                            f"{self._backend.name} backend; choose one of "
+                            f"{', '.join(self._backend.float_dtypes)}")
+
+    def _child_options(self):
+        return {"backend": self._backend, "device": self._device, "dtype": self._dtype}
+
+    @property
+    def backend(self):
+        """The Backend this module runs on."""
+        return self._backend
+
+    def _new_param(self, name, shape, low, high):
+        self._add_param(name, self._backend.uniform(shape, low, high, self._dtype,
+                                                    self._device))
+
+    def _dropout(self, x, p, key):
+        if not self.training or p == 0:
+            return x
+        return self._backend.dropout(x, p, key)
+
+    # attention_weights is computed on first access from what the call kept.
+    @property
+    def attention_weights(self):
+        """The attention weights of the last call, as d2l users read them."""
+        kept = self.__dict__.get("_attention_kept")
+        if callable(kept):
+            kept = kept()
+            self.__dict__["_attention_kept"] = kept
+        return kept
+
+    def _keep_attention(self, weights_or_thunk):
+        self.__dict__["_attention_kept"] = weights_or_thunk

@@ -1,0 +1,242 @@
+"""The attention modules of d2l, written once; native on every backend.
+
+Each takes the keywords ``backend=`` (default: the current backend),
+``device=`` (default: ATTENTION_MULTI_DEVICE or cpu) and ``dtype=``
+(default ``"float32"``). Parameters are initialized as PyTorch's
+``nn.Linear`` does, with weights laid out (out, in).
+"""
+import math
+
+import numpy as np
+
+from ._checks import check_array, check_float, valid_lens_array
+from .functional import (_check_heads, _softmax, dot_product_attention, key_mask,
+                         merge_heads, split_heads, zero_masked_values)
+from .module import Module
+
+
+class Linear(Module):
+    """``y = x W^T + b``, with ``weight`` (out_features, in_features)."""
+
+    def __init__(self, in_features, out_features, bias=True, **options):
+        self._start(**options)
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        self._new_param("weight", (out_features, in_features), -bound, bound)
+        if bias:
+            self._new_param("bias", (out_features,), -bound, bound)
+
+    def forward(self, x):
+        bias = self._param("bias") if self.has_bias else None
+        return self._backend.linear(x, self._param("weight"), bias)
+
+
+class _Attention(Module):
+    """Shared input checks of the (queries, keys, values, valid_lens) modules."""
+
+    def _check_inputs(self, queries, keys, values, sizes=None):
+        B = self._backend
+        arrays = (("queries", queries), ("keys", keys), ("values", values))
+        for name, x in arrays:
+            check_array(B, name, x, 3, "(batch, n, features)")
+            check_float(B, name, x)
+        batch = {name: x.shape[0] for name, x in arrays}
+        if len(set(batch.values())) > 1:
+            raise ValueError(f"batch sizes differ: queries {tuple(queries.shape)}, "
+                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        if keys.shape[1] != values.shape[1]:
+            raise ValueError(f"keys and values must have the same length (axis 1), "
+                             f"got keys {tuple(keys.shape)} and values "
+                             f"{tuple(values.shape)}")
+        for (name, x), size in zip(arrays, sizes or ()):
+            if size is not None and x.shape[2] != size:
+                raise ValueError(f"{name} has feature size {x.shape[2]} (shape "
+                                 f"{tuple(x.shape)}) but the module expects {size}")
+        dtypes = {name: B.dtype_name(x) for name, x in arrays}
+        if sizes is not None:
+            dtypes["parameters"] = self._dtype_of_params()
+        if len(set(dtypes.values())) > 1:
+            listing = ", ".join(f"{n} {d}" for n, d in dtypes.items())
+            raise TypeError(f"dtypes differ ({listing}); build the module with "
+                            f"dtype= or cast the inputs")
+
+    def _dtype_of_params(self):
+        return self._backend.dtype_name(next(iter(self.named_arrays().values())))
+
+    def _lens(self, valid_lens, queries):
+        if valid_lens is None:
+            return None
+        return valid_lens_array(self._backend, valid_lens, queries.shape[0],
+                                queries.shape[1])
+
+
+class AdditiveAttention(_Attention):
+    """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score."""
+
+    def __init__(self, key_size, query_size, num_hiddens, dropout, **options):
+        self._start(**options)
+        self.key_size, self.query_size, self.num_hiddens = key_size, query_size, num_hiddens
+        self.dropout = float(dropout)
+        self.W_k = Linear(key_size, num_hiddens, bias=False, **self._child_options())
+        self.W_q = Linear(query_size, num_hiddens, bias=False, **self._child_options())
+        self.w_v = Linear(num_hiddens, 1, bias=False, **self._child_options())
+
+    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+        self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
+        B = self._backend
+        lens = self._lens(valid_lens, queries)
+        q, k = self.W_q(queries), self.W_k(keys)
+        b, nq, nk, h = q.shape[0], q.shape[1], k.shape[1], self.num_hiddens
+        features = B.tanh(q.reshape((b, nq, 1, h)) + k.reshape((b, 1, nk, h)))
+        scores = self.w_v(features).reshape((b, nq, nk))
+        weights = _softmax(B, scores, None if lens is None else
+                           key_mask(B, lens, nk, B.device_of(keys)))
+        if lens is not None:
+            values = zero_masked_values(B, values, lens)
+        self._keep_attention(weights)
+        return B.matmul(self._dropout(weights, self.dropout, key), values)
+
+
+class DotProductAttention(_Attention):
+    """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d)) V``."""
+
+    def __init__(self, dropout, **options):
+        self._start(**options)
+        self.dropout = float(dropout)
+
+    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+        self._check_inputs(queries, keys, values)
+        if queries.shape[2] != keys.shape[2]:
+            raise ValueError(f"queries and keys must have the same feature size, got "
+                             f"queries {tuple(queries.shape)} and keys "
+                             f"{tuple(keys.shape)}")
+        return self._attend(queries, keys, values, self._lens(valid_lens, queries), key)
+
+    def _attend(self, queries, keys, values, lens, key):
+        """Attention on checked inputs; ``lens`` is None or int32 (B,)/(B, Q)."""
+        out, weights = dot_product_attention(
+            self._backend, queries, keys, values, lens,
+            lambda w: self._dropout(w, self.dropout, key))
+        self._keep_attention(weights)
+        return out
+
+
+class MultiHeadAttention(_Attention):
+    """Multi-head attention over ``num_heads`` scaled dot-product heads."""
+
+    def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads,
+                 dropout, bias=False, **options):
+        self._start(**options)
+        _check_heads(num_hiddens, num_heads)
+        self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
+        self.num_hiddens, self.num_heads = num_hiddens, num_heads
+        self.attention = DotProductAttention(dropout, **self._child_options())
+        self.W_q = Linear(query_size, num_hiddens, bias=bias, **self._child_options())
+        self.W_k = Linear(key_size, num_hiddens, bias=bias, **self._child_options())
+        self.W_v = Linear(value_size, num_hiddens, bias=bias, **self._child_options())
+        self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
+
+    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+        self._check_inputs(queries, keys, values,
+                           (self.query_size, self.key_size, self.value_size))
+        B, h = self._backend, self.num_heads
+        lens = self._lens(valid_lens, queries)
+        if lens is not None:
+            lens = B.repeat(lens, h, axis=0)
+        q = split_heads(B, self.W_q(queries), h)
+        k = split_heads(B, self.W_k(keys), h)
+        v = split_heads(B, self.W_v(values), h)
+        out = self.attention._attend(q, k, v, lens, key)
+        return self.W_o(merge_heads(B, out, h))
+
+    @property
+    def attention_weights(self):
+        """Weights of the last call, (batch * num_heads, queries, keys) as in d2l."""
+        return self.attention.attention_weights
+
+
+class PositionalEncoding(Module):
+    """Sinusoidal positional encoding added to ``X`` (batch, steps, num_hiddens)."""
+
+    def __init__(self, num_hiddens, dropout, max_len=1000, **options):
+        self._start(**options)
+        self.num_hiddens, self.max_len, self.dropout = num_hiddens, max_len, float(dropout)
+        self._add_buffer("P", self._backend.asarray(
+            sinusoid_table(max_len, num_hiddens), self._dtype, self._device))
+
+    def forward(self, X, *, key=None):
+        B = self._backend
+        check_array(B, "X", X, 3, "(batch, steps, num_hiddens)")
+        if X.shape[2] != self.num_hiddens:
+            raise ValueError(f"X has feature size {X.shape[2]} (shape "
+                             f"{tuple(X.shape)}) but num_hiddens={self.num_hiddens}")
+        if X.shape[1] > self.max_len:
+            raise ValueError(f"X has {X.shape[1]} steps (shape {tuple(X.shape)}), "
+                             f"more than max_len={self.max_len}")
+        P = self.P[:, :X.shape[1], :]
+        if B.dtype_name(X) != B.dtype_name(P):
+            raise TypeError(f"X is {B.dtype_name(X)} but the encoding is "
+                            f"{B.dtype_name(P)}; build it with dtype= or cast X")
+        return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
+
+
+def sinusoid_table(max_len, num_hiddens):
+    """(1, max_len, num_hiddens) float64: sin on even, cos on odd features."""
+    position = np.arange(max_len, dtype=np.float64).reshape(-1, 1)
+    angles = position / np.power(10000, np.arange(0, num_hiddens, 2) / num_hiddens)
+    P = np.zeros((1, max_len, num_hiddens))
+    P[0, :, 0::2] = np.sin(angles)
+    P[0, :, 1::2] = np.cos(angles[:, :num_hiddens // 2])  # odd sizes: one fewer cos
+    return P
+
+
+class NWKernelRegression(Module):
+    """Trainable Nadaraya-Watson regression: one parameter ``w`` of shape (1,)."""
+
+    def __init__(self, **options):
+        self._start(**options)
+        self._new_param("w", (1,), 0.0, 1.0)   # as torch.rand((1,)) in d2l
+
+    def forward(self, queries, keys, values):
+        B = self._backend
+        check_array(B, "queries", queries, 1, "(n,)")
+        for name, x in (("keys", keys), ("values", values)):
+            check_array(B, name, x, 2, "(n, m)")
+        if keys.shape != values.shape or keys.shape[0] != queries.shape[0]:
+            raise ValueError(f"keys and values must both be (n, m) with n = "
+                             f"len(queries); got queries {tuple(queries.shape)}, "
+                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        n, m = keys.shape
+        d = (queries.reshape((-1, 1)) - keys) * self._param("w")
+        weights = _softmax(B, -(d * d) / 2, None)
+        self._keep_attention(weights)
+        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((-1,))
+
+
+def train_kernel_regression(net, x_train, y_train, epochs=5, lr=0.5):
+    """Seed 003's loop: SGD on the summed squared error, leave-one-out keys.
+
+    Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of
+    each epoch, measured before that epoch's update.
+    """
+    B = net.backend
+    x, y = B.to_numpy(x_train), B.to_numpy(y_train)
+    n = x.shape[0]
+    others = ~np.eye(n, dtype=bool)
+    device = B.device_of(x_train)
+    keys = B.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
+    values = B.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
+
+    def loss_fn(model):
+        err = model(x_train, keys, values) - y_train
+        return B.sum(err * err, axis=0)
+
+    losses = []
+    for _ in range(epochs):
+        loss, grads = B.value_and_grad(net, loss_fn)
+        params = net.named_arrays()
+        for name, grad in grads.items():
+            net._assign_param(name, params[name] - lr * grad)
+        losses.append(loss)
+    return losses
+

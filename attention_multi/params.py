@@ -1,0 +1,45 @@
+"""Parameters as ``{d2l name: NumPy array}``, in PyTorch's (out, in) layout."""
+import numpy as np
+
+import backends
+
+
+def get_params(module):
+    """``{name: numpy array}`` of a module of any backend (``W_q.weight``...)."""
+    B = module.backend
+    return {name: B.to_numpy(value) for name, value in module.named_arrays().items()}
+
+
+def set_params(module, params):
+    """Load ``{name: array}`` into ``module``; strict about names and shapes.
+
+    Values are cast to the dtype of the module's parameters. Raises
+    ValueError listing missing or unknown names, or the mismatched shapes.
+    """
+    B = module.backend
+    current = module.named_arrays()
+    missing = sorted(set(current) - set(params))
+    unknown = sorted(set(params) - set(current))
+    if missing or unknown:
+        raise ValueError(f"parameter names do not match {type(module).__name__}: "
+                         f"missing {missing}, unknown {unknown}; the module expects "
+                         f"{sorted(current)}")
+    arrays = {}
+    for name, value in params.items():
+        value = _to_numpy(value)
+        want = tuple(current[name].shape)
+        if value.shape != want:
+            raise ValueError(f"parameter {name!r} has shape {value.shape}, the module "
+                             f"expects {want}")
+        arrays[name] = B.asarray(value, B.dtype_name(current[name]),
+                                 B.device_of(current[name]))
+    for name, value in arrays.items():
+        module._assign_param(name, value)
+    return module
+
+
+
+def _to_numpy(value):
+    if isinstance(value, (np.ndarray, np.generic, list, tuple, int, float)):
+        return np.asarray(value)
+    return backends.get_backend(value).to_numpy(value)

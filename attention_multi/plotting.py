@@ -1,0 +1,39 @@
+"""Heatmaps of attention weights (needs the ``plot`` extra: matplotlib)."""
+import numpy as np
+
+import backends
+
+
+def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5),
+                  cmap="Reds"):
+    """d2l's heatmap grid for ``matrices`` (rows, cols, height, width).
+
+    Accepts any backend's array (or a NumPy array) and returns the matplotlib
+    Figure.
+    """
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ImportError("show_heatmaps needs matplotlib: "
+                          "pip install 'attention-multi[plot]'") from exc
+    if not isinstance(matrices, np.ndarray):
+        matrices = backends.get_backend(matrices).to_numpy(matrices)
+    if matrices.ndim != 4:
+        raise ValueError(f"matrices must be 4-D (rows, cols, height, width), got "
+                         f"shape {matrices.shape}")
+    num_rows, num_cols = matrices.shape[:2]
+    if titles is not None and len(titles) < num_cols:
+        raise ValueError(f"titles has {len(titles)} entries for {num_cols} columns")
+    fig, axes = plt.subplots(num_rows, num_cols, figsize=figsize, sharex=True,
+                             sharey=True, squeeze=False)
+    for i, (row_axes, row_matrices) in enumerate(zip(axes, matrices)):
+        for j, (ax, matrix) in enumerate(zip(row_axes, row_matrices)):
+            pcm = ax.imshow(matrix, cmap=cmap)
+            if i == num_rows - 1:
+                ax.set_xlabel(xlabel)
+            if j == 0:
+                ax.set_ylabel(ylabel)
+            if titles:
+                ax.set_title(titles[j])
+    fig.colorbar(pcm, ax=axes, shrink=0.6)
+    return fig

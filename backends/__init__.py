@@ -1,0 +1,82 @@
+"""Backends: one small class per framework, behind one protocol (``base.Backend``).
+
+``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
+the backend of an array, looking only at frameworks that are already imported.
+"""
+import importlib
+import importlib.util
+import sys
+
+from .base import Backend
+
+BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")
+ALIASES = {"pytorch": "torch", "np": "numpy", "mx": "mxnet"}
+
+# backend name -> (module of this package, class, framework module, pip extra)
+_SPECS = {
+    "numpy": ("numpy_backend", "NumpyBackend", "numpy", None),
+    "torch": ("torch_backend", "TorchBackend", "torch", "torch"),
+    "jax": ("jax_backend", "JaxBackend", "jax", "jax"),
+    "mxnet": ("mxnet_backend", "MXNetBackend", "mxnet", "mxnet"),
+}
+_loaded = {}
+
+__all__ = ["Backend", "BACKEND_NAMES", "available_backends", "canonical_name",
+           "get_backend"]
+
+
+def canonical_name(name):
+    """``"pytorch"`` -> ``"torch"``; ValueError naming the valid choices."""
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a name or a Backend, got {type(name).__name__}")
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in _SPECS:
+        raise ValueError(f"unknown backend {name!r}; valid choices: "
+                         f"{', '.join(BACKEND_NAMES)} (alias: pytorch)")
+    return key
+
+
+def available_backends():
+    """Names of the backends whose framework is installed (nothing is imported)."""
+    return [n for n in BACKEND_NAMES
+            if importlib.util.find_spec(_SPECS[n][2]) is not None]
+
+
+def get_backend(name_or_array):
+    """The backend for a name (``"torch"``), a Backend, or an array."""
+    if isinstance(name_or_array, Backend):
+        return name_or_array
+    if isinstance(name_or_array, str):
+        return _load(canonical_name(name_or_array))
+    return _detect(name_or_array)
+
+
+def _load(name):
+    backend = _loaded.get(name)
+    if backend is None:
+        module_name, class_name, framework, extra = _SPECS[name]
+        try:
+            module = importlib.import_module(f"{__name__}.{module_name}")
+        except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
+            installed = importlib.util.find_spec(framework) is not None
+            why = "failed to import" if installed else "is not installed"
+            raise ImportError(
+                f"the {name!r} backend needs {framework}, which {why} ({exc}); "
+                f"install it with: pip install 'attention-multi[{extra}]'") from exc
+        backend = _loaded[name] = getattr(module, class_name)()
+    return backend
+
+
+def _detect(x):
+    for name in ("torch", "jax", "mxnet"):
+        if _SPECS[name][2] in sys.modules:   # never import a framework to look
+            backend = _load(name)
+            if backend.is_array(x):
+                return backend
+    numpy_backend = _load("numpy")
+    if numpy_backend.is_array(x):
+        return numpy_backend
+    raise TypeError(f"cannot tell which backend an object of type "
+                    f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
+                    f"a numpy, torch, jax or mxnet array")

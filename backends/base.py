@@ -1,0 +1,223 @@
+"""The backend protocol: the few array operations the mechanisms need.
+
+Each framework implements it in one small subclass. Mechanism code calls these
+methods (and plain operators ``+ - * / <`` and ``.reshape``, ``.shape``),
+never the framework directly.
+"""
+import numpy as np
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+class Backend:
+    name = ""                    # canonical name, e.g. "torch"
+    module_base = None           # base class that makes a module native
+    float_dtypes = FLOAT_DTYPES  # float dtypes this framework supports
+
+    def __init__(self):
+        self._native_classes = {}
+
+    def __repr__(self):
+        return f"<attention_multi backend {self.name!r}>"
+
+    # -- arrays --------------------------------------------------------
+    def is_array(self, x):
+        """True if ``x`` is an array (or tracer) of this framework."""
+        raise NotImplementedError
+
+    def asarray(self, x, dtype=None, device=None):
+        """Array of this framework from array-like ``x``; dtype is a name."""
+        raise NotImplementedError
+
+    def to_numpy(self, x):
+        """NumPy copy of ``x`` (bfloat16 becomes float32)."""
+        raise NotImplementedError
+
+    def is_concrete(self, x):
+        """False while ``x`` is traced (values unknown), e.g. under jax.jit."""
+        return True
+
+    def arange(self, n, device=None):
+        """int32 ``[0, n)``."""
+        raise NotImplementedError
+
+    def dtype_name(self, x):
+        raise NotImplementedError
+
+    def astype(self, x, dtype):
+        raise NotImplementedError
+
+    # -- math ------------------------------------------------------------
+    def matmul(self, a, b, transpose_b=False):
+        """Batched matrix product over the last two axes."""
+        raise NotImplementedError
+
+    def linear(self, x, weight, bias=None):
+        """``x @ weight.T + bias`` with ``weight`` laid out (out, in)."""
+        raise NotImplementedError
+
+    def softmax(self, x, axis=-1):
+        raise NotImplementedError
+
+    def where(self, condition, x, y):
+        raise NotImplementedError
+
+    def exp(self, x):
+        raise NotImplementedError
+
+    def tanh(self, x):
+        raise NotImplementedError
+
+    def max(self, x, axis, keepdims=False):
+        raise NotImplementedError
+
+    def sum(self, x, axis, keepdims=False):
+        raise NotImplementedError
+
+    def repeat(self, x, repeats, axis):
+        """Repeat each element ``repeats`` times along ``axis``."""
+        raise NotImplementedError
+
+    def transpose(self, x, axes):
+        raise NotImplementedError
+
+    # -- devices ------------------------------------------------------------
+    def device(self, kind, index=0):
+        """Native device for ``("cpu"|"cuda", index)``; ValueError if absent."""
+        if kind == "cpu":
+            return self._cpu_device()
+        raise ValueError(f"device {kind}:{index} is not available to the "
+                         f"{self.name} backend")
+
+    def _cpu_device(self):
+        raise NotImplementedError
+
+    def device_of(self, x):
+        raise NotImplementedError
+
+    def to_device(self, x, device):
+        raise NotImplementedError
+
+    # -- randomness and training --------------------------------------------
+    def uniform(self, shape, low, high, dtype="float32", device=None):
+        """Samples from U(low, high), drawn from the framework's own RNG."""
+        raise NotImplementedError
+
+    def dropout(self, x, p, key=None):
+        """Zero each element with probability p, scale survivors by 1/(1-p)."""
+        if key is not None:
+            raise ValueError(
+                f"key= is only used by the jax backend; the {self.name} backend "
+                f"draws dropout masks from its own random generator")
+        return self._dropout(x, p)
+
+    def _dropout(self, x, p):
+        raise NotImplementedError
+
+    def value_and_grad(self, module, loss_fn):
+        """``(float loss, {param name: gradient})`` of ``loss_fn(module)``."""
+        raise NotImplementedError(
+            f"the {self.name} backend has no automatic differentiation; "
+            f"train with the torch, jax or mxnet backend")
+
+    # -- modules ---------------------------------------------------------------
+    def native_class(self, public_class):
+        """The subclass of ``public_class`` that is native to this framework."""
+        cls = self._native_classes.get(public_class)
+        if cls is None:
+            cls = type(public_class.__name__, (public_class, self.module_base), {
+                "_backend": self,
+                "__module__": public_class.__module__,
+                "__qualname__": public_class.__qualname__,
+            })
+            self._register_class(cls)
+            self._native_classes[public_class] = cls
+        return cls
+
+    def _register_class(self, cls):
+        """Hook for frameworks that must know about new module classes."""
+
+
+def np_dtype(name):
+    """NumPy dtype for a dtype name (bfloat16 needs ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def softmax_numpy(x, axis=-1):
+    """Stable softmax in NumPy, in place on a fresh array."""
+    out = x - x.max(axis=axis, keepdims=True)
+    np.exp(out, out=out)
+    out /= out.sum(axis=axis, keepdims=True)
+    return out
+
+
+class PlainModule:
+    """Module base for frameworks without a module system (NumPy, JAX).
+
+    Parameters, buffers and child modules are plain attributes whose names
+    are tracked so that they can be listed, loaded and (for JAX) flattened.
+    """
+
+    def _native_init(self):
+        object.__setattr__(self, "_param_names", [])
+        object.__setattr__(self, "_buffer_names", [])
+        object.__setattr__(self, "_child_names", [])
+        self.training = True
+
+    def __setattr__(self, name, value):
+        from attention_multi.module import Module
+        if isinstance(value, Module) and name not in self._child_names:
+            self._child_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _add_param(self, name, value):
+        self._param_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def _add_buffer(self, name, value):
+        self._buffer_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def _param(self, name):
+        return getattr(self, name)
+
+    def named_arrays(self, prefix=""):
+        """``{dotted name: parameter}`` over this module and its children."""
+        out = {prefix + n: getattr(self, n) for n in self._param_names}
+        for c in self._child_names:
+            out.update(getattr(self, c).named_arrays(f"{prefix}{c}."))
+        return out
+
+    def _assign_param(self, dotted_name, value):
+        *path, name = dotted_name.split(".")
+        owner = self
+        for part in path:
+            owner = getattr(owner, part)
+        object.__setattr__(owner, name, value)
+
+    def train(self, mode=True):
+        self.training = mode
+        for c in self._child_names:
+            getattr(self, c).train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def to_device(self, device):
+        """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
+        from attention_multi.config import native_device
+        dev = native_device(self._backend, device)
+        for n in self._param_names + self._buffer_names:
+            object.__setattr__(self, n, self._backend.to_device(getattr(self, n), dev))
+        for c in self._child_names:
+            getattr(self, c).to_device(device)
+        return self
+

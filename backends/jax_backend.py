@@ -1,0 +1,153 @@
+"""JAX backend: modules are pytrees whose leaves are exactly their parameters."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .base import Backend, PlainModule, np_dtype
+
+
+class _ByIdentity:
+    """Wraps an unhashable static value (a constant table) for pytree aux data."""
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _ByIdentity) and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+
+class JaxModule(PlainModule):
+    """Native base: a pytree. Transient state (attention weights) is dropped."""
+
+    def _tree_flatten(self):
+        params = tuple(getattr(self, n) for n in self._param_names)
+        children = tuple(getattr(self, n) for n in self._child_names)
+        skip = set(self._param_names) | set(self._child_names)
+        static = []
+        for k, v in sorted(vars(self).items()):
+            if k in skip or k.startswith("_attention"):
+                continue
+            try:
+                hash(v)
+            except TypeError:
+                v = _ByIdentity(v)
+            static.append((k, v))
+        return params + children, (len(params), tuple(static))
+
+    @classmethod
+    def _tree_unflatten(cls, aux, leaves):
+        n_params, static = aux
+        self = object.__new__(cls)
+        for k, v in static:
+            object.__setattr__(self, k, v.value if isinstance(v, _ByIdentity) else v)
+        for name, value in zip(self._param_names + self._child_names, leaves):
+            object.__setattr__(self, name, value)
+        return self
+
+
+class JaxBackend(Backend):
+    name = "jax"
+    module_base = JaxModule
+
+    def _register_class(self, cls):
+        jax.tree_util.register_pytree_node(cls, cls._tree_flatten, cls._tree_unflatten)
+
+    def is_array(self, x):
+        return isinstance(x, jax.Array)
+
+    def is_concrete(self, x):
+        return not isinstance(x, jax.core.Tracer)
+
+    def asarray(self, x, dtype=None, device=None):
+        if dtype == "float64" and not jax.config.jax_enable_x64:
+            raise TypeError("float64 on the jax backend needs "
+                            "jax.config.update('jax_enable_x64', True) first")
+        x = jnp.asarray(x, dtype=None if dtype is None else np_dtype(dtype))
+        return x if device is None else jax.device_put(x, device)
+
+    def to_numpy(self, x):
+        return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+
+    def arange(self, n, device=None):
+        return jnp.arange(n, dtype=jnp.int32)
+
+    def dtype_name(self, x):
+        return jnp.dtype(x.dtype).name
+
+    def astype(self, x, dtype):
+        return x.astype(np_dtype(dtype))
+
+    def matmul(self, a, b, transpose_b=False):
+        return jnp.matmul(a, jnp.swapaxes(b, -1, -2) if transpose_b else b)
+
+    def linear(self, x, weight, bias=None):
+        out = x @ weight.T
+        return out if bias is None else out + bias
+
+    def softmax(self, x, axis=-1):
+        return jax.nn.softmax(x, axis=axis)
+
+    def where(self, condition, x, y):
+        return jnp.where(condition, x, y)
+
+    def exp(self, x):
+        return jnp.exp(x)
+
+    def tanh(self, x):
+        return jnp.tanh(x)
+
+    def max(self, x, axis, keepdims=False):
+        return jnp.max(x, axis=axis, keepdims=keepdims)
+
+    def sum(self, x, axis, keepdims=False):
+        return jnp.sum(x, axis=axis, keepdims=keepdims)
+
+    def repeat(self, x, repeats, axis):
+        return jnp.repeat(x, repeats, axis=axis)
+
+    def transpose(self, x, axes):
+        return jnp.transpose(x, axes)
+
+    def device(self, kind, index=0):
+        if kind == "cuda":
+            try:
+                gpus = jax.devices("gpu")
+            except RuntimeError:
+                gpus = []
+            if index >= len(gpus):
+                raise ValueError(f"device cuda:{index} is not available to the jax "
+                                 f"backend ({len(gpus)} GPU devices found)")
+            return gpus[index]
+        return super().device(kind, index)
+
+    def _cpu_device(self):
+        return jax.devices("cpu")[0]
+
+    def device_of(self, x):
+        return next(iter(x.devices())) if self.is_concrete(x) else None
+
+    def to_device(self, x, device):
+        return x if device is None else jax.device_put(x, device)
+
+    def uniform(self, shape, low, high, dtype="float32", device=None):
+        # The key comes from NumPy's global generator, so np.random.seed applies.
+        key = jax.random.PRNGKey(np.random.randint(0, 2**31 - 1))
+        x = jax.random.uniform(key, shape, np_dtype(dtype), low, high)
+        return self.to_device(x, device)
+
+    def dropout(self, x, p, key=None):
+        if key is None:
+            raise ValueError(
+                "dropout in training mode on the jax backend needs an explicit "
+                "PRNG key: call module(..., key=jax.random.PRNGKey(0)), or "
+                "module.eval() to turn dropout off")
+        keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
+        return jnp.where(keep, x / (1.0 - p), jnp.zeros((), x.dtype))
+
+    def value_and_grad(self, module, loss_fn):
+        loss, grads = jax.value_and_grad(loss_fn)(module)
+        return float(loss), grads.named_arrays()

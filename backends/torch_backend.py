@@ -1,0 +1,121 @@
+"""PyTorch backend: modules are real ``torch.nn.Module`` objects."""
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .base import Backend
+
+
+class TorchModule(torch.nn.Module):
+    """Native base: parameters are registered ``nn.Parameter`` objects."""
+
+    def _native_init(self):
+        torch.nn.Module.__init__(self)
+
+    def _add_param(self, name, value):
+        self.register_parameter(name, torch.nn.Parameter(value))
+
+    def _add_buffer(self, name, value):
+        self.register_buffer(name, value, persistent=False)
+
+    def _param(self, name):
+        return getattr(self, name)
+
+    def named_arrays(self):
+        return dict(self.named_parameters())
+
+    def _assign_param(self, dotted_name, value):
+        with torch.no_grad():
+            self.get_parameter(dotted_name).copy_(value)
+
+    def to_device(self, device):
+        from attention_multi.config import native_device
+        return self.to(native_device(self._backend, device))
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    module_base = TorchModule
+
+    def is_array(self, x):
+        return isinstance(x, torch.Tensor)
+
+    def asarray(self, x, dtype=None, device=None):
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(np.asarray(x))
+        return x.to(device=device, dtype=None if dtype is None else getattr(torch, dtype))
+
+    def to_numpy(self, x):
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+    def arange(self, n, device=None):
+        return torch.arange(n, dtype=torch.int32, device=device)
+
+    def dtype_name(self, x):
+        return str(x.dtype)[len("torch."):]
+
+    def astype(self, x, dtype):
+        return x.to(getattr(torch, dtype))
+
+    def matmul(self, a, b, transpose_b=False):
+        return torch.matmul(a, b.transpose(-1, -2) if transpose_b else b)
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+    def softmax(self, x, axis=-1):
+        return torch.softmax(x, dim=axis)
+
+    def where(self, condition, x, y):
+        return torch.where(condition, x, y)
+
+    def exp(self, x):
+        return torch.exp(x)
+
+    def tanh(self, x):
+        return torch.tanh(x)
+
+    def max(self, x, axis, keepdims=False):
+        return x.amax(dim=axis, keepdim=keepdims)
+
+    def sum(self, x, axis, keepdims=False):
+        return x.sum(dim=axis, keepdim=keepdims)
+
+    def repeat(self, x, repeats, axis):
+        return torch.repeat_interleave(x, repeats, dim=axis)
+
+    def transpose(self, x, axes):
+        return x.permute(*axes)
+
+    def device(self, kind, index=0):
+        if kind == "cuda":
+            count = torch.cuda.device_count()
+            if index >= count:
+                raise ValueError(f"device cuda:{index} is not available to the torch "
+                                 f"backend ({count} CUDA devices found)")
+            return torch.device("cuda", index)
+        return super().device(kind, index)
+
+    def _cpu_device(self):
+        return torch.device("cpu")
+
+    def device_of(self, x):
+        return x.device
+
+    def to_device(self, x, device):
+        return x.to(device)
+
+    def uniform(self, shape, low, high, dtype="float32", device=None):
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=device).uniform_(low, high)
+
+    def _dropout(self, x, p):
+        return F.dropout(x, p, training=True)
+
+    def value_and_grad(self, module, loss_fn):
+        params = module.named_arrays()
+        for p in params.values():
+            p.grad = None
+        loss = loss_fn(module)
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in params.items()}
