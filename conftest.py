@@ -1,0 +1,64 @@
+"""Test fixtures: ``backend`` and ``device``, parametrized over what is installed.
+
+Backends that are not installed skip with a reason, unless they are named in
+ATTENTION_MULTI_REQUIRE (e.g. ``numpy,torch,jax,mxnet``): then they fail.
+The ``cuda`` device skips with a reason where no GPU is present.
+"""
+import os
+
+import pytest
+
+import backends
+
+REQUIRED = {n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",")
+            if n.strip()}
+DEVICES = ("cpu", "cuda")
+
+
+def load_backend(name):
+    """The backend, or skip (fail if required) when it cannot be imported."""
+    try:
+        B = backends.get_backend(name)
+    except ImportError as exc:
+        if name in REQUIRED:
+            pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
+        pytest.skip(f"backend {name!r} is not installed: {exc}")
+    if name == "jax":  # float64 rows need x64; explicit dtypes keep float32 as is
+        import jax
+        jax.config.update("jax_enable_x64", True)
+    return B
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_name" in metafunc.fixturenames:
+        metafunc.parametrize("backend_name", backends.BACKEND_NAMES)
+    if "device_name" in metafunc.fixturenames:
+        metafunc.parametrize("device_name", DEVICES)
+
+
+@pytest.fixture
+def backend(backend_name):
+    return load_backend(backend_name)
+
+
+@pytest.fixture
+def device(backend, device_name):
+    """A device name usable with ``backend``; skips if absent."""
+    from attention_multi.config import native_device
+    if device_name != "cpu":
+        if backend.name == "numpy":
+            pytest.skip("the numpy backend is CPU only")
+        try:
+            native_device(backend, device_name)
+        except ValueError as exc:
+            pytest.skip(f"no {device_name} device here: {exc}")
+    return device_name
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selection(monkeypatch):
+    """Each test starts with no set_backend choice and no env-var overrides."""
+    from attention_multi import config
+    monkeypatch.setitem(config._state, "backend", None)
+    monkeypatch.delenv(config.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(config.DEVICE_ENV, raising=False)
