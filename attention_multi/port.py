@@ -111,7 +111,7 @@ def load_mxnet_params(path):
     (magic, _reserved) = r.unpack("<QQ", "the file header")
     if magic != _LIST_MAGIC:
         r.fail(f"not an MXNet NDArray file: list magic is 0x{magic:X}, expected 0x112", 0)
-    # The smallest record (V1 with ndim 0) is 8 bytes; a name is at least 8 bytes.
+    # No array record and no name is shorter than 8 bytes.
     arrays = [r.array(i) for i in range(r.count("the array count", 8))]
     at = r.pos
     n_names = r.count("the name count", 8)
@@ -146,12 +146,13 @@ def save_mxnet_params(params, path, *, np_mode=True):
     out = [struct.pack("<QQQ", _LIST_MAGIC, 0, len(params))]
     for name, value in params.items():
         a = np.asarray(value)
-        if a.dtype not in _FLAGS:
+        flag = _FLAGS.get(a.dtype.newbyteorder("="))  # any byte order is fine
+        if flag is None:
             raise ValueError(f"{name}: unsupported dtype {a.dtype} for an MXNet file")
         if not np_mode and a.ndim == 0:
             raise ValueError(f"{name}: 0-d arrays need np_mode=True (V2 reads ndim 0 as 'no data')")
         out.append(struct.pack(f"<Iii{a.ndim}qiii", _V3 if np_mode else _V2, 0, a.ndim,
-                               *a.shape, _CPU, 0, _FLAGS[a.dtype]))
+                               *a.shape, _CPU, 0, flag))
         out.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
     out.append(struct.pack("<Q", len(params)))
     for name in params:
