@@ -1,0 +1,162 @@
+"""Read and write MXNet Gluon ``.params`` files with NumPy only (no mxnet).
+
+File layout (all integers little-endian), as written by MXNet 1.x
+``NDArray::Save`` (``block.save_parameters``, ``mx.nd.save``, ``npx.save``)::
+
+    uint64 0x112 (list magic), uint64 0 (reserved)
+    uint64 n_arrays, then n_arrays records:
+        uint32 magic     0xF993FACA (V3, np shape mode), 0xF993FAC9 (V2),
+                         0xF993FAC8 (V1, no storage-type field)
+        int32  stype     V2/V3 only; 0 = dense (others are sparse: rejected)
+        int32  ndim, then ndim x int64 dims
+        int32  dev_type, int32 dev_id   (context; ignored when reading)
+        int32  dtype flag (see _DTYPES)
+        raw C-order data, itemsize * prod(dims) bytes
+    uint64 n_names (0 or n_arrays), then n_names x (uint64 length, utf-8 bytes)
+
+An array with unknown shape (V3: ndim -1 or a dim -1; V1/V2: ndim 0) has no
+context/dtype/data in the file; such uninitialised arrays are rejected.
+Pre-V1 files (uint32 dims, no magic) are not supported.
+"""
+
+import os
+import struct
+
+import numpy as np
+
+__all__ = ["load_mxnet_params", "save_mxnet_params"]
+
+_LIST_MAGIC = 0x112
+_V1, _V2, _V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
+_CPU = 1  # mxnet Context::kCPU
+
+# mshadow type flags (verified by saving each dtype with mxnet 1.9.1).
+# 12 is bfloat16, which NumPy lacks, so it is rejected like any unknown flag.
+_DTYPES = {0: "float32", 1: "float64", 2: "float16", 3: "uint8",
+           4: "int32", 5: "int8", 6: "int64", 7: "bool"}
+_FLAGS = {np.dtype(name): flag for flag, name in _DTYPES.items()}
+
+
+class _Reader:
+    """Bounds-checked cursor over the file bytes; errors carry path and offset."""
+
+    def __init__(self, path, data):
+        self.path, self.data, self.pos = os.fspath(path), memoryview(data), 0
+
+    def fail(self, msg, at=None):
+        at = self.pos if at is None else at
+        raise ValueError(f"{self.path}: {msg} (at byte {at})")
+
+    def take(self, n, what):
+        left = len(self.data) - self.pos
+        if n > left:
+            raise ValueError(f"{self.path}: truncated at byte {self.pos} while reading "
+                             f"{what} (needed {n} bytes, {left} left)")
+        start, self.pos = self.pos, self.pos + n
+        return self.data[start:self.pos]
+
+    def unpack(self, fmt, what):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
+
+    def count(self, what, min_item_size):
+        """Read a uint64 count; refuse counts the remaining bytes cannot hold."""
+        at = self.pos
+        (n,) = self.unpack("<Q", what)
+        left = len(self.data) - self.pos
+        if n * min_item_size > left:
+            self.fail(f"{what} is {n}, but only {left} bytes are left", at)
+        return n
+
+    def array(self, i):
+        at = self.pos
+        (magic,) = self.unpack("<I", f"the magic number of array {i}")
+        if magic not in (_V1, _V2, _V3):
+            self.fail(f"array {i} has unknown magic number 0x{magic:08X}", at)
+        if magic != _V1:
+            at = self.pos
+            (stype,) = self.unpack("<i", f"the storage type of array {i}")
+            if stype != 0:
+                self.fail(f"array {i} has unsupported storage type {stype} "
+                          "(only 0 = dense is supported)", at)
+        at = self.pos
+        (ndim,) = self.unpack("<i", f"the shape of array {i}")
+        if ndim < 0 and not (magic == _V3 and ndim == -1):
+            self.fail(f"array {i} has invalid ndim {ndim}", at)
+        shape = self.unpack(f"<{max(ndim, 0)}q", f"the shape of array {i}")
+        if (magic == _V3 and (ndim == -1 or -1 in shape)) or (magic != _V3 and ndim == 0):
+            self.fail(f"array {i} has unknown shape (uninitialised array)", at)
+        if any(d < 0 for d in shape):
+            self.fail(f"array {i} has invalid shape {shape}", at)
+        self.unpack("<ii", f"the context of array {i}")
+        at = self.pos
+        (flag,) = self.unpack("<i", f"the dtype flag of array {i}")
+        if flag not in _DTYPES:
+            self.fail(f"array {i} has unsupported dtype flag {flag}", at)
+        dtype = np.dtype(_DTYPES[flag])
+        size = int(np.prod(shape, dtype=object))  # exact Python int, no overflow
+        raw = self.take(size * dtype.itemsize, f"the data of array {i}")
+        return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+
+
+def load_mxnet_params(path):
+    """Read an MXNet ``.params`` file into ``{name: numpy.ndarray}``.
+
+    A leading ``arg:`` or ``aux:`` prefix (written by ``mx.model.save_checkpoint``)
+    is stripped from names, as Gluon's ``ParameterDict.load`` does. Files saved
+    from a list (no names) get the keys ``"0"``, ``"1"``, ... Raises ValueError
+    (naming the file and byte offset) for malformed or unsupported content.
+    """
+    with open(path, "rb") as f:
+        r = _Reader(path, f.read())
+    (magic, _reserved) = r.unpack("<QQ", "the file header")
+    if magic != _LIST_MAGIC:
+        r.fail(f"not an MXNet NDArray file: list magic is 0x{magic:X}, expected 0x112", 0)
+    # No array record and no name is shorter than 8 bytes.
+    arrays = [r.array(i) for i in range(r.count("the array count", 8))]
+    at = r.pos
+    n_names = r.count("the name count", 8)
+    if n_names not in (0, len(arrays)):
+        r.fail(f"{n_names} names for {len(arrays)} arrays", at)
+    names = []
+    for i in range(n_names):
+        (length,) = r.unpack("<Q", f"the length of name {i}")
+        raw = r.take(length, f"name {i}")
+        try:
+            name = str(raw, "utf-8")
+        except UnicodeDecodeError:
+            r.fail(f"name {i} is not valid UTF-8", r.pos - length)
+        if name.startswith(("arg:", "aux:")):
+            name = name[4:]
+        if name in names:
+            r.fail(f"duplicate name {name!r}", r.pos - length)
+        names.append(name)
+    if r.pos != len(r.data):
+        r.fail(f"{len(r.data) - r.pos} unexpected trailing bytes")
+    return dict(zip(names or map(str, range(len(arrays))), arrays))
+
+
+def save_mxnet_params(params, path, *, np_mode=True):
+    """Write ``{name: array-like}`` as an MXNet ``.params`` file.
+
+    ``np_mode=True`` writes V3 records (what ``npx.save`` / np-mode Gluon write,
+    loadable by ``block.load_parameters`` under ``npx.set_np()``); ``np_mode=False``
+    writes V2 records (legacy ``mx.nd.save``), which cannot hold 0-d arrays.
+    Supported dtypes: float16/32/64, uint8, int8, int32, int64, bool.
+    """
+    out = [struct.pack("<QQQ", _LIST_MAGIC, 0, len(params))]
+    for name, value in params.items():
+        a = np.asarray(value)
+        flag = _FLAGS.get(a.dtype.newbyteorder("="))  # any byte order is fine
+        if flag is None:
+            raise ValueError(f"{name}: unsupported dtype {a.dtype} for an MXNet file")
+        if not np_mode and a.ndim == 0:
+            raise ValueError(f"{name}: 0-d arrays need np_mode=True (V2 reads ndim 0 as 'no data')")
+        out.append(struct.pack(f"<Iii{a.ndim}qiii", _V3 if np_mode else _V2, 0, a.ndim,
+                               *a.shape, _CPU, 0, flag))
+        out.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
+    out.append(struct.pack("<Q", len(params)))
+    for name in params:
+        raw = str(name).encode("utf-8")
+        out += [struct.pack("<Q", len(raw)), raw]
+    with open(path, "wb") as f:
+        f.write(b"".join(out))
