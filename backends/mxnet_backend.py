@@ -21,6 +21,11 @@ from .base import Backend  # noqa: E402
 npx.set_np()
 
 
+def _cpu_half(x):
+    """MXNet's CPU batch_dot and fully_connected have no float16 kernels."""
+    return x.dtype == np.float16 and x.ctx.device_type == "cpu"
+
+
 class GluonModule(gluon.Block):
     """Native base: a Gluon ``Block``; ``save_parameters`` gives d2l names."""
 
@@ -101,9 +106,15 @@ class MXNetBackend(Backend):
         return x.astype(dtype, copy=False)
 
     def matmul(self, a, b, transpose_b=False):
+        if _cpu_half(a):
+            return self.matmul(a.astype("float32"), b.astype("float32"),
+                               transpose_b).astype(a.dtype)
         return npx.batch_dot(a, b, transpose_b=transpose_b)
 
     def linear(self, x, weight, bias=None):
+        if _cpu_half(x):
+            weight, bias = weight.astype("float32"), bias if bias is None else bias.astype("float32")
+            return self.linear(x.astype("float32"), weight, bias).astype(x.dtype)
         return npx.fully_connected(x, weight, bias, num_hidden=weight.shape[0],
                                    no_bias=bias is None, flatten=False)
 

@@ -1,0 +1,185 @@
+"""Protocol conformance: every backend method, on CPU, across dtypes,
+checked against NumPy float64 computed here."""
+import numpy as np
+import pytest
+
+from backends.base import Backend
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
+rng = np.random.default_rng(0)
+
+
+@pytest.fixture(params=DTYPES)
+def dtype(request, backend):
+    if request.param not in backend.float_dtypes:
+        pytest.skip(f"{backend.name} has no {request.param}")
+    return request.param
+
+
+def put(backend, x, dtype=None):
+    return backend.asarray(np.asarray(x), dtype)
+
+
+def close(backend, got, want, dtype):
+    got = backend.to_numpy(got).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def rounded(x, dtype):
+    """``x`` as stored in ``dtype`` (so the expected values see the same inputs)."""
+    if dtype == "bfloat16":
+        bits = np.asarray(x, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+        return bits.view(np.float32).astype(np.float64)
+    return np.asarray(x).astype(dtype).astype(np.float64)
+
+
+def test_is_a_backend_with_its_name(backend):
+    assert isinstance(backend, Backend)
+    assert backend.name in ("numpy", "torch", "jax", "mxnet")
+
+
+def test_asarray_to_numpy_round_trip(backend, dtype):
+    x = rounded(rng.normal(size=(2, 3)), dtype)
+    a = put(backend, x, dtype)
+    assert backend.is_array(a) and not backend.is_array(x.tolist())
+    assert backend.dtype_name(a) == dtype
+    assert backend.is_concrete(a)
+    np.testing.assert_array_equal(backend.to_numpy(a).astype(np.float64), x)
+
+
+def test_astype_and_arange(backend, dtype):
+    a = backend.arange(5)
+    assert backend.dtype_name(a) == "int32"
+    np.testing.assert_array_equal(backend.to_numpy(a), np.arange(5))
+    assert backend.dtype_name(backend.astype(a, dtype)) == dtype
+
+
+def test_matmul_and_transpose_b(backend, dtype):
+    a, b = rounded(rng.normal(size=(3, 2, 4)), dtype), rounded(rng.normal(size=(3, 4, 5)), dtype)
+    close(backend, backend.matmul(put(backend, a, dtype), put(backend, b, dtype)), a @ b, dtype)
+    bt = np.swapaxes(b, 1, 2).copy()
+    got = backend.matmul(put(backend, a, dtype), put(backend, bt, dtype), transpose_b=True)
+    close(backend, got, a @ b, dtype)
+
+
+def test_linear(backend, dtype):
+    x = rounded(rng.normal(size=(2, 3, 4)), dtype)
+    w, b = rounded(rng.normal(size=(5, 4)), dtype), rounded(rng.normal(size=(5,)), dtype)
+    args = [put(backend, v, dtype) for v in (x, w, b)]
+    close(backend, backend.linear(*args), x @ w.T + b, dtype)
+    close(backend, backend.linear(args[0], args[1]), x @ w.T, dtype)
+
+
+def test_softmax(backend, dtype):
+    x = rounded(rng.normal(size=(2, 3, 4)), dtype)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    close(backend, backend.softmax(put(backend, x, dtype), -1), e / e.sum(-1, keepdims=True), dtype)
+
+
+def test_where_with_arrays_and_scalars(backend, dtype):
+    x, y = rounded(rng.normal(size=(2, 3)), dtype), rounded(rng.normal(size=(2, 3)), dtype)
+    cond = backend.arange(3).reshape((1, 3)) < put(backend, [[1], [2]], "int32")
+    want_cond = np.arange(3)[None, :] < np.array([[1], [2]])
+    close(backend, backend.where(cond, put(backend, x, dtype), put(backend, y, dtype)),
+          np.where(want_cond, x, y), dtype)
+    got = backend.where(cond, put(backend, x, dtype), 0.0)
+    assert backend.dtype_name(got) == dtype
+    close(backend, got, np.where(want_cond, x, 0.0), dtype)
+
+
+def test_elementwise_and_reductions(backend, dtype):
+    x = rounded(rng.normal(size=(2, 3)), dtype)
+    a = put(backend, x, dtype)
+    close(backend, backend.exp(a), np.exp(x), dtype)
+    close(backend, backend.tanh(a), np.tanh(x), dtype)
+    close(backend, backend.max(a, axis=1), x.max(1), dtype)
+    close(backend, backend.max(a, axis=1, keepdims=True), x.max(1, keepdims=True), dtype)
+    close(backend, backend.sum(a, axis=0), x.sum(0), dtype)
+    assert tuple(backend.sum(a, axis=0, keepdims=True).shape) == (1, 3)
+
+
+def test_repeat_and_transpose(backend, dtype):
+    x = rounded(rng.normal(size=(2, 3, 4)), dtype)
+    a = put(backend, x, dtype)
+    close(backend, backend.repeat(a, 2, axis=0), np.repeat(x, 2, axis=0), dtype)
+    close(backend, backend.transpose(a, (0, 2, 1)), x.transpose(0, 2, 1), dtype)
+
+
+def test_devices(backend, dtype):
+    cpu = backend.device("cpu")
+    a = put(backend, [1.0, 2.0], dtype)
+    moved = backend.to_device(a, cpu)
+    np.testing.assert_array_equal(backend.to_numpy(moved), [1.0, 2.0])
+    assert backend.device_of(moved) == backend.device_of(backend.asarray([0.0], device=cpu))
+    with pytest.raises(ValueError, match="cuda:7"):
+        backend.device("cuda", 7)
+
+
+def test_uniform_uses_the_requested_range_and_dtype(backend, dtype):
+    u = backend.uniform((4000,), -0.25, 0.5, dtype)
+    assert backend.dtype_name(u) == dtype
+    values = backend.to_numpy(u).astype(np.float64)
+    assert values.min() >= -0.25 and values.max() <= 0.5
+    assert abs(values.mean() - 0.125) < 0.02
+
+
+def _dropout(backend, x, p):
+    if backend.name == "jax":
+        import jax
+        return backend.dropout(x, p, key=jax.random.PRNGKey(0))
+    return backend.dropout(x, p)
+
+
+def test_dropout_zeroes_about_p_and_rescales(backend, dtype):
+    ones = put(backend, np.ones(20000), dtype)
+    out = backend.to_numpy(_dropout(backend, ones, 0.25)).astype(np.float64)
+    assert abs((out == 0).mean() - 0.25) < 0.02
+    np.testing.assert_allclose(out[out != 0], 1 / 0.75, rtol=TOL[dtype])
+
+
+def test_dropout_key_is_only_for_jax(backend):
+    x = put(backend, np.ones(4), "float32")
+    if backend.name == "jax":
+        with pytest.raises(ValueError, match="PRNG key"):
+            backend.dropout(x, 0.5)
+    else:
+        with pytest.raises(ValueError, match="only used by the jax backend"):
+            backend.dropout(x, 0.5, key=1)
+
+
+def test_value_and_grad_or_a_clear_error(backend):
+    import attention_multi as am
+    net = am.NWKernelRegression(backend=backend)
+    am.set_params(net, {"w": np.array([0.5])})
+    q = put(backend, np.array([0.0, 1.0]), "float32")
+    kv = put(backend, np.array([[0.0, 2.0], [1.0, 3.0]]), "float32")
+
+    def loss_fn(m):
+        return backend.sum(m(q, kv, kv), axis=0)
+
+    if backend.name == "numpy":
+        with pytest.raises(NotImplementedError, match="torch, jax or mxnet"):
+            backend.value_and_grad(net, loss_fn)
+        return
+    loss, grads = backend.value_and_grad(net, loss_fn)
+    # d/dw of sum_n softmax(-((q_n - k)w)^2/2) . v_n, by central differences
+    def f(w):
+        out = 0.0
+        for n, x in enumerate([0.0, 1.0]):
+            keys = np.array([[0.0, 2.0], [1.0, 3.0]])[n]
+            s = -((x - keys) * w) ** 2 / 2
+            e = np.exp(s - s.max())
+            out += (e / e.sum()) @ keys
+        return out
+    assert loss == pytest.approx(f(0.5), rel=1e-5)
+    assert set(grads) == {"w"}
+    numeric = (f(0.5 + 1e-6) - f(0.5 - 1e-6)) / 2e-6
+    assert backend.to_numpy(grads["w"])[0] == pytest.approx(numeric, rel=1e-3)
+
+
+def test_native_class_is_cached_and_native(backend):
+    import attention_multi as am
+    cls = backend.native_class(am.DotProductAttention)
+    assert cls is backend.native_class(am.DotProductAttention)
+    assert issubclass(cls, am.DotProductAttention) and issubclass(cls, backend.module_base)
