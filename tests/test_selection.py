@@ -150,7 +150,7 @@ def test_a_backend_imports_only_its_framework(backend):
     assert _imported_after(code) == ("" if backend.name == "numpy" else backend.name)
 
 
-@pytest.mark.parametrize("required, outcome", [("jax", "1 failed"), ("", "1 skipped")])
+@pytest.mark.parametrize("required, outcome", [("jax", "1 error"), ("", "1 skipped")])
 def test_require_turns_a_missing_backend_into_a_failure(tmp_path, required, outcome):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['jax'] = None\n")
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path),
