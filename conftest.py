@@ -30,10 +30,14 @@ def load_backend(name):
 
 
 def pytest_generate_tests(metafunc):
-    if "backend_name" in metafunc.fixturenames:
+    names = metafunc.fixturenames
+    if "backend_name" in names and "device_name" in names:  # numpy is CPU only
+        pairs = [(b, d) for b in backends.BACKEND_NAMES for d in DEVICES
+                 if b != "numpy" or d == "cpu"]
+        metafunc.parametrize("backend_name, device_name", pairs,
+                             ids=[f"{b}-{d}" for b, d in pairs])
+    elif "backend_name" in names:
         metafunc.parametrize("backend_name", backends.BACKEND_NAMES)
-    if "device_name" in metafunc.fixturenames:
-        metafunc.parametrize("device_name", DEVICES)
 
 
 @pytest.fixture
@@ -46,8 +50,6 @@ def device(backend, device_name):
     """A device name usable with ``backend``; skips if absent."""
     from attention_multi.config import native_device
     if device_name != "cpu":
-        if backend.name == "numpy":
-            pytest.skip("the numpy backend is CPU only")
         try:
             native_device(backend, device_name)
         except ValueError as exc:

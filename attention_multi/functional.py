@@ -126,5 +126,6 @@ def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
                          f"{tuple(x_train.shape)} and {tuple(y_train.shape)}")
     diff = x_query.reshape((-1, 1)) - x_train.reshape((1, -1))
     weights = _softmax(B, -(diff * diff) / 2, None)
-    y_hat = B.matmul(weights, y_train.reshape((-1, 1))).reshape((-1,))
+    m, n = weights.shape
+    y_hat = B.matmul(weights.reshape((1, m, n)), y_train.reshape((1, n, 1))).reshape((-1,))
     return (y_hat, weights) if return_weights else y_hat

@@ -351,8 +351,10 @@ def mxnet():
 def mode(mx, np_mode):
     """np-shape/np-array semantics on or off, restored afterwards."""
     stack = contextlib.ExitStack()
-    stack.enter_context(mx.util.np_shape(np_mode))
-    stack.enter_context(mx.util.np_array(np_mode))
+    # Array semantics need shape semantics: turn shape on first, array off first.
+    order = (mx.util.np_shape, mx.util.np_array) if np_mode else (mx.util.np_array, mx.util.np_shape)
+    for switch in order:
+        stack.enter_context(switch(np_mode))
     return stack
 
 
