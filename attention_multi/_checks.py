@@ -13,7 +13,7 @@ def backend_of(**arrays):
         if x is None:
             continue
         try:
-            found[name] = backends.get_backend(x)
+            found[name] = backends.backend_of_array(x)
         except TypeError:
             raise TypeError(f"{name} must be a numpy, torch, jax or mxnet array, "
                             f"got {type(x).__name__}") from None
@@ -37,7 +37,7 @@ def check_array(backend, name, x, ndim=None, what=""):
 
 def _backend_name(x):
     try:
-        return f"a {backends.get_backend(x).name} array"
+        return f"a {backends.backend_of_array(x).name} array"
     except TypeError:
         return f"an object of type {type(x).__name__}"
 

@@ -42,4 +42,4 @@ def set_params(module, params):
 def _to_numpy(value):
     if isinstance(value, (np.ndarray, np.generic, list, tuple, int, float)):
         return np.asarray(value)
-    return backends.get_backend(value).to_numpy(value)
+    return backends.backend_of_array(value).to_numpy(value)

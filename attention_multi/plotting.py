@@ -17,7 +17,7 @@ def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5),
         raise ImportError("show_heatmaps needs matplotlib: "
                           "pip install 'attention-multi[plot]'") from exc
     if not isinstance(matrices, np.ndarray):
-        matrices = backends.get_backend(matrices).to_numpy(matrices)
+        matrices = backends.backend_of_array(matrices).to_numpy(matrices)
     if matrices.ndim != 4:
         raise ValueError(f"matrices must be 4-D (rows, cols, height, width), got "
                          f"shape {matrices.shape}")

@@ -21,8 +21,8 @@ _SPECS = {
 }
 _loaded = {}
 
-__all__ = ["Backend", "BACKEND_NAMES", "available_backends", "canonical_name",
-           "get_backend"]
+__all__ = ["Backend", "BACKEND_NAMES", "available_backends", "backend_of_array",
+           "canonical_name", "get_backend"]
 
 
 def canonical_name(name):
@@ -49,7 +49,7 @@ def get_backend(name_or_array):
         return name_or_array
     if isinstance(name_or_array, str):
         return _load(canonical_name(name_or_array))
-    return _detect(name_or_array)
+    return backend_of_array(name_or_array)
 
 
 def _load(name):
@@ -68,7 +68,8 @@ def _load(name):
     return backend
 
 
-def _detect(x):
+def backend_of_array(x):
+    """The backend an array belongs to (TypeError if none)."""
     for name in ("torch", "jax", "mxnet"):
         if _SPECS[name][2] in sys.modules:   # never import a framework to look
             backend = _load(name)

@@ -1,0 +1,161 @@
+"""Bad input raises ValueError or TypeError naming the argument and showing
+the shapes or values, before any framework error."""
+import numpy as np
+import pytest
+
+import attention_multi as am
+
+
+def arr(backend, *shape, dtype="float32"):
+    return backend.asarray(np.random.default_rng(0).normal(size=shape), dtype)
+
+
+@pytest.fixture
+def dot(backend):
+    return am.DotProductAttention(0.0, backend=backend).eval()
+
+
+@pytest.fixture
+def mha(backend):
+    return am.MultiHeadAttention(4, 4, 3, 8, 2, 0.0, backend=backend).eval()
+
+
+def test_wrong_rank(backend, dot, mha):
+    q, kv = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4)
+    for module in (dot, mha):
+        with pytest.raises(ValueError, match=r"queries must be 3-D .*got shape \(3, 4\)"):
+            module(arr(backend, 3, 4), kv, arr(backend, 2, 5, 3))
+        with pytest.raises(ValueError, match=r"keys must be 3-D .*got shape \(2, 1, 5, 4\)"):
+            module(q, arr(backend, 2, 1, 5, 4), arr(backend, 2, 5, 3))
+    with pytest.raises(ValueError, match=r"X must be 3-D .*got shape \(3, 4\)"):
+        am.masked_softmax(arr(backend, 3, 4), None)
+
+
+def test_batch_sizes_differ(backend, dot):
+    with pytest.raises(ValueError, match=r"batch sizes differ: queries \(2, 3, 4\), "
+                                         r"keys \(3, 5, 4\), values \(2, 5, 4\)"):
+        dot(arr(backend, 2, 3, 4), arr(backend, 3, 5, 4), arr(backend, 2, 5, 4))
+
+
+def test_query_key_feature_mismatch(backend, dot):
+    with pytest.raises(ValueError, match=r"same feature size, got queries \(2, 3, 4\) "
+                                         r"and keys \(2, 5, 6\)"):
+        dot(arr(backend, 2, 3, 4), arr(backend, 2, 5, 6), arr(backend, 2, 5, 4))
+
+
+def test_module_feature_sizes(backend, mha):
+    with pytest.raises(ValueError, match=r"values has feature size 4 .*expects 3"):
+        mha(arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4))
+
+
+def test_keys_values_length_mismatch(backend, dot):
+    with pytest.raises(ValueError, match=r"same length .*keys \(2, 5, 4\) and values "
+                                         r"\(2, 6, 4\)"):
+        dot(arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 6, 4))
+
+
+@pytest.mark.parametrize("lens, error, pattern", [
+    ([1, 2, 3], ValueError, r"valid_lens must have shape \(2,\) .* or \(2, 3\) .*got \(3,\)"),
+    ([[1, 2], [3, 4]], ValueError, r"got \(2, 2\)"),
+    ([1, -1], ValueError, r"valid_lens must be >= 0, got \[1, -1\]"),
+    ([1.5, 2.0], ValueError, r"valid_lens must hold whole numbers, got \[1.5, 2.0\]"),
+    ([True, False], TypeError, r"valid_lens must have an integer or float dtype, got bool"),
+])
+def test_valid_lens_problems(backend, dot, lens, error, pattern):
+    q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4)
+    lens = np.array(lens)
+    for given in (lens, backend.asarray(lens)):
+        with pytest.raises(error, match=pattern):
+            dot(q, k, v, given)
+        with pytest.raises(error, match=pattern):
+            am.masked_softmax(arr(backend, 2, 3, 5), given)
+
+
+def test_integer_valued_float_lens_are_accepted(backend, dot):
+    q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4)
+    a = dot(q, k, v, backend.asarray(np.array([2.0, 3.0], np.float32)))
+    b = dot(q, k, v, backend.asarray(np.array([2, 3])))
+    np.testing.assert_array_equal(backend.to_numpy(a), backend.to_numpy(b))
+
+
+def test_heads_must_divide_num_hiddens(backend):
+    with pytest.raises(ValueError, match="num_hiddens=10 is not divisible by num_heads=4"):
+        am.MultiHeadAttention(4, 4, 4, 10, 4, 0.0, backend=backend)
+    with pytest.raises(ValueError, match="num_hiddens=6 is not divisible by num_heads=4"):
+        am.transpose_qkv(arr(backend, 2, 3, 6), 4)
+
+
+def test_positional_encoding_limits(backend):
+    pe = am.PositionalEncoding(8, 0.0, max_len=5, backend=backend).eval()
+    with pytest.raises(ValueError, match=r"X has 6 steps \(shape \(1, 6, 8\)\), more than "
+                                         r"max_len=5"):
+        pe(arr(backend, 1, 6, 8))
+    with pytest.raises(ValueError, match=r"X has feature size 7 .*num_hiddens=8"):
+        pe(arr(backend, 1, 3, 7))
+
+
+def test_unknown_backend_and_device(backend):
+    with pytest.raises(ValueError, match=r"unknown backend 'cntk'.*numpy, torch, jax, mxnet"):
+        am.DotProductAttention(0.0, backend="cntk")
+    with pytest.raises(ValueError, match=r"unknown device 'tpu:0'"):
+        am.DotProductAttention(0.0, backend=backend, device="tpu:0")
+    with pytest.raises(ValueError, match=r"cuda:9 is not available"):
+        am.DotProductAttention(0.0, backend=backend, device="cuda:9")
+
+
+def other_backend(backend):
+    """A second backend to mix with ``backend`` (torch for the numpy row)."""
+    import backends
+    return backends.get_backend("torch" if backend.name == "numpy" else "numpy")
+
+
+def test_arrays_of_two_backends(backend):
+    other = other_backend(backend)
+    q = arr(backend, 2, 3, 4)
+    with pytest.raises(TypeError, match=rf"keys must be a {backend.name} array .*got a "
+                                        rf"{other.name} array"):
+        am.DotProductAttention(0.0, backend=backend)(q, arr(other, 2, 5, 4), q)
+    with pytest.raises(TypeError, match=rf"different backends .*x_train is {backend.name}, "
+                                        rf"y_train is {other.name}"):
+        am.nadaraya_watson(arr(backend, 5), arr(other, 5), arr(backend, 3))
+
+
+def test_module_backend_vs_input_backend(backend):
+    other = other_backend(backend)
+    module = am.DotProductAttention(0.0, backend=other)
+    q = arr(backend, 2, 3, 4)
+    with pytest.raises(TypeError, match=rf"queries must be a {other.name} array .*got a "
+                                        rf"{backend.name} array"):
+        module(q, q, q)
+
+
+def test_dtype_mismatch_with_parameters(backend):
+    mha = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, backend=backend)
+    other = "float64" if "float64" in backend.float_dtypes else "float16"
+    if other == "float64" and backend.name == "jax":
+        import jax
+        jax.config.update("jax_enable_x64", True)
+    x = arr(backend, 2, 3, 4, dtype=other)
+    with pytest.raises(TypeError, match=rf"dtypes differ \(queries {other}, keys {other}, "
+                                        rf"values {other}, parameters float32\)"):
+        mha(x, x, x)
+
+
+def test_set_params_is_strict(backend, mha):
+    params = am.get_params(mha)
+    missing = dict(params)
+    del missing["W_o.weight"]
+    with pytest.raises(ValueError, match=r"missing \['W_o.weight'\], unknown \[\]"):
+        am.set_params(mha, missing)
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['W_x.weight'\]"):
+        am.set_params(mha, {**params, "W_x.weight": params["W_q.weight"]})
+    with pytest.raises(ValueError, match=r"'W_q.weight' has shape \(8, 5\), the module "
+                                         r"expects \(8, 4\)"):
+        am.set_params(mha, {**params, "W_q.weight": np.zeros((8, 5))})
+
+
+def test_non_array_inputs(backend):
+    with pytest.raises(TypeError, match="X must be a numpy, torch, jax or mxnet array, got list"):
+        am.masked_softmax([[[1.0, 2.0]]], None)
+    with pytest.raises(TypeError, match="valid_lens must be"):
+        am.masked_softmax(arr(backend, 1, 1, 2), "2")
