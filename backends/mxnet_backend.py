@@ -119,9 +119,17 @@ class MXNetBackend(Backend):
                                    no_bias=bias is None, flatten=False)
 
     def softmax(self, x, axis=-1):
-        return npx.softmax(x, axis=axis)
+        # npx.softmax leaves a row's other entries finite when one is NaN;
+        # make the whole row NaN, as the other frameworks do.
+        has_nan = mnp.sum(mnp.isnan(x), axis=axis, keepdims=True) > 0
+        return self.where(has_nan, np.nan, npx.softmax(x, axis=axis))
 
     def where(self, condition, x, y):
+        # MXNet 1.9.1's where() with a scalar operand sends the other operand's
+        # gradient to the wrong positions; 0-d arrays take the correct path.
+        like = x if isinstance(x, mnp.ndarray) else y
+        x, y = (v if isinstance(v, mnp.ndarray) else mnp.array(v, dtype=like.dtype, ctx=like.ctx)
+                for v in (x, y))
         return mnp.where(condition, x, y)
 
     def exp(self, x):
