@@ -34,7 +34,7 @@ class GluonModule(gluon.Block):
 
     def _add_param(self, name, value):
         param = self.params.get(name, shape=value.shape, dtype=value.dtype)
-        param.initialize(ctx=value.ctx)
+        param.initialize(init=mx.init.Zero(), ctx=value.ctx)  # Uniform fails on float64
         param.set_data(value)
         setattr(self, name, param)
 
@@ -101,6 +101,8 @@ class MXNetBackend(Backend):
         return x.astype(dtype, copy=False)
 
     def matmul(self, a, b, transpose_b=False):
+        if len(a.shape) == 2 and len(b.shape) == 2:   # batch_dot needs 3-D
+            return mnp.dot(a, b.T if transpose_b else b)
         return npx.batch_dot(a, b, transpose_b=transpose_b)
 
     def linear(self, x, weight, bias=None):
