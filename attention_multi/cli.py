@@ -33,7 +33,13 @@ def main(argv=None):
         description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="list installed backends and devices")
+    from . import report
+    report.add_arguments(sub.add_parser(
+        "report", help="check every mechanism on every backend against a float64 "
+                       "reference; write report.md and figures"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command in (None, "info"):
         return _info(args)
+    if args.command == "report":
+        return report.main(args)
     return 0

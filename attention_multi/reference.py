@@ -1,0 +1,116 @@
+"""Float64 NumPy reference of every mechanism, written from the formulas.
+
+``attention-multi report`` grades the backends against it, so it imports
+nothing from ``attention_multi`` or ``backends`` and shares no code with them.
+Lengths: ``valid_lens`` is None (all keys), (B,) (same for every query) or
+(B, Q); keys at positions ``>= length`` get weight 0, and a query with no valid
+key gets all-zero weights (hence a zero output).
+"""
+import numpy as np
+
+
+def _f64(*arrays):
+    return [np.asarray(a, dtype=np.float64) for a in arrays]
+
+
+def key_mask(valid_lens, batch, queries, keys):
+    """(B, Q, K) boolean: True where key ``k`` is valid for query ``q``."""
+    if valid_lens is None:
+        return np.ones((batch, queries, keys), dtype=bool)
+    lens = np.asarray(valid_lens)
+    lens = np.broadcast_to(lens[:, None] if lens.ndim == 1 else lens, (batch, queries))
+    return np.arange(keys) < lens[:, :, None]
+
+
+def masked_softmax(X, valid_lens):
+    """softmax over the valid prefix of the last axis of X (B, Q, K); 0 elsewhere."""
+    (X,) = _f64(X)
+    return softmax_where(X, key_mask(valid_lens, *X.shape))
+
+
+def softmax_where(X, mask):
+    """softmax over the last axis restricted to ``mask``; rows with none: zeros."""
+    top = np.where(mask, X, -np.inf).max(axis=-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    e = np.where(mask, np.exp(np.where(mask, X - top, 0.0)), 0.0)
+    total = e.sum(axis=-1, keepdims=True)
+    return e / np.where(total > 0, total, 1.0)
+
+
+def sequence_mask(X, valid_len, value=0.0):
+    """X (N, T) with entries at ``t >= valid_len[n]`` set to ``value``."""
+    (X,) = _f64(X)
+    keep = np.arange(X.shape[1]) < np.asarray(valid_len)[:, None]
+    return np.where(keep, X, value)
+
+
+def linear(x, weight, bias=None):
+    """x W^T + b, W laid out (out, in)."""
+    y = np.einsum("...i,oi->...o", *_f64(x, weight))
+    return y if bias is None else y + np.asarray(bias, np.float64)
+
+
+def attend(scores, values, valid_lens):
+    """(weights, output) for (B, Q, K) scores and (B, K, V) values."""
+    weights = masked_softmax(scores, valid_lens)
+    return weights, np.einsum("bqk,bkv->bqv", weights, values)
+
+
+def dot_product_attention(queries, keys, values, valid_lens=None):
+    """softmax(Q K^T / sqrt(d)) V. Returns (output, weights)."""
+    q, k, v = _f64(queries, keys, values)
+    scores = np.einsum("bqd,bkd->bqk", q, k) / np.sqrt(q.shape[-1])
+    weights, out = attend(scores, v, valid_lens)
+    return out, weights
+
+
+def additive_attention(params, queries, keys, values, valid_lens=None):
+    """score(q, k) = w_v^T tanh(W_q q + W_k k). Returns (output, weights)."""
+    q = linear(queries, params["W_q.weight"])
+    k = linear(keys, params["W_k.weight"])
+    w_v = np.asarray(params["w_v.weight"], np.float64).reshape(-1)
+    scores = np.tanh(q[:, :, None, :] + k[:, None, :, :]) @ w_v
+    weights, out = attend(scores, *_f64(values), valid_lens)
+    return out, weights
+
+
+def multi_head_attention(params, queries, keys, values, valid_lens, num_heads):
+    """W_o concat_h(attention_h(W_q q, W_k k, W_v v)), heads on contiguous feature
+    blocks. Returns (output, weights) with weights (B * num_heads, Q, K) as d2l."""
+    def proj(name, x):
+        return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+
+    def heads(x):   # (B, n, H) -> (B, n, heads, H / heads)
+        return x.reshape(x.shape[0], x.shape[1], num_heads, -1)
+
+    q, k, v = heads(proj("W_q", queries)), heads(proj("W_k", keys)), heads(proj("W_v", values))
+    B, Q, _, d = q.shape
+    K = k.shape[1]
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    weights = softmax_where(scores, key_mask(valid_lens, B, Q, K)[:, None])
+    concat = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, Q, -1)
+    return proj("W_o", concat), weights.reshape(B * num_heads, Q, K)
+
+
+def positional_encoding(X):
+    """X + P, P[t, 2i] = sin(t / 10000^(2i/d)), P[t, 2i+1] = cos(t / 10000^(2i/d))."""
+    (X,) = _f64(X)
+    _, T, d = X.shape
+    t = np.arange(T)[:, None]
+    j = np.arange(d)[None, :]
+    angle = t / 10000.0 ** ((j - j % 2) / d)
+    return X + np.where(j % 2 == 0, np.sin(angle), np.cos(angle))
+
+
+def nadaraya_watson(x_train, y_train, x_query, w=1.0):
+    """f(x) = sum_i softmax_i(-((x - x_i) w)^2 / 2) y_i. Returns (f, weights)."""
+    xt, yt, xq = _f64(x_train, y_train, x_query)
+    weights = softmax_where(-((xq[:, None] - xt[None, :]) * w) ** 2 / 2, True)
+    return weights @ yt, weights
+
+
+def nw_kernel_regression(w, queries, keys, values):
+    """Seed 003's forward: query n attends its own row keys[n], values[n]."""
+    q, k, v = _f64(queries, keys, values)
+    weights = softmax_where(-((q[:, None] - k) * float(w)) ** 2 / 2, True)
+    return (weights * v).sum(axis=1)
