@@ -39,7 +39,7 @@ class GluonModule(gluon.Block):
 
     def _add_param(self, name, value):
         param = self.params.get(name, shape=value.shape, dtype=value.dtype)
-        param.initialize(ctx=value.ctx)
+        param.initialize(init=mx.init.Zero(), ctx=value.ctx)  # Uniform fails on float64
         param.set_data(value)
         setattr(self, name, param)
 
