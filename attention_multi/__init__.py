@@ -2,6 +2,7 @@
 NumPy, PyTorch, JAX and MXNet."""
 from backends import available_backends
 
+from . import port
 from .config import get_backend, set_backend, use_backend
 from .functional import (masked_softmax, nadaraya_watson, sequence_mask,
                          transpose_output, transpose_qkv)
@@ -18,7 +19,7 @@ __all__ = [
     "AdditiveAttention", "DotProductAttention", "Linear", "Module",
     "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
     "asarray", "available_backends", "get_backend", "get_params",
-    "masked_softmax", "nadaraya_watson", "sequence_mask", "set_backend",
+    "masked_softmax", "nadaraya_watson", "port", "sequence_mask", "set_backend",
     "set_params", "show_heatmaps", "train_kernel_regression",
     "transpose_output", "transpose_qkv", "use_backend",
 ]

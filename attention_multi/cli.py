@@ -4,6 +4,8 @@ import sys
 
 import backends
 
+from . import port as _port
+
 
 def _info(args):
     """Print the installed backends and the devices each can use."""
@@ -37,9 +39,16 @@ def main(argv=None):
     report.add_arguments(sub.add_parser(
         "report", help="check every mechanism on every backend against a float64 "
                        "reference; write report.md and figures"))
+    port = sub.add_parser(
+        "port", help="convert an MXNet Gluon .params file to PyTorch or NumPy",
+        description="Convert an MXNet Gluon .params file (block.save_parameters) "
+                    "to a PyTorch state_dict or a NumPy archive; MXNet is not needed.")
+    _port.add_port_arguments(port)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command in (None, "info"):
         return _info(args)
     if args.command == "report":
         return report.main(args)
+    if args.command == "port":
+        return _port.port_command(args)
     return 0

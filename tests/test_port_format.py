@@ -349,12 +349,15 @@ def mxnet():
 
 
 def mode(mx, np_mode):
-    """np-shape/np-array semantics on or off, restored afterwards."""
+    """np-shape/np-array semantics on or off, restored afterwards.
+
+    MXNet refuses np-array semantics without np-shape semantics, so shape goes
+    on first and array goes off first (the mxnet backend turns both on for
+    the whole process when imported, e.g. by an earlier test)."""
     stack = contextlib.ExitStack()
-    # Array semantics need shape semantics: turn shape on first, array off first.
-    order = (mx.util.np_shape, mx.util.np_array) if np_mode else (mx.util.np_array, mx.util.np_shape)
-    for switch in order:
-        stack.enter_context(switch(np_mode))
+    switches = [mx.util.np_shape(np_mode), mx.util.np_array(np_mode)]
+    for switch in switches if np_mode else switches[::-1]:
+        stack.enter_context(switch)
     return stack
 
 
