@@ -122,6 +122,12 @@ class MXNetBackend(Backend):
         return npx.softmax(x, axis=axis)
 
     def where(self, condition, x, y):
+        # np.where with a Python scalar operand sends the gradient to the wrong
+        # branch in MXNet 1.9.1 (apache/mxnet#17893); a 0-d array does not.
+        if self.is_array(x) and not self.is_array(y):
+            y = mnp.array(y, dtype=x.dtype, ctx=x.ctx)
+        elif self.is_array(y) and not self.is_array(x):
+            x = mnp.array(x, dtype=y.dtype, ctx=y.ctx)
         return mnp.where(condition, x, y)
 
     def exp(self, x):
