@@ -39,7 +39,9 @@ class GluonModule(gluon.Block):
 
     def _add_param(self, name, value):
         param = self.params.get(name, shape=value.shape, dtype=value.dtype)
-        param.initialize(ctx=value.ctx)
+        # Zero, not Gluon's default Uniform: that one fails on float64 arrays
+        # in NumPy mode (_npi_uniform infers float32). set_data gives the value.
+        param.initialize(init=mx.init.Zero(), ctx=value.ctx)
         param.set_data(value)
         setattr(self, name, param)
 
