@@ -56,3 +56,11 @@ class Module:
 
     def _keep_attention(self, weights_or_thunk):
         self.__dict__["_attention_kept"] = weights_or_thunk
+
+    def __getstate__(self):
+        # copy.deepcopy and pickle leave the last call's weights behind: under
+        # torch they are a non-leaf tensor, which deepcopy refuses.
+        parent = getattr(super(), "__getstate__", None)  # absent before 3.11
+        state = dict(parent() if parent is not None else self.__dict__)
+        state.pop("_attention_kept", None)
+        return state

@@ -20,6 +20,12 @@ class _ByIdentity:
         return id(self.value)
 
 
+class _NameList(tuple):
+    """A list of names in aux data: hashable and compared by value, so modules
+    built alike have equal treedefs; unflattened back into a list."""
+    __slots__ = ()
+
+
 class JaxModule(PlainModule):
     """Native base: a pytree. Transient state (attention weights) is dropped."""
 
@@ -31,6 +37,8 @@ class JaxModule(PlainModule):
         for k, v in sorted(vars(self).items()):
             if k in skip or k.startswith("_attention"):
                 continue
+            if isinstance(v, list):
+                v = _NameList(v)
             try:
                 hash(v)
             except TypeError:
@@ -43,7 +51,11 @@ class JaxModule(PlainModule):
         n_params, static = aux
         self = object.__new__(cls)
         for k, v in static:
-            object.__setattr__(self, k, v.value if isinstance(v, _ByIdentity) else v)
+            if isinstance(v, _ByIdentity):
+                v = v.value
+            elif isinstance(v, _NameList):
+                v = list(v)
+            object.__setattr__(self, k, v)
         for name, value in zip(self._param_names + self._child_names, leaves):
             object.__setattr__(self, name, value)
         return self

@@ -63,6 +63,27 @@ class GluonModule(gluon.Block):
         if ctx is not None:
             self.collect_params().reset_ctx(ctx)
 
+    def load_parameters(self, filename, ctx=None, allow_missing=False,
+                        ignore_extra=False, cast_dtype=False, dtype_source="current"):
+        # Names without a dot (NWKernelRegression's "w") send MXNet 1.9.1 down its
+        # legacy loader, which fails in NumPy mode; load them as the normal path does.
+        try:
+            loaded = npx.load(filename)
+        except mx.base.MXNetError:   # e.g. saved without NumPy shape semantics
+            loaded = None
+        if not isinstance(loaded, dict) or any("." in name for name in loaded):
+            return super().load_parameters(filename, ctx, allow_missing, ignore_extra,
+                                           cast_dtype, dtype_source)
+        params = self._collect_params_with_prefix()
+        missing = sorted(set(params) - set(loaded)) if not allow_missing else []
+        extra = sorted(set(loaded) - set(params)) if not ignore_extra else []
+        if missing or extra:
+            raise ValueError(f"{filename}: parameters missing {missing}, not in "
+                             f"this block {extra}; it holds {sorted(params)}")
+        for name in set(loaded) & set(params):
+            params[name]._load_init(loaded[name], ctx, cast_dtype=cast_dtype,
+                                    dtype_source=dtype_source)
+
     def train(self, mode=True):
         self.training = mode
         for child in self._children.values():
@@ -126,7 +147,7 @@ class MXNetBackend(Backend):
 
     def where(self, condition, x, y):
         # MXNet 1.9.1's where() with a scalar operand sends the other operand's
-        # gradient to the wrong positions; 0-d arrays take the correct path.
+        # gradient to the wrong positions (apache/mxnet#17893); 0-d arrays do not.
         like = x if isinstance(x, mnp.ndarray) else y
         x, y = (v if isinstance(v, mnp.ndarray) else mnp.array(v, dtype=like.dtype, ctx=like.ctx)
                 for v in (x, y))
