@@ -57,10 +57,22 @@ class Module:
     def _keep_attention(self, weights_or_thunk):
         self.__dict__["_attention_kept"] = weights_or_thunk
 
+    def __reduce_ex__(self, protocol):
+        # The native class is made at run time; pickle rebuilds it by name.
+        public_class = type(self).__bases__[0]   # see Backend.native_class
+        return (_rebuild, (public_class, self._backend.name), self.__getstate__())
+
     def __getstate__(self):
         # copy.deepcopy and pickle leave the last call's weights behind: under
         # torch they are a non-leaf tensor, which deepcopy refuses.
         parent = getattr(super(), "__getstate__", None)  # absent before 3.11
         state = dict(parent() if parent is not None else self.__dict__)
         state.pop("_attention_kept", None)
+        state.pop("_device", None)  # used only while building; JAX devices don't pickle
         return state
+
+
+def _rebuild(public_class, backend_name):
+    """Unpickling: an empty instance of ``public_class``'s native class."""
+    import backends
+    return object.__new__(backends.get_backend(backend_name).native_class(public_class))

@@ -146,10 +146,10 @@ class JaxBackend(Backend):
         return x if device is None else jax.device_put(x, device)
 
     def uniform(self, shape, low, high, dtype="float32", device=None):
-        # The key comes from NumPy's global generator, so np.random.seed applies.
-        key = jax.random.PRNGKey(np.random.randint(0, 2**31 - 1))
-        x = jax.random.uniform(key, shape, np_dtype(dtype), low, high)
-        return self.to_device(x, device)
+        # Drawn by NumPy's global generator (np.random.seed applies): no JAX
+        # key to thread through construction, and no compile per shape.
+        x = np.random.uniform(low, high, size=shape).astype(np_dtype(dtype))
+        return self.asarray(x, device=device)
 
     def dropout(self, x, p, key=None):
         if key is None:

@@ -744,3 +744,14 @@ def test_attention_weights_shapes_and_values(backend):
     np.testing.assert_allclose(f64(backend, out),
                                oracle.nw_kernel_regression(1.5, queries, keys, values),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_modules_pickle_and_deepcopy_on_every_backend(backend):
+    import copy
+    import pickle
+    module = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, bias=True, backend=backend).eval()
+    x = backend.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), "float32")
+    want = backend.to_numpy(module(x, x, x, np.array([1, 3])))
+    for clone in (pickle.loads(pickle.dumps(module)), copy.deepcopy(module)):
+        assert type(clone) is type(module) and not clone.training
+        np.testing.assert_array_equal(backend.to_numpy(clone(x, x, x, np.array([1, 3]))), want)
