@@ -131,6 +131,42 @@ class MXNetBackend(Backend):
     def transpose(self, x, axes):
         return mnp.transpose(x, axes)
 
+    def concatenate(self, xs, axis):
+        return mnp.concatenate(list(xs), axis=axis)
+
+    def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
+        """``npx.batch_dot`` and ``npx.softmax`` with its ``length`` input (the
+        mask is applied inside the softmax: no masked copy of the scores) and
+        ``temperature`` (no scaled copy). Materializes the scores, so it
+        declines (None) when they would not fit in ``memory_budget``."""
+        *lead, num_q, _ = queries.shape
+        num_k = keys.shape[-2]
+        if memory_budget is not None and \
+                int(np.prod(lead)) * num_q * num_k * 4 > memory_budget:
+            return None
+        dtype = queries.dtype
+        if dtype == np.float16:   # no float16 dot on the CPU; accumulate in float32
+            queries, keys, values = (x.astype("float32") for x in (queries, keys, values))
+        scores = npx.batch_dot(queries, keys, transpose_b=True)
+        if lens is None:
+            weights = npx.softmax(scores, axis=-1, temperature=1.0 / scale)
+        else:
+            heads = (1,) * (len(lead) - 1)
+            # softmax's length must not exceed the axis: past it, MXNet 1.9.1
+            # corrupts memory
+            lens = mnp.minimum(lens, num_k)
+            per_query = (lens.reshape((-1,) + heads + (1,)) if lens.ndim == 1 else
+                         lens.reshape((lens.shape[0],) + heads + (num_q,)))
+            weights = npx.softmax(scores, axis=-1, temperature=1.0 / scale,
+                                  length=mnp.broadcast_to(per_query, scores.shape[:-1]),
+                                  use_length=True)
+            longest = lens if lens.ndim == 1 else mnp.max(lens, axis=1)
+            used = mnp.arange(num_k, dtype="int32", ctx=keys.ctx).reshape((1, -1, 1)) < \
+                longest.reshape((-1,) + heads + (1, 1))
+            values = mnp.where(used, values, mnp.zeros((), dtype=values.dtype,
+                                                         ctx=values.ctx))
+        return npx.batch_dot(weights, values).astype(dtype, copy=False)
+
     def device(self, kind, index=0):
         if kind == "cuda":
             count = mx.context.num_gpus()
