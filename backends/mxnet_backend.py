@@ -111,6 +111,12 @@ class MXNetBackend(Backend):
         return npx.softmax(x, axis=axis)
 
     def where(self, condition, x, y):
+        # MXNet 1.9.1 back-propagates wrong gradients through where() when a
+        # branch is a Python scalar: pass a 0-d array instead
+        like = x if isinstance(x, mnp.ndarray) else y
+        if isinstance(like, mnp.ndarray):
+            x, y = (v if isinstance(v, mnp.ndarray) else
+                    mnp.full((), v, dtype=like.dtype, ctx=like.ctx) for v in (x, y))
         return mnp.where(condition, x, y)
 
     def exp(self, x):
