@@ -1,33 +1,112 @@
 """NumPy backend: CPU only, plain-object modules, no autodiff."""
+import contextlib
+import ctypes
+import glob
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from .base import Backend, PlainModule, np_dtype, softmax_numpy
 
-
 _BLOCK_QUERIES = 512
+_PARALLEL_MIN_SCORES = 1 << 16   # fewer scores than this: not worth the threads
 
 
-def _attend_block(q, kT, v, row_lens, scale, work):
+class _OpenBLAS:
+    """The OpenBLAS that NumPy's wheels bundle, to run BLAS single-threaded
+    inside our own worker threads (what threadpoolctl does). Absent (other
+    BLAS, unknown build): ``usable`` is False and nothing is changed."""
+
+    def __init__(self):
+        self.local = self.set_global = self.get_global = None
+        here = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
+        for path in sorted(glob.glob(os.path.join(here, "*openblas*.so*"))):
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            self.local = getattr(lib, "openblas_set_num_threads_local", None)
+            for prefix in ("scipy_openblas", "openblas"):
+                for suffix in ("64_", ""):
+                    get = getattr(lib, f"{prefix}_get_num_threads{suffix}", None)
+                    put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
+                    if get and put and self.get_global is None:
+                        self.get_global, self.set_global = get, put
+            break
+        self.usable = bool(self.local or self.set_global)
+        self._lock = threading.Lock()
+        self._active = 0
+        self._saved = None
+
+    def worker_init(self):
+        if self.local:
+            self.local(1)          # this worker thread only
+
+    @contextlib.contextmanager
+    def single_threaded(self):
+        """Without a thread-local setting: one BLAS thread per call while any
+        of our parallel calls runs (process-wide, restored afterwards)."""
+        if self.local or not self.set_global:
+            yield
+            return
+        with self._lock:
+            if self._active == 0:
+                self._saved = self.get_global()
+                self.set_global(1)
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active -= 1
+                if self._active == 0:
+                    self.set_global(self._saved)
+
+
+_blas = None
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _workers():
+    """(pool, OpenBLAS control), made on first use; pool None: run serially."""
+    global _blas, _pool
+    with _pool_lock:
+        if _blas is None:
+            _blas = _OpenBLAS()
+            threads = NumpyBackend.threads or os.cpu_count() or 1
+            if _blas.usable and threads > 1:
+                _pool = ThreadPoolExecutor(threads, "attention-numpy",
+                                           initializer=_blas.worker_init)
+    return _pool, _blas
+
+
+def _attend_block(q, kT, k_norm, v, row_lens, scale, work):
     """softmax(scale q kT) v for one block of queries over all its keys, with
-    per-query lengths ``row_lens`` (None: all keys valid)."""
-    s = np.matmul(np.multiply(q, scale, dtype=work), kT)
+    per-query lengths ``row_lens`` (None: all keys valid).
+
+    Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
+    (Cauchy-Schwarz) bounds every score well inside exp's range, the scores
+    are exponentiated as they are, without the pass for the row maxima.
+    """
+    qs = np.multiply(q, scale, dtype=work)
+    s = np.matmul(qs, kT)
     if row_lens is not None:
         masked = np.arange(s.shape[1]) >= row_lens[:, None]
         s[masked] = -np.inf
-    m = s.max(axis=1, keepdims=True)
-    empty = None
-    if row_lens is not None:
-        empty = row_lens[:, None] == 0
-        if empty.any():
-            m[empty] = 0.0
-        else:
-            empty = None
-    s -= m
+    info = np.finfo(work)
+    limit = min(np.log(info.max) - np.log(s.shape[1]), -np.log(info.tiny)) - 2
+    bound = np.sqrt(np.einsum("ij,ij->i", qs, qs).max()) * k_norm
+    if not bound <= limit:      # (also when a norm overflowed or is NaN)
+        m = s.max(axis=1, keepdims=True)
+        m[~np.isfinite(m)] = 0.0          # rows with no valid key: all -inf
+        s -= m
     np.exp(s, out=s)
     total = s.sum(axis=1, keepdims=True)
     out = np.matmul(s, v)
-    if empty is not None:
-        total[empty] = 1.0      # its row of s is all zeros: output 0
+    total[total == 0] = 1.0               # rows with no valid key: output 0
     out /= total
     return out
 
@@ -36,6 +115,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     module_base = PlainModule
     float_dtypes = ("float16", "float32", "float64")
+    threads = None   # worker threads of fused_attention (None: one per core)
 
     def is_array(self, x):
         return isinstance(x, (np.ndarray, np.generic))
@@ -91,12 +171,17 @@ class NumpyBackend(Backend):
         return np.concatenate(xs, axis=axis)
 
     def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
-        """One (query block, key prefix) at a time, in place, float32 for half.
+        """Per (batch, head) slice: only the keys within its longest length,
+        in blocks of queries, in place, float32 for half.
 
         Keys past each batch element's longest length are skipped rather than
-        computed and masked. Query blocks shrink so that a block of scores
-        (and its temporaries) fits in ``memory_budget``; declines (None) when
-        not even one query's scores fit.
+        computed and masked. Slices run on a pool of ``threads`` worker
+        threads (default: one per core), each with single-threaded BLAS (the
+        bundled OpenBLAS is told so; with NumPy < 2, whose OpenBLAS has no
+        per-thread setting, BLAS is single-threaded process-wide during the
+        call). Query blocks shrink so that each worker's block of scores fits
+        in its share of ``memory_budget``; declines (None) when not even one
+        query's scores fit.
         """
         dtype = queries.dtype
         if dtype.name not in ("float16", "float32", "float64"):
@@ -104,17 +189,23 @@ class NumpyBackend(Backend):
         work = np.dtype(np.float32) if dtype == np.float16 else dtype
         *lead, num_q, _ = queries.shape
         num_k, dv = keys.shape[-2], values.shape[-1]
+        batch, heads = lead[0], (lead[1] if len(lead) == 2 else 1)
+        pool, blas = (None, None)
+        if batch * heads > 1 and batch * heads * num_q * num_k >= _PARALLEL_MIN_SCORES:
+            pool, blas = _workers()
+        workers = pool._max_workers if pool is not None else 1
         block_q = max(1, min(num_q, _BLOCK_QUERIES))
         if memory_budget is not None:
-            block_q = min(block_q, memory_budget // max(1, 2 * num_k * work.itemsize))
+            per_query = 2 * num_k * work.itemsize * workers
+            block_q = min(block_q, memory_budget // per_query)
             if block_q < 1:
                 return None
-        batch, heads = lead[0], (lead[1] if len(lead) == 2 else 1)
         shape4 = (batch, heads)
         q, k, v = (x.reshape(shape4 + x.shape[-2:]) for x in (queries, keys, values))
         out = np.empty(shape4 + (num_q, dv), dtype)
         lens = None if lens is None else np.minimum(np.asarray(lens), num_k)
         scale = work.type(scale)
+        tasks = []
         for b in range(batch):
             row_lens = None
             if lens is None:
@@ -127,13 +218,25 @@ class NumpyBackend(Backend):
             if n == 0:
                 out[b] = 0
                 continue
-            for h in range(heads):
-                kb = k[b, h, :n].astype(work, copy=False).T
-                vb = v[b, h, :n].astype(work, copy=False)
-                for q0 in range(0, num_q, block_q):
-                    rows = None if row_lens is None else row_lens[q0:q0 + block_q]
-                    out[b, h, q0:q0 + block_q] = _attend_block(
-                        q[b, h, q0:q0 + block_q], kb, vb, rows, scale, work)
+            tasks.extend((n, b, h, row_lens) for h in range(heads))
+
+        def attend_slice(task):
+            n, b, h, row_lens = task
+            kb = k[b, h, :n].astype(work, copy=False)
+            vb = v[b, h, :n].astype(work, copy=False)
+            k_norm = np.sqrt(np.einsum("ij,ij->i", kb, kb).max())
+            for q0 in range(0, num_q, block_q):
+                rows = None if row_lens is None else row_lens[q0:q0 + block_q]
+                out[b, h, q0:q0 + block_q] = _attend_block(
+                    q[b, h, q0:q0 + block_q], kb.T, k_norm, vb, rows, scale, work)
+
+        if pool is None or len(tasks) < 2:
+            for task in tasks:
+                attend_slice(task)
+        else:
+            tasks.sort(key=lambda t: -t[0])        # longest first: balanced
+            with blas.single_threaded():
+                list(pool.map(attend_slice, tasks))
         return out.reshape(tuple(lead) + (num_q, dv))
 
     def _cpu_device(self):
