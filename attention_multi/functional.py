@@ -218,19 +218,22 @@ def chunked_attention(B, queries, keys, values, lens, scale, dropout=None,
     ``queries`` (N, Q, d), ``keys`` (N, K, d), ``values`` (N, K, dv), ``lens``
     None or int32 (N,) / (N, Q). Blocks hold ``chunk_size`` queries and keys,
     or by default up to 1024 keys and as many queries as fit in an eighth of
-    ``memory_budget``. Keys past the longest length are skipped when the
-    lengths are concrete. Half precision is computed in float32.
+    ``memory_budget``. When the lengths are concrete (not traced), keys past
+    the longest length are skipped, and blocks within the shortest length
+    are not masked. Half precision is computed in float32.
     """
     dtype = B.dtype_name(queries)
     work = "float32" if dtype in HALF_DTYPES else dtype
     n, num_q, num_k = queries.shape[0], queries.shape[1], keys.shape[1]
     device = B.device_of(keys)
-    stop = num_k
+    stop, shortest = num_k, 0
     if lens is not None:
         values = zero_masked_values(B, values, lens)
-        if B.is_concrete(lens):
-            longest = B.to_numpy(lens)
-            stop = max(1, min(num_k, int(longest.max()) if longest.size else 1))
+        if B.is_concrete(lens):   # skip keys past every length, and the mask
+            known = B.to_numpy(lens)  # within every length
+            if known.size:
+                stop = max(1, min(num_k, int(known.max())))
+                shortest = int(known.min())
         lens = lens.reshape((n, 1, 1) if len(lens.shape) == 1 else (n, num_q, 1))
     if chunk_size:
         block_q = block_k = chunk_size
@@ -249,7 +252,7 @@ def chunked_attention(B, queries, keys, values, lens, scale, dropout=None,
             k = B.astype(keys[:, k0:min(stop, k0 + block_k)], work)
             s = B.matmul(q, k, transpose_b=True)
             valid = None
-            if row_lens is not None:
+            if row_lens is not None and k0 + k.shape[1] > shortest:
                 valid = (B.arange(k.shape[1], device) + k0) < row_lens
                 s = B.where(valid, s, lowest)
             m_new = B.max(s, -1, keepdims=True)
