@@ -73,6 +73,9 @@ class GluonModule(gluon.Block):
         return self
 
 
+_FOLD_MIN_SCORES = 1 << 20   # fewer scores: a bias costs less than the copies
+
+
 def _append_feature(x, column):
     """``x`` (..., n, f) with ``column`` (a scalar or (..., n, 1)) as feature f+1."""
     shape = tuple(x.shape[:-1]) + (x.shape[-1] + 1,)
@@ -158,8 +161,9 @@ class MXNetBackend(Backend):
         """``npx.batch_dot`` and plain ``npx.softmax``, with no masking pass over
         the scores: per-batch lengths are folded into the first product as an
         extra feature (``[scale q, 1] . [k, 0 or -1e30]``), value rows past
-        the lengths are zeroed by ``npx.sequence_mask``. Per-query lengths add
-        a broadcast bias instead. (On the CPU, MXNet 1.9.1's softmax with
+        the lengths are zeroed by ``npx.sequence_mask``. Per-query lengths,
+        and small inputs (where the extra copies cost more than they save),
+        add a broadcast bias instead. (On the CPU, MXNet 1.9.1's softmax with
         ``length=`` or ``temperature=`` and broadcast ``where`` are several
         times slower than these.) Materializes the scores, so it declines
         (None) when they would not fit in ``memory_budget``."""
@@ -185,18 +189,20 @@ class MXNetBackend(Backend):
         seq_lens = longest if heads == 1 else mnp.repeat(longest, heads, axis=0)
         values = npx.sequence_mask(values.reshape(flat), seq_lens.astype(values.dtype),
                                    True, value=0.0, axis=1).reshape(values.shape)
-        if lens.ndim == 1:
+        if lens.ndim == 1 and int(np.prod(lead)) * num_q * num_k >= _FOLD_MIN_SCORES:
             offset = mnp.where(positions.reshape((-1, 1)) < lens.reshape((-1,) + expand + (1, 1)),
                                0.0, -1e30).astype(keys.dtype)
             offset = mnp.broadcast_to(offset, tuple(keys.shape[:-1]) + (1,))
             return self._softmax_product(_append_feature(queries, 1.0),
                                          _append_feature(keys, offset),
                                          values).astype(dtype, copy=False)
-        rows = lens.reshape((lens.shape[0],) + expand + (num_q, 1))
+        rows = (lens.reshape((-1,) + expand + (1, 1)) if lens.ndim == 1 else
+                lens.reshape((lens.shape[0],) + expand + (num_q, 1)))
         bias = mnp.where(positions < rows, 0.0, -1e30).astype(queries.dtype)
         out = self._softmax_product(queries, keys, values, bias)
-        # no valid key: zeros, not the mean of the values
-        return (out * (rows > 0).astype(out.dtype)).astype(dtype, copy=False)
+        if lens.ndim == 2:   # no valid key: zeros, not the mean of the values
+            out = out * (rows > 0).astype(out.dtype)   # (per batch: values are 0)
+        return out.astype(dtype, copy=False)
 
     @staticmethod
     def _softmax_product(queries, keys, values, bias=None):
