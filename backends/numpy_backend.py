@@ -20,7 +20,7 @@ class _OpenBLAS:
     BLAS, unknown build): ``usable`` is False and nothing is changed."""
 
     def __init__(self):
-        self.local = self.set_global = self.get_global = None
+        self.local = self.set_global = self.get_global = self.config = None
         here = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
         for path in sorted(glob.glob(os.path.join(here, "*openblas*.so*"))):
             try:
@@ -34,6 +34,10 @@ class _OpenBLAS:
                     put = getattr(lib, f"{prefix}_set_num_threads{suffix}", None)
                     if get and put and self.get_global is None:
                         self.get_global, self.set_global = get, put
+                    config = getattr(lib, f"{prefix}_get_config{suffix}", None)
+                    if config and self.config is None:
+                        config.restype = ctypes.c_char_p
+                        self.config = config().decode(errors="replace")
             break
         self.usable = bool(self.local or self.set_global)
         self._lock = threading.Lock()
@@ -70,13 +74,26 @@ _pool = None
 _pool_lock = threading.Lock()
 
 
+def _cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _workers():
-    """(pool, OpenBLAS control), made on first use; pool None: run serially."""
+    """(pool, OpenBLAS control), made on first use and again when
+    ``NumpyBackend.threads`` changes; pool None: run serially."""
     global _blas, _pool
     with _pool_lock:
         if _blas is None:
             _blas = _OpenBLAS()
-            threads = NumpyBackend.threads or os.cpu_count() or 1
+        threads = NumpyBackend.threads or _cores()
+        size = _pool._max_workers if _pool is not None else 1
+        if threads != size:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = None
             if _blas.usable and threads > 1:
                 _pool = ThreadPoolExecutor(threads, "attention-numpy",
                                            initializer=_blas.worker_init)
@@ -115,7 +132,7 @@ class NumpyBackend(Backend):
     name = "numpy"
     module_base = PlainModule
     float_dtypes = ("float16", "float32", "float64")
-    threads = None   # worker threads of fused_attention (None: one per core)
+    threads = None   # worker threads of fused_attention (None: one per core; 1: none)
 
     def is_array(self, x):
         return isinstance(x, (np.ndarray, np.generic))
