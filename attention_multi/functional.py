@@ -1,5 +1,6 @@
 """The mechanisms' math, written once against the backend protocol."""
 import math
+import numbers
 
 import numpy as np
 
@@ -125,11 +126,15 @@ def check_path_options(path, memory_budget, chunk_size):
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, "
                          f"got {path!r}")
+    checked = []
     for name, value in (("memory_budget", memory_budget), ("chunk_size", chunk_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
-    return path, memory_budget, chunk_size
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                    or value < 1:
+                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+            value = int(value)
+        checked.append(value)
+    return (path, *checked)
 
 
 def attend(B, queries, keys, values, lens, *, dropout=None, path="auto",

@@ -287,3 +287,32 @@ def test_gradients_agree_across_paths(backend):
     for path in paths[1:]:
         for name, g in grads["full"].items():
             np.testing.assert_allclose(grads[path][name], g, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["none", "1d", "2d", "over-long"])
+def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
+    """Variants that fused kernels pick only for large inputs, forced on small
+    ones: NumPy's worker threads, MXNet's lengths folded into the product."""
+    module = __import__(f"backends.{backend.name}_backend", fromlist=["_"])
+    knobs = {"numpy": "_PARALLEL_MIN_SCORES", "mxnet": "_FOLD_MIN_SCORES"}
+    if backend.name not in knobs:
+        pytest.skip(f"the {backend.name} kernel has no size-dependent variant")
+    monkeypatch.setattr(module, knobs[backend.name], 0)
+    q, k, v = _inputs(13)
+    lens = MASKS[mask]
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    if lens is not None:   # as the modules' checks leave them: int32
+        lens = np.minimum(lens, 2**31 - 1)
+    for shape4 in (False, True):     # (N, n, d) and (batch, heads, n, d) inputs
+        args = [backend.asarray(x.reshape((1,) + x.shape) if shape4 else x, "float32")
+                for x in (q, k, v)]
+        if shape4:   # one batch element, BATCH heads: lengths of element 0
+            lens4 = None if lens is None else lens[:1]
+            ref4, _ = oracle.dot_product_attention(q, k, v, None if lens is None else
+                                                   np.repeat(lens4, BATCH, axis=0))
+        out, _, taken = attend(backend, *args, None if lens is None else
+                               backend.asarray(lens4 if shape4 else lens, "int32"),
+                               path="fused")
+        assert taken == "fused"
+        np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
+                                   ref4 if shape4 else ref, **TOL)
