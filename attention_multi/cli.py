@@ -33,7 +33,12 @@ def main(argv=None):
         description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("info", help="list installed backends and devices")
+    from . import bench
+    bench.add_arguments(sub.add_parser(
+        "bench", help="time attention against each framework's own; peak memory"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "bench":
+        return bench.run(args)
     if args.command in (None, "info"):
         return _info(args)
     return 0
