@@ -44,7 +44,12 @@ def main(argv=None):
         description="Convert an MXNet Gluon .params file (block.save_parameters) "
                     "to a PyTorch state_dict or a NumPy archive; MXNet is not needed.")
     _port.add_port_arguments(port)
+    from . import bench
+    bench.add_arguments(sub.add_parser(
+        "bench", help="time attention against each framework's own; peak memory"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "bench":
+        return bench.run(args)
     if args.command in (None, "info"):
         return _info(args)
     if args.command == "report":

@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from ._checks import check_array, check_float, valid_lens_array
-from .functional import (_check_heads, _softmax, dot_product_attention, key_mask,
-                         merge_heads, split_heads, zero_masked_values)
+from .functional import (DEFAULT_MEMORY_BUDGET, _check_heads, _softmax, attend,
+                         check_path_options, key_mask, zero_masked_values)
 from .module import Module
 
 
@@ -69,14 +69,28 @@ class _Attention(Module):
         return valid_lens_array(self._backend, valid_lens, queries.shape[0],
                                 queries.shape[1])
 
+    @property
+    def last_path(self):
+        """The path the last call took: ``"fused"``, ``"chunked"`` or ``"full"``
+        (None before the first call)."""
+        return self.__dict__.get("_attention_path")
+
 
 class AdditiveAttention(_Attention):
-    """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score."""
+    """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score.
 
-    def __init__(self, key_size, query_size, num_hiddens, dropout, **options):
+    The (batch, queries, keys, num_hiddens) features are computed a block of
+    queries at a time so that they stay within ``memory_budget`` bytes
+    (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB; also a module attribute);
+    results do not depend on the block size.
+    """
+
+    def __init__(self, key_size, query_size, num_hiddens, dropout, *,
+                 memory_budget=None, **options):
         self._start(**options)
         self.key_size, self.query_size, self.num_hiddens = key_size, query_size, num_hiddens
         self.dropout = float(dropout)
+        self.memory_budget = check_path_options("auto", memory_budget, None)[1]
         self.W_k = Linear(key_size, num_hiddens, bias=False, **self._child_options())
         self.W_q = Linear(query_size, num_hiddens, bias=False, **self._child_options())
         self.w_v = Linear(num_hiddens, 1, bias=False, **self._child_options())
@@ -86,23 +100,62 @@ class AdditiveAttention(_Attention):
         B = self._backend
         lens = self._lens(valid_lens, queries)
         q, k = self.W_q(queries), self.W_k(keys)
-        b, nq, nk, h = q.shape[0], q.shape[1], k.shape[1], self.num_hiddens
-        features = B.tanh(q.reshape((b, nq, 1, h)) + k.reshape((b, 1, nk, h)))
-        scores = self.w_v(features).reshape((b, nq, nk))
+        scores = self._scores(q, k)
         weights = _softmax(B, scores, None if lens is None else
-                           key_mask(B, lens, nk, B.device_of(keys)))
+                           key_mask(B, lens, k.shape[1], B.device_of(keys)))
         if lens is not None:
             values = zero_masked_values(B, values, lens)
         self._keep_attention(weights)
+        self.__dict__["_attention_path"] = "full"
         return B.matmul(self._dropout(weights, self.dropout, key), values)
+
+    def _scores(self, q, k):
+        """(b, nq, nk) scores, over blocks of queries within the memory budget."""
+        B, h = self._backend, self.num_hiddens
+        b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
+        itemsize = 8 if B.dtype_name(q) == "float64" else 4
+        budget = self.memory_budget or DEFAULT_MEMORY_BUDGET
+        # features and their tanh live together: 2 (b, block, nk, h) arrays
+        block = max(1, budget // max(1, 2 * b * nk * h * itemsize))
+        k = k.reshape((b, 1, nk, h))
+        chunks = []
+        for q0 in range(0, nq, block):
+            qb = q[:, q0:q0 + block]
+            features = B.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
+            chunks.append(self.w_v(features).reshape((b, qb.shape[1], nk)))
+        return chunks[0] if len(chunks) == 1 else B.concatenate(chunks, axis=1)
 
 
 class DotProductAttention(_Attention):
-    """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d)) V``."""
+    """Scaled dot-product attention: ``softmax(Q K^T / sqrt(d)) V``.
 
-    def __init__(self, dropout, **options):
+    How it is computed (keywords, also module attributes):
+
+    - ``path="auto"``: the backend's fused kernel when dropout is inactive
+      (eval mode or ``dropout=0``) and it fits in ``memory_budget``; else the
+      chunked online-softmax path when the float32 (batch, queries, keys)
+      scores would exceed ``memory_budget``; else the full path, which
+      materializes the scores. ``"fused"``, ``"chunked"`` and ``"full"``
+      force a path (``"fused"`` still falls back when the backend has no
+      kernel for the case or dropout is active). ``last_path`` tells which
+      one the last call took.
+    - ``memory_budget``: bytes of score-sized intermediates one call may use
+      (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB).
+    - ``chunk_size``: queries and keys per block on the chunked path
+      (default: up to 1024 keys, as many queries as fit the budget).
+
+    All paths agree up to float rounding. ``attention_weights`` is available
+    after every call; after a fused or chunked call it is computed on first
+    access from the kept queries and keys (this materializes the
+    (batch, queries, keys) weights).
+    """
+
+    def __init__(self, dropout, *, path="auto", memory_budget=None, chunk_size=None,
+                 **options):
         self._start(**options)
         self.dropout = float(dropout)
+        self.path, self.memory_budget, self.chunk_size = check_path_options(
+            path, memory_budget, chunk_size)
 
     def forward(self, queries, keys, values, valid_lens=None, *, key=None):
         self._check_inputs(queries, keys, values)
@@ -113,24 +166,40 @@ class DotProductAttention(_Attention):
         return self._attend(queries, keys, values, self._lens(valid_lens, queries), key)
 
     def _attend(self, queries, keys, values, lens, key):
-        """Attention on checked inputs; ``lens`` is None or int32 (B,)/(B, Q)."""
-        out, weights = dot_product_attention(
-            self._backend, queries, keys, values, lens,
-            lambda w: self._dropout(w, self.dropout, key))
-        self._keep_attention(weights)
+        """Attention on checked inputs: (N, n, d) or (batch, heads, n, d);
+        ``lens`` is None or int32 (N or batch,) / (N or batch, Q)."""
+        B = self._backend
+        dropout = None
+        if self.training and self.dropout > 0:
+            def dropout(w, index=None):
+                return self._dropout(w, self.dropout, B.fold_key(key, index))
+        out, kept, taken = attend(
+            B, queries, keys, values, lens, dropout=dropout, path=self.path,
+            memory_budget=self.memory_budget, chunk_size=self.chunk_size)
+        self._keep_attention(kept)
+        self.__dict__["_attention_path"] = taken
         return out
 
 
 class MultiHeadAttention(_Attention):
-    """Multi-head attention over ``num_heads`` scaled dot-product heads."""
+    """Multi-head attention over ``num_heads`` scaled dot-product heads.
+
+    The heads reach the attention as (batch, heads, n, head_size) views of the
+    projections, so a fused kernel takes them without copies. ``path``,
+    ``memory_budget`` and ``chunk_size`` are those of ``DotProductAttention``
+    (the ``attention`` child; also readable and settable here).
+    """
 
     def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads,
-                 dropout, bias=False, **options):
+                 dropout, bias=False, *, path="auto", memory_budget=None,
+                 chunk_size=None, **options):
         self._start(**options)
         _check_heads(num_hiddens, num_heads)
         self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
-        self.attention = DotProductAttention(dropout, **self._child_options())
+        self.attention = DotProductAttention(
+            dropout, path=path, memory_budget=memory_budget, chunk_size=chunk_size,
+            **self._child_options())
         self.W_q = Linear(query_size, num_hiddens, bias=bias, **self._child_options())
         self.W_k = Linear(key_size, num_hiddens, bias=bias, **self._child_options())
         self.W_v = Linear(value_size, num_hiddens, bias=bias, **self._child_options())
@@ -140,19 +209,31 @@ class MultiHeadAttention(_Attention):
         self._check_inputs(queries, keys, values,
                            (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
-        lens = self._lens(valid_lens, queries)
-        if lens is not None:
-            lens = B.repeat(lens, h, axis=0)
-        q = split_heads(B, self.W_q(queries), h)
-        k = split_heads(B, self.W_k(keys), h)
-        v = split_heads(B, self.W_v(values), h)
-        out = self.attention._attend(q, k, v, lens, key)
-        return self.W_o(merge_heads(B, out, h))
+        lens = self._lens(valid_lens, queries)   # broadcast over the heads
+
+        def heads(x):   # (b, n, h * s) -> (b, h, n, s), a view where possible
+            return B.transpose(x.reshape((x.shape[0], x.shape[1], h, -1)), (0, 2, 1, 3))
+
+        out = self.attention._attend(heads(self.W_q(queries)), heads(self.W_k(keys)),
+                                     heads(self.W_v(values)), lens, key)
+        out = B.transpose(out, (0, 2, 1, 3))
+        return self.W_o(out.reshape((out.shape[0], out.shape[1], -1)))
 
     @property
     def attention_weights(self):
         """Weights of the last call, (batch * num_heads, queries, keys) as in d2l."""
         return self.attention.attention_weights
+
+    @property
+    def last_path(self):
+        return self.attention.last_path
+
+    path = property(lambda self: self.attention.path,
+                    lambda self, value: setattr(self.attention, "path", value))
+    memory_budget = property(lambda self: self.attention.memory_budget,
+                             lambda self, v: setattr(self.attention, "memory_budget", v))
+    chunk_size = property(lambda self: self.attention.chunk_size,
+                          lambda self, v: setattr(self.attention, "chunk_size", v))
 
 
 class PositionalEncoding(Module):

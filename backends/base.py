@@ -82,6 +82,36 @@ class Backend:
     def transpose(self, x, axes):
         raise NotImplementedError
 
+    def concatenate(self, xs, axis):
+        """Join a sequence of arrays along an existing ``axis``."""
+        raise NotImplementedError
+
+    # -- optional capabilities ------------------------------------------------
+    def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
+        """Scaled dot-product attention in the framework's own kernel, or None.
+
+        ``queries`` (..., Q, d), ``keys`` (..., K, d), ``values`` (..., K, dv)
+        share their leading axes: ``(N,)`` or ``(batch, heads)`` (possibly
+        strided views). ``lens`` is None or int32 ``(batch,)`` / ``(batch, Q)``,
+        broadcast over ``heads``; ``scale`` multiplies the scores. Returns
+        ``softmax(scale * Q K^T, masked) V`` with the leading axes of
+        ``queries``, where, as on the generic path: a length past the end
+        masks nothing, a query with no valid key gets an all-zero output, NaN
+        in value rows past every query's length does not leak, and half
+        precision does not overflow.
+
+        Return None when this framework (or this case: dtype, device, a kernel
+        that would need more than ``memory_budget`` extra bytes) has no such
+        kernel; the caller then falls back to the generic path. ``None``
+        budget means no limit. The default has no kernel at all.
+        """
+        return None
+
+    def fold_key(self, key, index):
+        """A key for the ``index``-th of several dropout draws within one call
+        (frameworks with a global RNG ignore keys: ``key`` is returned)."""
+        return key
+
     # -- devices ------------------------------------------------------------
     def device(self, kind, index=0):
         """Native device for ``("cpu"|"cuda", index)``; ValueError if absent."""

@@ -1,4 +1,6 @@
 """JAX backend: modules are pytrees whose leaves are exactly their parameters."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +61,35 @@ class JaxModule(PlainModule):
         for name, value in zip(self._param_names + self._child_names, leaves):
             object.__setattr__(self, name, value)
         return self
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _fused_attention(queries, keys, values, lens, scale):
+    dtype = queries.dtype
+    if dtype in (jnp.float16, jnp.bfloat16):   # (no half dot on the CPU)
+        queries, keys, values = (x.astype(jnp.float32) for x in (queries, keys, values))
+    three_d = queries.ndim == 3
+    if three_d:   # (N, n, d) -> (N, n, 1, d): a reshape, no copy
+        q, k, v = (x[:, :, None, :] for x in (queries, keys, values))
+    else:
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (queries, keys, values))
+    options = {}
+    if lens is not None:
+        positions = jnp.arange(k.shape[1], dtype=jnp.int32)
+        longest = lens if lens.ndim == 1 else jnp.max(lens, axis=1)
+        used = positions[None, :, None, None] < longest[:, None, None, None]
+        v = jnp.where(used, v, jnp.zeros((), v.dtype))
+        if lens.ndim == 1:
+            options["key_value_seq_lengths"] = lens
+        else:
+            options["mask"] = (positions < lens[:, :, None])[:, None]
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, **options)
+    if lens is not None:   # no valid key: zeros, not the mean of the values
+        has_keys = (lens > 0)[:, None, None, None] if lens.ndim == 1 else \
+            (lens > 0)[:, :, None, None]
+        out = jnp.where(has_keys, out, jnp.zeros((), out.dtype))
+    out = out.astype(dtype)
+    return out[:, :, 0, :] if three_d else jnp.swapaxes(out, 1, 2)
 
 
 class JaxBackend(Backend):
@@ -123,6 +154,28 @@ class JaxBackend(Backend):
 
     def transpose(self, x, axes):
         return jnp.transpose(x, axes)
+
+    def concatenate(self, xs, axis):
+        return jnp.concatenate(list(xs), axis=axis)
+
+    def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
+        """``jax.nn.dot_product_attention`` in its (batch, n, heads, d) layout,
+        lengths as ``key_value_seq_lengths`` (per-query lengths as a mask),
+        as one jitted function (eager calls run one compiled program).
+        Its XLA implementation materializes the scores, so it declines (None)
+        when they would not fit in ``memory_budget``. It also declines when
+        values and queries differ in feature size (JAX requires them equal)
+        and for float64 (it computes the scores in float32)."""
+        *lead, num_q, _ = queries.shape
+        num_k = keys.shape[-2]
+        if not hasattr(jax.nn, "dot_product_attention") or \
+                values.shape[-1] != queries.shape[-1] or queries.dtype == jnp.float64 or (
+                    memory_budget is not None and
+                    int(np.prod(lead)) * num_q * num_k * 4 > memory_budget):
+            return None
+        return _fused_attention(queries, keys, values, lens, float(scale))
+    def fold_key(self, key, index):
+        return key if key is None or index is None else jax.random.fold_in(key, index)
 
     def device(self, kind, index=0):
         if kind == "cuda":

@@ -99,6 +99,23 @@ class GluonModule(gluon.Block):
         return self
 
 
+_FOLD_MIN_SCORES = 1 << 20   # fewer scores: a bias costs less than the copies
+
+
+def _append_feature(x, column):
+    """``x`` (..., n, f) with ``column`` (a scalar or (..., n, 1)) as feature f+1."""
+    shape = tuple(x.shape[:-1]) + (x.shape[-1] + 1,)
+    if autograd.is_recording():   # slice assignment is not differentiable
+        if not isinstance(column, mnp.ndarray):
+            column = mnp.full(shape[:-1] + (1,), column, dtype=x.dtype, ctx=x.ctx)
+        return mnp.concatenate([x, column], axis=-1)
+    out = mnp.empty(shape, dtype=x.dtype, ctx=x.ctx)
+    head = (slice(None),) * (len(shape) - 1)
+    out[head + (slice(0, x.shape[-1]),)] = x
+    out[head + (slice(x.shape[-1], None),)] = column
+    return out
+
+
 class MXNetBackend(Backend):
     name = "mxnet"
     module_base = GluonModule
@@ -170,6 +187,63 @@ class MXNetBackend(Backend):
 
     def transpose(self, x, axes):
         return mnp.transpose(x, axes)
+
+    def concatenate(self, xs, axis):
+        return mnp.concatenate(list(xs), axis=axis)
+
+    def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
+        """``npx.batch_dot`` and plain ``npx.softmax``, with no masking pass over
+        the scores: per-batch lengths are folded into the first product as an
+        extra feature (``[scale q, 1] . [k, 0 or -1e30]``), value rows past
+        the lengths are zeroed by ``npx.sequence_mask``. Per-query lengths,
+        and small inputs (where the extra copies cost more than they save),
+        add a broadcast bias instead. (On the CPU, MXNet 1.9.1's softmax with
+        ``length=`` or ``temperature=`` and broadcast ``where`` are several
+        times slower than these.) Materializes the scores, so it declines
+        (None) when they would not fit in ``memory_budget``."""
+        *lead, num_q, d = queries.shape
+        num_k = keys.shape[-2]
+        if memory_budget is not None and \
+                int(np.prod(lead)) * num_q * num_k * 4 > memory_budget:
+            return None
+        dtype = queries.dtype
+        if dtype == np.float16:   # no float16 dot on the CPU; accumulate in float32
+            queries, keys, values = (x.astype("float32") for x in (queries, keys, values))
+        queries = queries * scale
+        if lens is None:
+            return self._softmax_product(queries, keys, values).astype(dtype, copy=False)
+        heads = lead[1] if len(lead) == 2 else 1
+        expand = (1,) * (len(lead) - 1)
+        positions = mnp.arange(num_k, dtype="int32", ctx=keys.ctx)
+        longest = lens if lens.ndim == 1 else mnp.max(lens, axis=1)
+        # sequence_mask must not see lengths past the axis: MXNet 1.9.1
+        # corrupts memory there
+        longest = mnp.minimum(longest, num_k)
+        flat = (-1,) + tuple(values.shape[-2:])      # (batch * heads, K, dv)
+        seq_lens = longest if heads == 1 else mnp.repeat(longest, heads, axis=0)
+        values = npx.sequence_mask(values.reshape(flat), seq_lens.astype(values.dtype),
+                                   True, value=0.0, axis=1).reshape(values.shape)
+        if lens.ndim == 1 and int(np.prod(lead)) * num_q * num_k >= _FOLD_MIN_SCORES:
+            offset = mnp.where(positions.reshape((-1, 1)) < lens.reshape((-1,) + expand + (1, 1)),
+                               0.0, -1e30).astype(keys.dtype)
+            offset = mnp.broadcast_to(offset, tuple(keys.shape[:-1]) + (1,))
+            return self._softmax_product(_append_feature(queries, 1.0),
+                                         _append_feature(keys, offset),
+                                         values).astype(dtype, copy=False)
+        rows = (lens.reshape((-1,) + expand + (1, 1)) if lens.ndim == 1 else
+                lens.reshape((lens.shape[0],) + expand + (num_q, 1)))
+        bias = mnp.where(positions < rows, 0.0, -1e30).astype(queries.dtype)
+        out = self._softmax_product(queries, keys, values, bias)
+        if lens.ndim == 2:   # no valid key: zeros, not the mean of the values
+            out = out * (rows > 0).astype(out.dtype)   # (per batch: values are 0)
+        return out.astype(dtype, copy=False)
+
+    @staticmethod
+    def _softmax_product(queries, keys, values, bias=None):
+        scores = npx.batch_dot(queries, keys, transpose_b=True)
+        if bias is not None:
+            scores = scores + bias
+        return npx.batch_dot(npx.softmax(scores, axis=-1), values)
 
     def device(self, kind, index=0):
         if kind == "cuda":

@@ -33,6 +33,18 @@ class TorchModule(torch.nn.Module):
         return self.to(native_device(self._backend, device))
 
 
+def _zero_unused_values(values, lens, positions):
+    """Zero value rows past every query's length (NaN there must not leak):
+    skipped on the CPU when ``values`` is all finite (a cheap check: the sum
+    of a finite array is finite unless it overflows, which only costs the
+    zeroing)."""
+    if values.device.type == "cpu" and bool(torch.isfinite(values.sum())):
+        return values
+    longest = lens if lens.dim() == 1 else lens.amax(1)
+    used = positions.reshape(1, 1, -1, 1) < longest.reshape(-1, 1, 1, 1)
+    return torch.where(used, values, 0.0)
+
+
 class TorchBackend(Backend):
     name = "torch"
     module_base = TorchModule
@@ -87,6 +99,46 @@ class TorchBackend(Backend):
 
     def transpose(self, x, axes):
         return x.permute(*axes)
+
+    def concatenate(self, xs, axis):
+        return torch.cat(list(xs), dim=axis)
+
+    def fused_attention(self, queries, keys, values, lens, scale, memory_budget=None):
+        """``F.scaled_dot_product_attention`` on 4-D (batch, heads, n, d) views,
+        with a broadcast boolean key mask: its fast (flash) kernel, O(n d)
+        extra memory beyond the mask. Declines (None) when the mask would not
+        fit in ``memory_budget`` (per-query lengths need a (batch, Q, K) mask)."""
+        three_d = queries.dim() == 3
+        if three_d:
+            queries, keys, values = (x.unsqueeze(1) for x in (queries, keys, values))
+        mask = None
+        if lens is not None:
+            num_q, num_k = queries.shape[-2], keys.shape[-2]
+            if (memory_budget is not None and lens.dim() == 2
+                    and lens.shape[0] * num_q * num_k > memory_budget):
+                return None
+            positions = torch.arange(num_k, dtype=torch.int32, device=keys.device)
+            mask = (positions < lens.reshape(-1, 1, 1, 1) if lens.dim() == 1 else
+                    (positions < lens.unsqueeze(-1)).unsqueeze(1))
+            values = _zero_unused_values(values, lens, positions)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                             scale=scale)
+        if lens is not None and not self._sdpa_zeroes_empty_rows(out):
+            out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
+        return out.squeeze(1) if three_d else out
+
+    def _sdpa_zeroes_empty_rows(self, like):
+        """Whether SDPA gives zeros (not NaN or uniform) for a query with no
+        valid key on this device and dtype (PyTorch >= 2.5 does); probed once."""
+        cache = self.__dict__.setdefault("_empty_rows", {})
+        where = (like.device.type, like.dtype)
+        if where not in cache:
+            x = torch.ones((1, 1, 2, 8), dtype=like.dtype, device=like.device)
+            mask = torch.tensor([[False, False], [True, True]], device=like.device)
+            with torch.no_grad():   # query 0 has no valid key
+                out = F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+            cache[where] = bool((out[0, 0, 0] == 0).all())
+        return cache[where]
 
     def device(self, kind, index=0):
         if kind == "cuda":

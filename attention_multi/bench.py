@@ -1,0 +1,553 @@
+"""``attention-multi bench``: this library against each framework's own attention.
+
+Forward inference, float32, modules in eval mode (dropout off), each call
+including the module's input checks. Every comparison runs in one process,
+interleaving bursts of calls of the two sides, and reports their medians and
+the ratio of the medians. The long-sequence case runs each configuration in
+a subprocess and reports its peak RSS (``ru_maxrss``).
+
+Baselines:
+- ``torch.nn.functional.scaled_dot_product_attention`` in its fastest form:
+  4-D (B, heads, T, d) inputs and a broadcast (B, 1, 1, T) boolean mask;
+- ``torch.nn.MultiheadAttention`` with ``need_weights=False`` and
+  ``key_padding_mask``;
+- ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``, jitted;
+- the seeds' hand-written d2l code: PyTorch (seed 000: ``masked_softmax``,
+  ``sequence_mask``, ``DotProductAttention`` with ``torch.bmm``) and MXNet
+  (seed 004: ``DotProductAttention`` with ``npx.batch_dot``; its
+  ``masked_softmax`` there is PyTorch code, so d2l's MXNet ``masked_softmax``
+  with ``npx.sequence_mask`` is used).
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+TARGETS = {  # (row key) -> largest acceptable ratio; None: must be faster (< 1)
+    "torch-dot-sdpa": 1.10,
+    "torch-dot-seed": None,
+    "torch-mha-nn": 1.10,
+    "jax-dot-jit": 1.05,
+    "mxnet-dot-seed": 1.05,
+    "numpy-dot-sdpa": 2.0,
+}
+DOT_SHAPES = {"small": (4, 128, 64), "medium": (16, 512, 64), "large": (16, 1024, 64)}
+MHA_SHAPES = {"small": (2, 64, 64, 4), "medium": (8, 256, 256, 8), "large": (8, 512, 512, 8)}
+LONG = dict(batch=1, heads=8, head_size=64, length=16384)
+RSS_LIMIT_MIB = 2048
+
+
+def add_arguments(parser):
+    parser.add_argument("--quick", action="store_true",
+                        help="medium shapes only, shorter timing, long case at T=4096")
+    parser.add_argument("--backends", default="numpy,torch,jax,mxnet",
+                        help="comma-separated backends to measure (default: all installed)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated from small,medium,large (default: all; "
+                             "--quick: medium)")
+    parser.add_argument("--seconds", type=float, default=None,
+                        help="timing budget per comparison (default 3; --quick 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: the number of cores)")
+    parser.add_argument("--long-length", type=int, default=None,
+                        help=f"T of the long-sequence case (default {LONG['length']}; "
+                             f"--quick 4096; 0 skips it)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+
+
+# -- baselines: the seeds' code, copied -------------------------------------------
+
+def _seed_torch():
+    """Seed 000 (d2l, PyTorch): masked_softmax, sequence_mask, DotProductAttention."""
+    import torch
+    from torch import nn
+
+    def masked_softmax(X, valid_lens):
+        if valid_lens is None:
+            return nn.functional.softmax(X, dim=-1)
+        else:
+            shape = X.shape
+            if valid_lens.dim() == 1:
+                valid_lens = torch.repeat_interleave(valid_lens, shape[1])
+            else:
+                valid_lens = valid_lens.reshape(-1)
+            X = sequence_mask(X.reshape(-1, shape[-1]), valid_lens, value=-1e6)
+            return nn.functional.softmax(X.reshape(shape), dim=-1)
+
+    def sequence_mask(X, valid_len, value=0):
+        maxlen = X.size(1)
+        mask = torch.arange((maxlen), dtype=torch.float32,
+                            device=X.device)[None, :] < valid_len[:, None]
+        X[~mask] = value
+        return X
+
+    class DotProductAttention(nn.Module):
+        def __init__(self, dropout, **kwargs):
+            super(DotProductAttention, self).__init__(**kwargs)
+            self.dropout = nn.Dropout(dropout)
+
+        def forward(self, queries, keys, values, valid_lens=None):
+            d = queries.shape[-1]
+            scores = torch.bmm(queries, keys.transpose(1, 2)) / math.sqrt(d)
+            self.attention_weights = masked_softmax(scores, valid_lens)
+            return torch.bmm(self.dropout(self.attention_weights), values)
+
+    return DotProductAttention
+
+
+def _seed_mxnet():
+    """Seed 004 (d2l, MXNet): DotProductAttention with npx.batch_dot, and d2l's
+    MXNet masked_softmax (the seed's own is PyTorch code)."""
+    from mxnet import gluon, npx
+    nn = gluon.nn
+
+    def masked_softmax(X, valid_lens):
+        if valid_lens is None:
+            return npx.softmax(X)
+        else:
+            shape = X.shape
+            if valid_lens.ndim == 1:
+                valid_lens = valid_lens.repeat(shape[1])
+            else:
+                valid_lens = valid_lens.reshape(-1)
+            X = npx.sequence_mask(X.reshape(-1, shape[-1]), valid_lens, True,
+                                  value=-1e6, axis=1)
+            return npx.softmax(X).reshape(shape)
+
+    class DotProductAttention(nn.Block):
+        def __init__(self, dropout, **kwargs):
+            super(DotProductAttention, self).__init__(**kwargs)
+            self.dropout = nn.Dropout(dropout)
+
+        def forward(self, queries, keys, values, valid_lens=None):
+            d = queries.shape[-1]
+            scores = npx.batch_dot(queries, keys, transpose_b=True) / math.sqrt(d)
+            self.attention_weights = masked_softmax(scores, valid_lens)
+            return npx.batch_dot(self.dropout(self.attention_weights), values)
+
+    return DotProductAttention
+
+
+# -- timing -----------------------------------------------------------------------
+
+def compare(ours, baseline, seconds, sync=lambda x: x, burst=5):
+    """Median seconds of ``ours()`` and ``baseline()``, in interleaved bursts.
+
+    Each round runs a burst of calls of one side, then of the other (the
+    order alternating); the first call of a burst is not timed, so that
+    worker threads that one framework leaves spinning do not count against
+    the other.
+    """
+    for f in (ours, baseline, ours, baseline):
+        sync(f())
+    start = time.perf_counter()
+    sync(ours())
+    sync(baseline())
+    pair = max(time.perf_counter() - start, 1e-6)
+    rounds = int(min(80, max(3, seconds / pair / (burst + 1))))
+    times = ([], [])
+    for i in range(rounds):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            f = (ours, baseline)[side]
+            sync(f())
+            for _ in range(burst):
+                t0 = time.perf_counter()
+                sync(f())
+                times[side].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1]), len(times[0])
+
+
+def _rng_inputs(shape, n=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=np.float32) for _ in range(n)]
+
+
+def _lens(batch, length, seed=1):
+    return np.random.default_rng(seed).integers(1, length + 1, batch).astype(np.int32)
+
+
+# -- the comparisons ----------------------------------------------------------------
+
+def bench_torch_dot(shape, seconds):
+    import torch
+    import torch.nn.functional as F
+
+    import attention_multi as am
+    B, T, d = shape
+    q, k, v = (torch.from_numpy(x) for x in _rng_inputs(shape))
+    lens = torch.from_numpy(_lens(B, T))
+    ours = am.DotProductAttention(0.1, backend="torch").eval()
+    q4, k4, v4 = q[:, None], k[:, None], v[:, None]
+    seed = _seed_torch()(0.1).eval()
+
+    def sdpa():
+        mask = (torch.arange(T) < lens[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
+
+    rows = []
+    with torch.inference_mode():
+        ref = sdpa()[:, 0]
+        check = float((ours(q, k, v, lens) - ref).abs().max())
+        path = ours.last_path
+        rows.append(("torch-dot-sdpa", "torch", "DotProductAttention", shape, path,
+                     "SDPA 4-D + (B,1,1,T) mask",
+                     *compare(lambda: ours(q, k, v, lens), sdpa, seconds), check))
+        rows.append(("torch-dot-seed", "torch", "DotProductAttention", shape, path,
+                     "seed 000 d2l PyTorch",
+                     *compare(lambda: ours(q, k, v, lens), lambda: seed(q, k, v, lens),
+                              seconds), check))
+    return rows
+
+
+def bench_torch_mha(shape, seconds):
+    import torch
+
+    import attention_multi as am
+    B, T, E, h = shape
+    x = torch.from_numpy(_rng_inputs((B, T, E), 1)[0])
+    lens = torch.from_numpy(_lens(B, T))
+    ours = am.MultiHeadAttention(E, E, E, E, h, 0.1, backend="torch").eval()
+    mha = torch.nn.MultiheadAttention(E, h, dropout=0.1, bias=False,
+                                      batch_first=True).eval()
+    p = {n: t.detach() for n, t in ours.named_parameters()}
+    with torch.no_grad():   # the same weights on both sides
+        mha.in_proj_weight.copy_(torch.cat([p["W_q.weight"], p["W_k.weight"],
+                                            p["W_v.weight"]]))
+        mha.out_proj.weight.copy_(p["W_o.weight"])
+
+    def nn_mha():
+        padding = torch.arange(T)[None, :] >= lens[:, None]
+        return mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+
+    with torch.inference_mode():
+        check = float((ours(x, x, x, lens) - nn_mha()).abs().max())
+        return [("torch-mha-nn", "torch", "MultiHeadAttention", shape, ours.last_path,
+                 "nn.MultiheadAttention", *compare(lambda: ours(x, x, x, lens), nn_mha,
+                                                   seconds), check)]
+
+
+def bench_jax_dot(shape, seconds):
+    import jax
+    import jax.numpy as jnp
+
+    import attention_multi as am
+    B, T, d = shape
+    q, k, v = (jnp.asarray(x) for x in _rng_inputs(shape))
+    lens = jnp.asarray(_lens(B, T))
+    ours = am.DotProductAttention(0.1, backend="jax").eval()
+    call = jax.jit(lambda m, q, k, v, lens: m(q, k, v, lens))
+    dpa = jax.jit(lambda q, k, v, lens: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lens))
+    q4, k4, v4 = (x[:, :, None, :] for x in (q, k, v))
+    ref = dpa(q4, k4, v4, lens)[:, :, 0]
+    check = float(jnp.abs(call(ours, q, k, v, lens) - ref).max())
+    ours(q, k, v, lens)   # eager, to learn the path taken
+    return [("jax-dot-jit", "jax", "DotProductAttention (jit)", shape, ours.last_path,
+             "jax.nn.dot_product_attention (jit)",
+             *compare(lambda: call(ours, q, k, v, lens), lambda: dpa(q4, k4, v4, lens),
+                      seconds, sync=lambda x: x.block_until_ready()), check)]
+
+
+def bench_mxnet_dot(shape, seconds):
+    import attention_multi as am
+    import backends
+    backends.get_backend("mxnet")   # sets NumPy mode before the seed's code runs
+    from mxnet import np as mnp
+    from mxnet import npx
+    B, T, d = shape
+    q, k, v = (mnp.array(x) for x in _rng_inputs(shape))
+    lens = mnp.array(_lens(B, T))
+    ours = am.DotProductAttention(0.1, backend="mxnet").eval()
+    seed = _seed_mxnet()(0.1)
+    seed.initialize()
+
+    def sync(x):
+        npx.waitall()
+        return x
+
+    check = float(mnp.abs(ours(q, k, v, lens) - seed(q, k, v, lens.astype("float32"))).max())
+    flens = lens.astype("float32")   # npx.sequence_mask wants the data's dtype
+    return [("mxnet-dot-seed", "mxnet", "DotProductAttention", shape, ours.last_path,
+             "seed 004 d2l MXNet (npx.batch_dot)",
+             *compare(lambda: ours(q, k, v, lens), lambda: seed(q, k, v, flens),
+                      seconds, sync=sync), check)]
+
+
+def bench_numpy_dot(shape, seconds):
+    import torch
+    import torch.nn.functional as F
+
+    import attention_multi as am
+    B, T, d = shape
+    q, k, v = _rng_inputs(shape)
+    lens = _lens(B, T)
+    ours = am.DotProductAttention(0.1, backend="numpy").eval()
+    q4, k4, v4 = (torch.from_numpy(x)[:, None] for x in (q, k, v))
+    tlens = torch.from_numpy(lens)
+
+    def sdpa():
+        mask = (torch.arange(T) < tlens[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask)
+
+    with torch.inference_mode():
+        check = float(np.abs(ours(q, k, v, lens) - sdpa()[:, 0].numpy()).max())
+        return [("numpy-dot-sdpa", "numpy", "DotProductAttention", shape, ours.last_path,
+                 "torch SDPA 4-D + mask",
+                 *compare(lambda: ours(q, k, v, lens), sdpa, seconds), check)]
+
+
+BENCHES = {
+    "torch": [("dot", bench_torch_dot), ("mha", bench_torch_mha)],
+    "jax": [("dot", bench_jax_dot)],
+    "mxnet": [("dot", bench_mxnet_dot)],
+    "numpy": [("dot", bench_numpy_dot)],
+}
+
+
+# -- the long-sequence case, one subprocess per configuration ---------------------
+
+def _peak_rss_mib():
+    """This process's peak resident set size (ru_maxrss), MiB."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # KiB on Linux
+
+
+def _rss_now_mib():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def long_child(spec):
+    """Run one long case (in a subprocess); print a JSON line with the results."""
+    backend, path, T, out_file, threads = (spec[k] for k in
+                                           ("backend", "path", "length", "out", "threads"))
+    import attention_multi as am
+    import backends
+    if backend == "torch":
+        import torch
+        torch.set_num_threads(threads)
+    B = backends.get_backend(backend)
+    E, h = LONG["heads"] * LONG["head_size"], LONG["heads"]
+    rng = np.random.default_rng(0)
+    x = B.asarray(rng.standard_normal((LONG["batch"], T, E), dtype=np.float32))
+    lens = B.asarray(np.array([T - T // 8], dtype=np.int32))
+    m = am.MultiHeadAttention(E, E, E, E, h, 0.0, backend=backend, path=path).eval()
+    bound = 1 / math.sqrt(E)
+    am.set_params(m, {n: rng.uniform(-bound, bound, (E, E)).astype(np.float32)
+                      for n in ("W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight")})
+    before = _rss_now_mib() or _peak_rss_mib()
+    t0 = time.perf_counter()
+    if backend == "torch":
+        with torch.inference_mode():
+            out = m(x, x, x, lens)
+    else:
+        out = m(x, x, x, lens)
+    seconds = time.perf_counter() - t0
+    np.save(out_file, B.to_numpy(out))
+    print(json.dumps({"backend": backend, "path": path, "taken": m.last_path,
+                      "length": T, "seconds": seconds, "rss_before_mib": before,
+                      "peak_rss_mib": _peak_rss_mib()}))
+
+
+def run_long(backends_, length, threads):
+    configs = [(b, p) for b in ("numpy", "torch") if b in backends_
+               for p in ("auto", "chunked")]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend, path in configs:
+            spec = {"backend": backend, "path": path, "length": length,
+                    "out": os.path.join(tmp, f"{backend}-{path}.npy"), "threads": threads}
+            proc = subprocess.run([sys.executable, "-m", "attention_multi.bench",
+                                   "--long-child", json.dumps(spec)],
+                                  env=env, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode or not lines:
+                results.append({"backend": backend, "path": path, "length": length,
+                                "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+                continue
+            result = json.loads(lines[-1])
+            out = np.load(spec["out"])
+            if results and "out" in results[0]:
+                result["max_abs_diff"] = float(np.abs(out - results[0]["out"]).max())
+            result["out"] = out
+            results.append(result)
+    for r in results:
+        r.pop("out", None)
+    return results
+
+
+# -- report -------------------------------------------------------------------------
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    for name in ("torch", "jax", "mxnet"):
+        if name in sys.modules:
+            versions[name] = getattr(sys.modules[name], "__version__", "?")
+    from backends.numpy_backend import _OpenBLAS
+    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+            "versions": versions, "numpy_blas": _OpenBLAS().config or "not OpenBLAS"}
+
+
+def _blas_note(info):
+    """A hint when NumPy's OpenBLAS runs old kernels on an AVX-512 CPU."""
+    config = info["numpy_blas"]
+    try:
+        with open("/proc/cpuinfo") as f:
+            avx512 = " avx512f " in f.read()
+    except OSError:
+        return ""
+    if avx512 and any(f" {core} " in f" {config} " for core in
+                      ("Prescott", "Core2", "Nehalem", "Sandybridge", "Haswell")):
+        return ("Note: NumPy's OpenBLAS does not recognize this CPU and runs "
+                "pre-AVX-512 kernels; OPENBLAS_CORETYPE=SkylakeX in the environment "
+                "makes NumPy's matrix products several times faster.")
+    return ""
+
+
+def _fmt_shape(key, shape):
+    if len(shape) == 3:
+        return "B={} T={} d={}".format(*shape)
+    return "B={} T={} E={} h={}".format(*shape)
+
+
+def table(rows):
+    lines = ["| Measured | Shape | Path | Against | Ours (ms) | Theirs (ms) | Ratio | "
+             "Target | Met |",
+             "|---|---|---|---|---:|---:|---:|---:|:-:|"]
+    for key, backend, what, shape, path, against, ours, theirs, n, _ in rows:
+        ratio = ours / theirs
+        target, met = TARGETS[key], "-"
+        if shape in (DOT_SHAPES["medium"], MHA_SHAPES["medium"]):   # the targets' shapes
+            met = "yes" if (ratio < 1 if target is None else ratio <= target) else "NO"
+            target = "< 1x" if target is None else f"<= {target:.2f}x"
+        else:
+            target = "-"
+        lines.append(f"| {backend} {what} | {_fmt_shape(key, shape)} | {path} | {against} | "
+                     f"{ours * 1e3:.2f} | {theirs * 1e3:.2f} | {ratio:.2f}x | "
+                     f"{target} | {met} |")
+    return "\n".join(lines)
+
+
+def long_table(results):
+    lines = ["| Backend | path= | Path taken | T | Time (s) | Peak RSS (MiB) | "
+             "RSS before the call (MiB) | max abs diff vs first row | Under 2 GiB |",
+             "|---|---|---|---:|---:|---:|---:|---:|:-:|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['path']} | failed: {r['error']} | "
+                         f"{r['length']} | | | | | NO |")
+            continue
+        diff = r.get("max_abs_diff")
+        lines.append(f"| {r['backend']} | {r['path']} | {r['taken']} | {r['length']} | "
+                     f"{r['seconds']:.1f} | {r['peak_rss_mib']:.0f} | "
+                     f"{r['rss_before_mib']:.0f} | {'-' if diff is None else f'{diff:.1e}'} | "
+                     f"{'yes' if r['peak_rss_mib'] < RSS_LIMIT_MIB else 'NO'} |")
+    return "\n".join(lines)
+
+
+def run(args):
+    import backends
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    available = backends.available_backends()
+    shapes = (args.shapes.split(",") if args.shapes else
+              ["medium"] if args.quick else list(DOT_SHAPES))
+    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    length = args.long_length if args.long_length is not None else (
+        4096 if args.quick else LONG["length"])
+    info = machine()
+    threads = args.threads or os.cpu_count()
+    long_results = []
+    if length:   # first: Linux carries the parent's RSS over into a child's
+        # ru_maxrss, so spawn the children while this process is small
+        print(f"  long case T={length} ...", file=sys.stderr, flush=True)
+        launcher_rss = _rss_now_mib()
+        long_results = run_long([n for n in wanted if n in available], length, threads)
+    usable = []
+    for name in wanted:
+        if name not in available:
+            print(f"skipping {name}: not installed", file=sys.stderr)
+            continue
+        try:
+            backends.get_backend(name)
+        except ImportError as exc:
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+            continue
+        usable.append(name)
+    if any(name in usable for name in ("torch", "numpy")):
+        import torch   # every torch baseline; MXNet's import leaves torch 1 thread
+        torch.set_num_threads(threads)
+    rows = []
+    for shape_name in shapes:
+        for name in usable:
+            for kind, bench in BENCHES[name]:
+                shape = (DOT_SHAPES if kind == "dot" else MHA_SHAPES)[shape_name]
+                print(f"  {name} {kind} {shape_name} ...", file=sys.stderr, flush=True)
+                rows.extend(bench(shape, seconds))
+    info["versions"] = machine()["versions"]
+    print(f"Machine: {info['cpu']}, {info['cores']} cores ({info['platform']}); "
+          f"torch threads: {threads}")
+    print("Versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"NumPy BLAS: {info['numpy_blas']}"
+          + (f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
+             if os.environ.get("OPENBLAS_CORETYPE") else ""))
+    if _blas_note(info):
+        print(_blas_note(info))
+    print("Forward inference, float32, eval mode, random valid_lens (1-D); medians of "
+          "interleaved bursts of calls.\n")
+    print(table(rows))
+    if length:
+        print(f"\nLong sequence: MultiHeadAttention, B={LONG['batch']}, "
+              f"{LONG['heads']} heads, head size {LONG['head_size']}, T={length}, "
+              f"valid_lens=[T - T/8], float32 (materialized scores: "
+              f"{LONG['heads'] * length * length * 4 / 2**30:.1f} GiB); one subprocess "
+              f"each (launched while this process had {launcher_rss or 0:.0f} MiB "
+              f"resident), peak RSS from its ru_maxrss.\n")
+        print(long_table(long_results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": info, "torch_threads": threads, "rows": [
+                dict(zip(("key", "backend", "measured", "shape", "path", "against",
+                          "ours_s", "theirs_s", "calls", "max_abs_diff"), r))
+                for r in rows], "long": long_results}, f, indent=1)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="attention-multi bench", description=__doc__)
+    add_arguments(parser)
+    parser.add_argument("--long-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.long_child:
+        long_child(json.loads(args.long_child))
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The fused, chunked and full paths of attention agree with the float64 oracle.
+
+Each path is forced explicitly (``path=``; a small ``chunk_size`` makes the
+chunked path run several blocks of queries and of keys), on every backend, for every form of mask.
+No timing here: speed is measured by ``attention-multi bench``.
+"""
+import numpy as np
+import pytest
+
+import attention_multi as am
+import backends
+from attention_multi.functional import DEFAULT_MEMORY_BUDGET, attend
+from tests import oracle
+
+PATHS = ("fused", "chunked", "full")
+TOL = dict(rtol=1e-5, atol=1e-5)
+BATCH, NQ, NK, D = 3, 5, 7, 4
+
+# name -> valid_lens for (BATCH, NQ) queries over NK keys
+MASKS = {
+    "none": None,
+    "1d": np.array([0, 4, 7]),                                  # with a 0
+    "2d": np.array([[0, 3, 0, 7, 1], [5, 0, 2, 2, 0], [7, 6, 5, 4, 3]]),
+    "zeros": np.array([0, 0, 0]),
+    "full-length": np.array([NK, NK, NK]),
+    "over-long": np.array([NK + 3, 100, 2**40]),
+}
+
+
+def _inputs(seed=0, batch=BATCH, nq=NQ, nk=NK, d=D, dv=D):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, nq, d)), rng.standard_normal((batch, nk, d)),
+            rng.standard_normal((batch, nk, dv)))
+
+
+def _module(cls, backend, path, *args, dtype="float32", **kw):
+    m = cls(*args, backend=backend, dtype=dtype, path=path,
+            chunk_size=3 if path == "chunked" else None, **kw)
+    m.eval()
+    return m
+
+
+def _expected_path(backend, path, dv=D, d=D):
+    if path == "fused" and backend.name == "jax" and dv != d:
+        return "full"     # jax.nn.dot_product_attention needs dv == d
+    return path
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mask", MASKS)
+def test_dot_product_paths_match_oracle(backend, path, mask):
+    q, k, v = _inputs()
+    lens = MASKS[mask]
+    ref, ref_w = oracle.dot_product_attention(q, k, v, lens)
+    m = _module(am.DotProductAttention, backend, path, 0.0)
+    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
+            None if lens is None else backend.asarray(lens))
+    assert m.last_path == path
+    assert tuple(out.shape) == (BATCH, NQ, D)
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+    # read after the call: computed from what the call kept
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), ref_w, **TOL)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_value_size_differs_from_query_size(backend, path):
+    q, k, v = _inputs(1, dv=6)
+    lens = MASKS["2d"]
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = _module(am.DotProductAttention, backend, path, 0.0)
+    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)), backend.asarray(lens))
+    assert m.last_path == _expected_path(backend, path, dv=6)
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mask", ["none", "2d", "over-long"])
+def test_multi_head_paths_match_oracle(backend, path, mask):
+    heads, hidden = 2, 8
+    q, k, v = _inputs(2, d=6, dv=6)
+    lens = MASKS[mask]
+    m = _module(am.MultiHeadAttention, backend, path, 6, 6, 6, hidden, heads, 0.0,
+                bias=True)
+    ref, ref_w = oracle.multi_head_attention(am.get_params(m), q, k, v, lens, heads)
+    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
+            None if lens is None else backend.asarray(lens))
+    assert m.last_path == path
+    assert tuple(out.shape) == (BATCH, NQ, hidden)
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+    w = m.attention_weights
+    assert tuple(w.shape) == (BATCH * heads, NQ, NK)    # d2l's layout
+    np.testing.assert_allclose(backend.to_numpy(w), ref_w, **TOL)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("mask", ["1d", "2d"])
+def test_nan_in_masked_values_does_not_leak(backend, path, mask):
+    q, k, v = _inputs(3)
+    lens = MASKS[mask]
+    longest = lens if lens.ndim == 1 else lens.max(axis=1)
+    v_nan = v.copy()
+    for b, n in enumerate(longest):
+        v_nan[b, n:] = np.nan          # rows that no query may attend
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = _module(am.DotProductAttention, backend, path, 0.0)
+    out = backend.to_numpy(m(*(backend.asarray(x, "float32") for x in (q, k, v_nan)),
+                             backend.asarray(lens)))
+    assert not np.isnan(out).any()
+    np.testing.assert_allclose(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float16_large_scores_do_not_overflow(backend, path):
+    if "float16" not in backend.float_dtypes:
+        pytest.skip(f"{backend.name} has no float16")
+    if backend.name == "mxnet" and path == "full":
+        pytest.xfail("MXNet 1.9.1 has no float16 batch_dot on the CPU (the full "
+                     "path multiplies in the input dtype)")
+    q, k, v = _inputs(4)
+    q, k = q * 30, k * 30                  # scores ~ 1e3 .. 1e4: exp overflows half
+    lens = MASKS["2d"]
+    ref, _ = oracle.dot_product_attention(q.astype(np.float16), k.astype(np.float16),
+                                          v.astype(np.float16), lens)
+    m = _module(am.DotProductAttention, backend, path, 0.0, dtype="float16")
+    out = m(*(backend.asarray(x, "float16") for x in (q, k, v)), backend.asarray(lens))
+    assert backend.dtype_name(out) == "float16"
+    out = backend.to_numpy(out).astype(np.float64)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_float64(backend, path):
+    if backend.name == "jax":
+        pytest.importorskip("jax").config.update("jax_enable_x64", True)
+    q, k, v = _inputs(5)
+    lens = MASKS["2d"]
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = _module(am.DotProductAttention, backend, path, 0.0, dtype="float64")
+    out = m(*(backend.asarray(x, "float64") for x in (q, k, v)), backend.asarray(lens))
+    assert backend.dtype_name(out) == "float64"
+    np.testing.assert_allclose(backend.to_numpy(out), ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mask", ["none", "1d", "1d-no-zero", "some-zero-2d"])
+def test_chunked_many_blocks_matches_full(backend, mask):
+    """Longer sequences, blocks not dividing the lengths; blocks within every
+    length (not masked) and past every length (skipped)."""
+    rng = np.random.default_rng(6)
+    n, T, d = 2, 19, 8
+    q, k, v = (rng.standard_normal((n, T, d)).astype(np.float32) for _ in range(3))
+    lens = {"none": None, "1d": np.array([0, 14]), "1d-no-zero": np.array([11, 17]),
+            "some-zero-2d": rng.integers(0, T + 3, (n, T))}[mask]
+    args = [backend.asarray(x) for x in (q, k, v)] + [
+        None if lens is None else backend.asarray(lens)]
+    outs = []
+    for path, chunk in (("full", None), ("chunked", 6)):
+        m = am.DotProductAttention(0.0, backend=backend, path=path, chunk_size=chunk)
+        outs.append(backend.to_numpy(m.eval()(*args)))
+    np.testing.assert_allclose(outs[1], outs[0], **TOL)
+
+
+def test_auto_path_choice(backend):
+    q, k, v = (backend.asarray(x, "float32") for x in _inputs(7))
+    lens = backend.asarray(MASKS["2d"])
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    m(q, k, v, lens)
+    assert m.last_path == "fused"          # every backend has a kernel here
+    # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit
+    m.memory_budget = 16
+    small = m(q, k, v, lens)
+    assert m.last_path == "chunked"
+    m.path = "full"
+    np.testing.assert_allclose(backend.to_numpy(small), backend.to_numpy(m(q, k, v, lens)),
+                               **TOL)
+    assert m.last_path == "full"
+    # dropout active: the weights are needed, so no fused kernel
+    m = am.DotProductAttention(0.5, backend=backend)
+    if backend.name != "jax":
+        m(q, k, v, lens)
+        assert m.last_path == "full"
+    assert am.DotProductAttention(0.5, backend=backend).eval().path == "auto"
+
+
+def test_default_budget_and_option_checks():
+    assert DEFAULT_MEMORY_BUDGET == 512 * 2**20
+    with pytest.raises(ValueError, match="path must be one of"):
+        am.DotProductAttention(0.0, backend="numpy", path="flash")
+    with pytest.raises(ValueError, match="memory_budget"):
+        am.DotProductAttention(0.0, backend="numpy", memory_budget=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        am.MultiHeadAttention(4, 4, 4, 4, 2, 0.0, backend="numpy", chunk_size=-1)
+    m = am.MultiHeadAttention(4, 4, 4, 4, 2, 0.0, backend="numpy", path="chunked")
+    assert (m.path, m.attention.path) == ("chunked", "chunked")
+    m.memory_budget = 1024
+    assert m.attention.memory_budget == 1024
+
+
+def test_chunked_path_with_dropout(backend):
+    """Dropout on the chunked path: per-block masks, unbiased on average."""
+    if backend.name == "jax":
+        import jax
+        kw = {"key": jax.random.PRNGKey(0)}
+    else:
+        kw = {}
+    q, k, v = (backend.asarray(x, "float32") for x in _inputs(8, nk=16))
+    lens = backend.asarray(np.array([10, 16, 0]))
+    m = am.DotProductAttention(0.5, backend=backend, path="chunked", chunk_size=8)
+    out = backend.to_numpy(m(q, k, v, lens, **kw))
+    assert m.last_path == "chunked"
+    assert np.isfinite(out).all() and (out[2] == 0).all()
+    m.eval()
+    exact = backend.to_numpy(m(q, k, v, lens))
+    assert not np.allclose(out, exact)
+
+
+@pytest.mark.parametrize("budget", [None, 2000, 1])
+def test_additive_attention_blocks_of_queries(backend, budget):
+    q, k, v = _inputs(9, d=3, dv=3)
+    lens = MASKS["2d"]
+    m = am.AdditiveAttention(3, 3, 6, 0.0, backend=backend, memory_budget=budget).eval()
+    ref, ref_w = oracle.additive_attention(am.get_params(m), q, k, v, lens)
+    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)), backend.asarray(lens))
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), ref_w, **TOL)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_under_jax_jit(path):
+    jax = pytest.importorskip("jax")
+    B = backends.get_backend("jax")
+    q, k, v = _inputs(10)
+    lens = MASKS["1d"]
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = am.DotProductAttention(0.0, backend="jax", path=path, chunk_size=3).eval()
+    out = jax.jit(lambda m, *a: m(*a))(m, *(B.asarray(x, "float32") for x in (q, k, v)),
+                                        B.asarray(lens, "int32"))
+    np.testing.assert_allclose(np.asarray(out), ref, **TOL)
+
+
+def test_attend_function_4d_layout(backend):
+    """attend() takes (batch, heads, n, d) and broadcasts lengths over heads."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
+    lens = np.array([[1, 0, 5, 2, 3], [4, 4, 4, 4, 4]])
+    flat = [x.reshape(6, 5, 4) for x in (q, k, v)]
+    ref, _ = oracle.dot_product_attention(*flat, np.repeat(lens, 3, axis=0))
+    for path in PATHS:
+        out, _, taken = attend(backend, *(backend.asarray(x, "float32") for x in (q, k, v)),
+                               backend.asarray(lens, "int32"), path=path)
+        assert taken == path and tuple(out.shape) == (2, 3, 5, 4)
+        np.testing.assert_allclose(backend.to_numpy(out).reshape(6, 5, 4), ref, **TOL)
+
+
+def test_gradients_agree_across_paths(backend):
+    """Training through each path (dropout 0, so fused is allowed in training
+    mode) gives the gradients of the full path."""
+    if backend.name == "numpy":
+        pytest.skip("the numpy backend has no autodiff")
+    q, k, v = (backend.asarray(x, "float32") for x in _inputs(12, d=6, dv=6))
+    lens = backend.asarray(MASKS["2d"])
+    params = None
+    grads = {}
+    # (eager JAX autodiff through the unrolled block loops takes seconds; the
+    # chunked path's gradients are those of code written once, checked on
+    # torch and mxnet)
+    paths = ("full", "fused") if backend.name == "jax" else PATHS
+    for path in paths:
+        m = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias=True, backend=backend,
+                                  path=path, chunk_size=3)
+        if params is None:
+            params = am.get_params(m)
+        am.set_params(m, params)
+
+        def loss_fn(module):
+            out = module(q, k, v, lens)
+            return backend.sum((out * out).reshape((-1,)), 0)
+
+        if backend.name == "jax":     # jitted: eager autodiff compiles op by op
+            import jax
+            g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
+        else:
+            g = backend.value_and_grad(m, loss_fn)[1]
+        grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
+        if backend.name != "jax":      # (under jax the call ran on a traced copy)
+            assert m.last_path == path
+    for path in paths[1:]:
+        for name, g in grads["full"].items():
+            np.testing.assert_allclose(grads[path][name], g, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", ["none", "1d", "2d", "over-long"])
+def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
+    """Variants that fused kernels pick only for large inputs, forced on small
+    ones: NumPy's worker threads, MXNet's lengths folded into the product."""
+    module = __import__(f"backends.{backend.name}_backend", fromlist=["_"])
+    knobs = {"numpy": "_PARALLEL_MIN_SCORES", "mxnet": "_FOLD_MIN_SCORES"}
+    if backend.name not in knobs:
+        pytest.skip(f"the {backend.name} kernel has no size-dependent variant")
+    monkeypatch.setattr(module, knobs[backend.name], 0)
+    q, k, v = _inputs(13)
+    lens = MASKS[mask]
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    if lens is not None:   # as the modules' checks leave them: int32
+        lens = np.minimum(lens, 2**31 - 1)
+    for shape4 in (False, True):     # (N, n, d) and (batch, heads, n, d) inputs
+        args = [backend.asarray(x.reshape((1,) + x.shape) if shape4 else x, "float32")
+                for x in (q, k, v)]
+        if shape4:   # one batch element, BATCH heads: lengths of element 0
+            lens4 = None if lens is None else lens[:1]
+            ref4, _ = oracle.dot_product_attention(q, k, v, None if lens is None else
+                                                   np.repeat(lens4, BATCH, axis=0))
+        out, _, taken = attend(backend, *args, None if lens is None else
+                               backend.asarray(lens4 if shape4 else lens, "int32"),
+                               path="fused")
+        assert taken == "fused"
+        np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
+                                   ref4 if shape4 else ref, **TOL)
