@@ -55,10 +55,12 @@ def _softmax(B, scores, mask):
 
 
 def zero_masked_values(B, values, lens):
-    """Zero value rows that no query may attend, so NaN there cannot leak out."""
+    """Zero key or value rows that no query may attend, so NaN there cannot
+    leak out. ``values`` is (N, K, d) or (batch, heads, K, d)."""
     longest = lens if len(lens.shape) == 1 else B.max(lens, axis=1)
-    used = B.arange(values.shape[1], B.device_of(values)).reshape((1, -1, 1))
-    return B.where(used < longest.reshape((-1, 1, 1)), values, 0.0)
+    used = B.arange(values.shape[-2], B.device_of(values)).reshape((-1, 1))
+    longest = longest.reshape((-1,) + (1,) * (len(values.shape) - 1))
+    return B.where(used < longest, values, 0.0)
 
 
 def transpose_qkv(X, num_heads):
@@ -175,7 +177,9 @@ def attend(B, queries, keys, values, lens, *, dropout=None, path="auto",
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     scale = 1.0 / math.sqrt(queries.shape[-1])
     if path in ("auto", "fused") and dropout is None:
-        out = B.fused_attention(queries, keys, values, lens, scale,
+        # Kernels add the mask to scores: NaN in a masked key would survive it.
+        fused_keys = keys if lens is None else zero_masked_values(B, keys, lens)
+        out = B.fused_attention(queries, fused_keys, values, lens, scale,
                                 None if path == "fused" else budget)
         if out is not None:
             return out, lambda: attention_weights(B, queries, keys, lens), "fused"
