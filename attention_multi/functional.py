@@ -177,9 +177,7 @@ def attend(B, queries, keys, values, lens, *, dropout=None, path="auto",
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     scale = 1.0 / math.sqrt(queries.shape[-1])
     if path in ("auto", "fused") and dropout is None:
-        # Kernels add the mask to scores: NaN in a masked key would survive it.
-        fused_keys = keys if lens is None else zero_masked_values(B, keys, lens)
-        out = B.fused_attention(queries, fused_keys, values, lens, scale,
+        out = B.fused_attention(queries, keys, values, lens, scale,
                                 None if path == "fused" else budget)
         if out is not None:
             return out, lambda: attention_weights(B, queries, keys, lens), "fused"

@@ -97,7 +97,7 @@ class Backend:
         ``softmax(scale * Q K^T, masked) V`` with the leading axes of
         ``queries``, where, as on the generic path: a length past the end
         masks nothing, a query with no valid key gets an all-zero output, NaN
-        in value rows past every query's length does not leak, and half
+        in key or value rows past every query's length does not leak, and half
         precision does not overflow.
 
         Return None when this framework (or this case: dtype, device, a kernel

@@ -219,10 +219,13 @@ class MXNetBackend(Backend):
         # sequence_mask must not see lengths past the axis: MXNet 1.9.1
         # corrupts memory there
         longest = mnp.minimum(longest, num_k)
-        flat = (-1,) + tuple(values.shape[-2:])      # (batch * heads, K, dv)
         seq_lens = longest if heads == 1 else mnp.repeat(longest, heads, axis=0)
-        values = npx.sequence_mask(values.reshape(flat), seq_lens.astype(values.dtype),
-                                   True, value=0.0, axis=1).reshape(values.shape)
+
+        def zero_unused(x):   # rows past every length: NaN there must not leak
+            flat = x.reshape((-1,) + tuple(x.shape[-2:]))   # (batch * heads, K, n)
+            return npx.sequence_mask(flat, seq_lens.astype(x.dtype), True, value=0.0,
+                                     axis=1).reshape(x.shape)
+        keys, values = zero_unused(keys), zero_unused(values)
         if lens.ndim == 1 and int(np.prod(lead)) * num_q * num_k >= _FOLD_MIN_SCORES:
             offset = mnp.where(positions.reshape((-1, 1)) < lens.reshape((-1,) + expand + (1, 1)),
                                0.0, -1e30).astype(keys.dtype)

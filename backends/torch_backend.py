@@ -33,10 +33,10 @@ class TorchModule(torch.nn.Module):
         return self.to(native_device(self._backend, device))
 
 
-def _zero_unused_values(values, lens, positions):
-    """Zero value rows past every query's length (NaN there must not leak):
-    skipped on the CPU when ``values`` is all finite (a cheap check: the sum
-    of a finite array is finite unless it overflows, which only costs the
+def _zero_unused_rows(values, lens, positions):
+    """Zero key or value rows past every query's length (NaN there must not
+    leak): skipped on the CPU when ``values`` is all finite (a cheap check: the
+    sum of a finite array is finite unless it overflows, which only costs the
     zeroing)."""
     if values.device.type == "cpu" and bool(torch.isfinite(values.sum())):
         return values
@@ -120,7 +120,8 @@ class TorchBackend(Backend):
             positions = torch.arange(num_k, dtype=torch.int32, device=keys.device)
             mask = (positions < lens.reshape(-1, 1, 1, 1) if lens.dim() == 1 else
                     (positions < lens.unsqueeze(-1)).unsqueeze(1))
-            values = _zero_unused_values(values, lens, positions)
+            keys = _zero_unused_rows(keys, lens, positions)
+            values = _zero_unused_rows(values, lens, positions)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                              scale=scale)
         if lens is not None and not self._sdpa_zeroes_empty_rows(out):

@@ -94,16 +94,16 @@ def test_multi_head_paths_match_oracle(backend, path, mask):
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mask", ["1d", "2d"])
-def test_nan_in_masked_values_does_not_leak(backend, path, mask):
+def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
     q, k, v = _inputs(3)
     lens = MASKS[mask]
     longest = lens if lens.ndim == 1 else lens.max(axis=1)
-    v_nan = v.copy()
+    k_nan, v_nan = k.copy(), v.copy()
     for b, n in enumerate(longest):
-        v_nan[b, n:] = np.nan          # rows that no query may attend
+        k_nan[b, n:] = v_nan[b, n:] = np.nan          # rows that no query may attend
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
     m = _module(am.DotProductAttention, backend, path, 0.0)
-    out = backend.to_numpy(m(*(backend.asarray(x, "float32") for x in (q, k, v_nan)),
+    out = backend.to_numpy(m(*(backend.asarray(x, "float32") for x in (q, k_nan, v_nan)),
                              backend.asarray(lens)))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, **TOL)
