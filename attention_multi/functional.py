@@ -105,9 +105,7 @@ def dot_product_attention(B, queries, keys, values, lens, dropout):
     ``lens`` is None or int32 (B,) / (B, Q); ``dropout`` maps weights to
     weights. Returns ``(output, weights)``.
     """
-    scores = B.matmul(queries, keys, transpose_b=True) / math.sqrt(queries.shape[-1])
-    mask = None if lens is None else key_mask(B, lens, keys.shape[1], B.device_of(keys))
-    weights = _softmax(B, scores, mask)
+    weights = attention_weights(B, queries, keys, lens)
     if lens is not None:
         values = zero_masked_values(B, values, lens)
     return B.matmul(dropout(weights), values), weights
