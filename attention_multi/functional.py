@@ -68,7 +68,8 @@ def transpose_qkv(X, num_heads):
     B = backend_of(X=X)
     check_array(B, "X", X, 3, "(batch, n, num_hiddens)")
     _check_heads(X.shape[2], num_heads)
-    return split_heads(B, X, num_heads)
+    X = B.transpose(X.reshape((X.shape[0], X.shape[1], num_heads, -1)), (0, 2, 1, 3))
+    return X.reshape((-1, X.shape[2], X.shape[3]))
 
 
 def transpose_output(X, num_heads):
@@ -78,15 +79,6 @@ def transpose_output(X, num_heads):
     if X.shape[0] % num_heads:
         raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of "
                          f"num_heads={num_heads}")
-    return merge_heads(B, X, num_heads)
-
-
-def split_heads(B, X, num_heads):
-    X = B.transpose(X.reshape((X.shape[0], X.shape[1], num_heads, -1)), (0, 2, 1, 3))
-    return X.reshape((-1, X.shape[2], X.shape[3]))
-
-
-def merge_heads(B, X, num_heads):
     X = B.transpose(X.reshape((-1, num_heads, X.shape[1], X.shape[2])), (0, 2, 1, 3))
     return X.reshape((X.shape[0], X.shape[1], -1))
 
@@ -182,7 +174,7 @@ def attend(B, queries, keys, values, lens, *, dropout=None, path="auto",
     heads = queries.shape[1] if len(queries.shape) == 4 else None
     q, k, v, lens3 = ((queries, keys, values, lens) if heads is None else
                       _flatten_heads(B, queries, keys, values, lens, heads))
-    scores_bytes = q.shape[0] * q.shape[1] * k.shape[1] * _work_itemsize(B, q)
+    scores_bytes = q.shape[0] * q.shape[1] * k.shape[1] * work_itemsize(B, q)
     if path == "chunked" or (path != "full" and scores_bytes > budget):
         out = chunked_attention(B, q, k, v, lens3, scale, dropout, budget, chunk_size)
         kept, taken = (lambda: attention_weights(B, queries, keys, lens)), "chunked"
@@ -195,7 +187,8 @@ def attend(B, queries, keys, values, lens, *, dropout=None, path="auto",
     return out, kept, taken
 
 
-def _work_itemsize(B, x):
+def work_itemsize(B, x):
+    """Bytes per element of score-sized work on ``x`` (half runs in float32)."""
     return 8 if B.dtype_name(x) == "float64" else 4
 
 
@@ -244,7 +237,7 @@ def chunked_attention(B, queries, keys, values, lens, scale, dropout=None,
         block_q = block_k = chunk_size
     else:
         block_k = min(stop, _DEFAULT_BLOCK_KEYS)
-        per_query = n * block_k * _work_itemsize(B, queries)
+        per_query = n * block_k * work_itemsize(B, queries)
         block_q = max(1, memory_budget // 8 // per_query)
     lowest = float(np.finfo(work).min)
     outs = []

@@ -11,7 +11,8 @@ import numpy as np
 
 from ._checks import check_array, check_float, valid_lens_array
 from .functional import (DEFAULT_MEMORY_BUDGET, _check_heads, _softmax, attend,
-                         check_path_options, key_mask, zero_masked_values)
+                         check_path_options, key_mask, work_itemsize,
+                         zero_masked_values)
 from .module import Module
 
 
@@ -113,7 +114,7 @@ class AdditiveAttention(_Attention):
         """(b, nq, nk) scores, over blocks of queries within the memory budget."""
         B, h = self._backend, self.num_hiddens
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
-        itemsize = 8 if B.dtype_name(q) == "float64" else 4
+        itemsize = work_itemsize(B, q)
         budget = self.memory_budget or DEFAULT_MEMORY_BUDGET
         # features and their tanh live together: 2 (b, block, nk, h) arrays
         block = max(1, budget // max(1, 2 * b * nk * h * itemsize))
