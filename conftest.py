@@ -23,9 +23,7 @@ def load_backend(name):
         if name in REQUIRED:
             pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
         pytest.skip(f"backend {name!r} is not installed: {exc}")
-    if name == "jax":  # float64 rows need x64; explicit dtypes keep float32 as is
-        import jax
-        jax.config.update("jax_enable_x64", True)
+    B.enable_float64()   # float64 rows need it (JAX); explicit dtypes keep float32
     return B
 
 

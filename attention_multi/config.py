@@ -6,7 +6,6 @@ Precedence: ``use_backend`` (thread-local, nestable) > ``set_backend`` >
 """
 import contextlib
 import os
-import re
 import threading
 
 import backends
@@ -57,24 +56,16 @@ def resolve_backend(backend=None):
     return get_backend() if backend is None else backends.get_backend(backend)
 
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda|gpu)(?::(\d+))?$")
-
-
 def parse_device(name=None):
     """``"gpu"`` -> ``("cuda", 0)``; ``None`` reads ATTENTION_MULTI_DEVICE."""
     if name is None:
         name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
-    match = _DEVICE_RE.match(str(name).strip().lower())
-    if not match or (match.group(1) == "cpu" and match.group(2) not in (None, "0")):
-        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or gpu")
-    kind = "cpu" if match.group(1) == "cpu" else "cuda"
-    return kind, int(match.group(2) or 0)
+    return backends.parse_device(name)
 
 
 def native_device(backend, name=None):
-    """The framework's device object for a device name (ValueError if absent).
-
-    A native device object (``torch.device``, ``mx.gpu(0)``...) passes through."""
-    if name is not None and not isinstance(name, str):
-        return name
-    return backend.device(*parse_device(name))
+    """The framework's device object for a device name (ValueError if absent);
+    ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
+    if name is None:
+        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    return backend.native_device(name)

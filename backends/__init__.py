@@ -8,6 +8,7 @@ import importlib.util
 import sys
 
 from .base import Backend
+from .devices import parse_device
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")
 ALIASES = {"pytorch": "torch", "np": "numpy", "mx": "mxnet"}
@@ -22,7 +23,7 @@ _SPECS = {
 _loaded = {}
 
 __all__ = ["Backend", "BACKEND_NAMES", "available_backends", "backend_of_array",
-           "canonical_name", "get_backend"]
+           "canonical_name", "get_backend", "parse_device"]
 
 
 def canonical_name(name):

@@ -6,6 +6,8 @@ never the framework directly.
 """
 import numpy as np
 
+from .devices import parse_device
+
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES = ("float16", "bfloat16")
 
@@ -14,6 +16,7 @@ class Backend:
     name = ""                    # canonical name, e.g. "torch"
     module_base = None           # base class that makes a module native
     float_dtypes = FLOAT_DTYPES  # float dtypes this framework supports
+    autodiff = False             # whether value_and_grad works
 
     def __init__(self):
         self._native_classes = {}
@@ -107,6 +110,14 @@ class Backend:
         """
         return None
 
+    def enable_float64(self):
+        """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""
+
+    def dropout_key(self, seed):
+        """What a training-mode call passes as ``key=``: None, or a PRNG key
+        for frameworks without a global random generator (JAX)."""
+        return None
+
     def fold_key(self, key, index):
         """A key for the ``index``-th of several dropout draws within one call
         (frameworks with a global RNG ignore keys: ``key`` is returned)."""
@@ -119,6 +130,13 @@ class Backend:
             return self._cpu_device()
         raise ValueError(f"device {kind}:{index} is not available to the "
                          f"{self.name} backend")
+
+    def native_device(self, device):
+        """The framework's device for a name (``"cuda:0"``); a native device
+        object passes through. ValueError if it is absent."""
+        if device is not None and not isinstance(device, str):
+            return device
+        return self.device(*parse_device("cpu" if device is None else device))
 
     def _cpu_device(self):
         raise NotImplementedError
@@ -199,8 +217,7 @@ class PlainModule:
         self.training = True
 
     def __setattr__(self, name, value):
-        from attention_multi.module import Module
-        if isinstance(value, Module) and name not in self._child_names:
+        if isinstance(value, PlainModule) and name not in self._child_names:
             self._child_names.append(name)
         object.__setattr__(self, name, value)
 
@@ -243,8 +260,7 @@ class PlainModule:
 
     def to_device(self, device):
         """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
-        from attention_multi.config import native_device
-        dev = native_device(self._backend, device)
+        dev = self._backend.native_device(device)
         for n in self._param_names + self._buffer_names:
             object.__setattr__(self, n, self._backend.to_device(getattr(self, n), dev))
         for c in self._child_names:

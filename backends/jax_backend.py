@@ -94,6 +94,7 @@ def _fused_attention(queries, keys, values, lens, scale):
 
 class JaxBackend(Backend):
     name = "jax"
+    autodiff = True
     module_base = JaxModule
 
     def _register_class(self, cls):
@@ -174,6 +175,12 @@ class JaxBackend(Backend):
                     int(np.prod(lead)) * num_q * num_k * 4 > memory_budget):
             return None
         return _fused_attention(queries, keys, values, lens, float(scale))
+    def enable_float64(self):
+        jax.config.update("jax_enable_x64", True)
+
+    def dropout_key(self, seed):
+        return jax.random.PRNGKey(seed)
+
     def fold_key(self, key, index):
         return key if key is None or index is None else jax.random.fold_in(key, index)
 

@@ -94,8 +94,7 @@ class GluonModule(gluon.Block):
         return self.train(False)
 
     def to_device(self, device):
-        from attention_multi.config import native_device
-        self.collect_params().reset_ctx(native_device(self._backend, device))
+        self.collect_params().reset_ctx(self._backend.native_device(device))
         return self
 
 
@@ -118,6 +117,7 @@ def _append_feature(x, column):
 
 class MXNetBackend(Backend):
     name = "mxnet"
+    autodiff = True
     module_base = GluonModule
     float_dtypes = ("float16", "float32", "float64")
 

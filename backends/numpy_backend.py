@@ -69,6 +69,11 @@ class _OpenBLAS:
                     self.set_global(self._saved)
 
 
+def blas_config():
+    """The configuration string of NumPy's bundled OpenBLAS (None if absent)."""
+    return _OpenBLAS().config
+
+
 _blas = None
 _pool = None
 _pool_lock = threading.Lock()

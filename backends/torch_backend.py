@@ -29,8 +29,7 @@ class TorchModule(torch.nn.Module):
             self.get_parameter(dotted_name).copy_(value)
 
     def to_device(self, device):
-        from attention_multi.config import native_device
-        return self.to(native_device(self._backend, device))
+        return self.to(self._backend.native_device(device))
 
 
 def _zero_unused_rows(values, lens, positions):
@@ -47,6 +46,7 @@ def _zero_unused_rows(values, lens, positions):
 
 class TorchBackend(Backend):
     name = "torch"
+    autodiff = True
     module_base = TorchModule
 
     def is_array(self, x):
