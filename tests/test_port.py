@@ -299,7 +299,7 @@ def test_cli_bad_module_spec_exits_2(module, args, message, tmp_path):
 
 
 def test_cli_values_are_parsed():
-    from attention_multi.port import _parse_args
+    from attention_multi.cli.port import _parse_args
     assert _parse_args("a=5, b=0.5,c=True,d=false,e=None,f=float64,g=-2,h=1e-3") == dict(
         a=5, b=0.5, c=True, d=False, e=None, f="float64", g=-2, h=1e-3)
     assert _parse_args("") == {}

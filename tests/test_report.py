@@ -12,7 +12,7 @@ import pytest
 
 import backends
 from attention_multi import reference as ref
-from attention_multi.report import MECHANISMS
+from attention_multi.cli.report import MECHANISMS
 
 from . import oracle
 

@@ -1,15 +1,17 @@
-"""The ``attention-multi`` command."""
+"""The ``attention-multi`` command: ``info``, ``report``, ``bench`` and ``port``.
+
+The tools sit on top of the library and import it; the library never imports them.
+"""
 import argparse
 import sys
 
 import backends
 
-from . import port as _port
+from . import bench, port, report
 
 
 def _info(args):
     """Print the installed backends and the devices each can use."""
-    from .config import native_device
     for name in backends.BACKEND_NAMES:
         if name not in backends.available_backends():
             print(f"{name:6s}  not installed (pip install 'attention-multi[{name}]')")
@@ -21,7 +23,7 @@ def _info(args):
             continue
         devices = ["cpu"]
         try:
-            native_device(B, "cuda")
+            B.native_device("cuda")
             devices.append("cuda")
         except ValueError:
             pass
@@ -29,31 +31,26 @@ def _info(args):
     return 0
 
 
+COMMANDS = {
+    "info": (None, "list installed backends and devices", None, _info),
+    "report": (report, "check every mechanism on every backend against a float64 "
+                       "reference; write report.md and figures", None, report.main),
+    "bench": (bench, "time attention against each framework's own; peak memory",
+              None, bench.main),
+    "port": (port, "convert an MXNet Gluon .params file to PyTorch or NumPy",
+             "Convert an MXNet Gluon .params file (block.save_parameters) to a PyTorch "
+             "state_dict or a NumPy archive; MXNet is not needed.", port.main),
+}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="attention-multi",
         description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.")
     sub = parser.add_subparsers(dest="command")
-    sub.add_parser("info", help="list installed backends and devices")
-    from . import report
-    report.add_arguments(sub.add_parser(
-        "report", help="check every mechanism on every backend against a float64 "
-                       "reference; write report.md and figures"))
-    port = sub.add_parser(
-        "port", help="convert an MXNet Gluon .params file to PyTorch or NumPy",
-        description="Convert an MXNet Gluon .params file (block.save_parameters) "
-                    "to a PyTorch state_dict or a NumPy archive; MXNet is not needed.")
-    _port.add_port_arguments(port)
-    from . import bench
-    bench.add_arguments(sub.add_parser(
-        "bench", help="time attention against each framework's own; peak memory"))
+    for name, (module, help_text, description, _) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=description)
+        if module is not None:
+            module.add_arguments(command)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "bench":
-        return bench.run(args)
-    if args.command in (None, "info"):
-        return _info(args)
-    if args.command == "report":
-        return report.main(args)
-    if args.command == "port":
-        return _port.port_command(args)
-    return 0
+    return COMMANDS[args.command or "info"][3](args)

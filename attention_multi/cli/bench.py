@@ -363,10 +363,15 @@ def long_child(spec):
                       "peak_rss_mib": _peak_rss_mib()}))
 
 
+_LONG_CHILD = ("import json, sys\n"
+               "from attention_multi.cli.bench import long_child\n"
+               "long_child(json.loads(sys.argv[1]))")
+
+
 def run_long(backends_, length, threads):
     configs = [(b, p) for b in ("numpy", "torch") if b in backends_
                for p in ("auto", "chunked")]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     results = []
@@ -374,8 +379,7 @@ def run_long(backends_, length, threads):
         for backend, path in configs:
             spec = {"backend": backend, "path": path, "length": length,
                     "out": os.path.join(tmp, f"{backend}-{path}.npy"), "threads": threads}
-            proc = subprocess.run([sys.executable, "-m", "attention_multi.bench",
-                                   "--long-child", json.dumps(spec)],
+            proc = subprocess.run([sys.executable, "-c", _LONG_CHILD, json.dumps(spec)],
                                   env=env, capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode or not lines:
@@ -409,9 +413,9 @@ def machine():
     for name in ("torch", "jax", "mxnet"):
         if name in sys.modules:
             versions[name] = getattr(sys.modules[name], "__version__", "?")
-    from backends.numpy_backend import _OpenBLAS
+    from backends.numpy_backend import blas_config
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-            "versions": versions, "numpy_blas": _OpenBLAS().config or "not OpenBLAS"}
+            "versions": versions, "numpy_blas": blas_config() or "not OpenBLAS"}
 
 
 def _blas_note(info):
@@ -471,7 +475,7 @@ def long_table(results):
     return "\n".join(lines)
 
 
-def run(args):
+def main(args):
     import backends
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     available = backends.available_backends()
@@ -536,18 +540,3 @@ def run(args):
                           "ours_s", "theirs_s", "calls", "max_abs_diff"), r))
                 for r in rows], "long": long_results}, f, indent=1)
     return 0
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="attention-multi bench", description=__doc__)
-    add_arguments(parser)
-    parser.add_argument("--long-child", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.long_child:
-        long_child(json.loads(args.long_child))
-        return 0
-    return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

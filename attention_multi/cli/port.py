@@ -1,0 +1,139 @@
+"""``attention-multi port``: convert a Gluon ``.params`` file to PyTorch or NumPy."""
+import os
+import sys
+
+import numpy as np
+
+from ..port import check_params, load_mxnet_params
+
+_EXIT_FAILED, _EXIT_BAD_INPUT = 1, 2
+
+
+class _CliError(Exception):
+    def __init__(self, message, code):
+        super().__init__(message)
+        self.code = code
+
+
+def add_arguments(parser):
+    """Arguments of ``attention-multi port``."""
+    parser.add_argument("input", metavar="IN.params", help="an MXNet Gluon .params file")
+    parser.add_argument("--to", choices=("torch", "numpy"), required=True,
+                        help="torch: torch.save of {name: tensor} (a state_dict); "
+                             "numpy: an .npz archive")
+    parser.add_argument("--out", metavar="OUT",
+                        help="output file (default: IN with suffix .pt or .npz)")
+    parser.add_argument("--module", metavar="NAME",
+                        help="check names and shapes against this attention_multi "
+                             "module, e.g. MultiHeadAttention")
+    parser.add_argument("--args", metavar="K=V,...", default="",
+                        help="the module's arguments, e.g. key_size=5,query_size=5,"
+                             "value_size=5,num_hiddens=8,num_heads=2,dropout=0,bias=True")
+    parser.add_argument("--dtype", choices=("float16", "float32", "float64"),
+                        help="cast floating-point arrays (default: keep the file's dtype)")
+    parser.epilog = ("exit status: 0 converted; 1 the file does not match --module, or OUT "
+                     "cannot be written; 2 unreadable or malformed input, or bad arguments")
+
+
+def _parse_value(text):
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def _parse_args(text):
+    kwargs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise _CliError(f"--args: expected KEY=VALUE, got {item!r}", _EXIT_BAD_INPUT)
+        kwargs[key.strip()] = _parse_value(value)
+    return kwargs
+
+
+def _module_from_spec(name, args):
+    """The module ``name(**args)`` on the NumPy backend (only its shapes matter)."""
+    import inspect
+
+    import attention_multi as am
+    choices = sorted(n for n in am.__all__ if isinstance(getattr(am, n), type)
+                     and issubclass(getattr(am, n), am.Module) and n != "Module")
+    if name not in choices:
+        raise _CliError(f"--module: unknown module {name!r}; choose one of "
+                        f"{', '.join(choices)}", _EXIT_BAD_INPUT)
+    cls, kwargs = getattr(am, name), _parse_args(args)
+    if {"backend", "device"} & set(kwargs):
+        raise _CliError("--args: backend and device are not module arguments here",
+                        _EXIT_BAD_INPUT)
+    try:
+        return cls(**kwargs, backend="numpy")
+    except (TypeError, ValueError) as exc:
+        signature = str(inspect.signature(cls.__init__)).replace("self, ", "")
+        raise _CliError(f"--module {name} --args {args!r}: {exc}; "
+                        f"{name}{signature}", _EXIT_BAD_INPUT) from None
+
+
+def _write_npz(params, path):
+    """Like numpy.savez, but any parameter name is fine (even 'file')."""
+    import zipfile
+    with zipfile.ZipFile(path, "w", allowZip64=True) as zf:
+        for name, value in params.items():
+            with zf.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
+
+
+def _write_torch(params, path):
+    try:
+        import torch
+    except ImportError as exc:
+        raise _CliError(f"--to torch needs PyTorch ({exc}); pip install torch",
+                        _EXIT_BAD_INPUT) from None
+    torch.save({name: torch.from_numpy(np.ascontiguousarray(value))
+                for name, value in params.items()}, path)
+
+
+def _port(args):
+    if args.args and not args.module:
+        raise _CliError("--args needs --module", _EXIT_BAD_INPUT)
+    module = _module_from_spec(args.module, args.args) if args.module else None
+    try:
+        params = load_mxnet_params(args.input)
+    except ValueError as exc:
+        raise _CliError(str(exc), _EXIT_BAD_INPUT) from None
+    except OSError as exc:
+        raise _CliError(f"{args.input}: {exc.strerror or exc}", _EXIT_BAD_INPUT) from None
+    if module is not None:
+        try:
+            check_params(params, module, source=args.input)
+        except ValueError as exc:
+            raise _CliError(str(exc), _EXIT_FAILED) from None
+    if args.dtype:
+        params = {n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
+                  for n, v in params.items()}
+    out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
+    try:
+        (_write_torch if args.to == "torch" else _write_npz)(params, out)
+    except OSError as exc:
+        raise _CliError(f"{out}: {exc.strerror or exc}", _EXIT_FAILED) from None
+    dtypes = sorted({str(v.dtype) for v in params.values()})
+    print(f"wrote {out}: {len(params)} arrays ({', '.join(dtypes) or 'none'})"
+          + (f", checked against {args.module}" if module is not None else ""))
+    return 0
+
+
+def main(args):
+    """Run ``attention-multi port``; errors go to stderr, and the exit status
+    says what went wrong (see ``add_arguments``)."""
+    try:
+        return _port(args)
+    except _CliError as exc:
+        print(f"attention-multi port: error: {exc}", file=sys.stderr)
+        return exc.code

@@ -1,0 +1,148 @@
+"""What the report checks: fixed inputs, and each mechanism run two ways
+(on a backend, through a ``Runner``; and by the float64 reference)."""
+import numpy as np
+
+from ... import reference as ref
+
+DTYPES = ("float32", "float64")
+TOLERANCES = {"float32": (2e-5, 1e-5), "float64": (1e-10, 1e-10)}  # (atol, rtol)
+
+
+def target(x):
+    """Seed 003's target function."""
+    return 2 * np.sin(x) + x ** 0.8
+
+
+def make_inputs(seed=0):
+    """All inputs and weights, float64 NumPy (lengths are int64)."""
+    rng = np.random.default_rng(seed)
+    normal, uniform = rng.standard_normal, rng.uniform
+
+    def linear_params(prefix, out, inp, bias):
+        bound = 1 / np.sqrt(inp)
+        p = {f"{prefix}.weight": uniform(-bound, bound, (out, inp))}
+        if bias:
+            p[f"{prefix}.bias"] = uniform(-bound, bound, (out,))
+        return p
+
+    def mha_params(bias):
+        p = {}
+        for name, size in (("W_q", 5), ("W_k", 3), ("W_v", 7), ("W_o", 8)):
+            p.update(linear_params(name, 8, size, bias))
+        return p
+
+    x_train = np.sort(rng.random(50) * 5)
+    y_train = target(x_train) + rng.normal(0.0, 0.5, 50)
+    others = ~np.eye(50, dtype=bool)
+    return {
+        "X": normal((2, 2, 4)), "lens1": np.array([2, 3]),
+        "X2": normal((2, 3, 5)), "lens2": np.array([[1, 3, 5], [2, 4, 0]]),
+        "S": normal((3, 5)), "S_lens": np.array([0, 2, 5]),
+        # seed 000: keys of ones, values arange(40), valid_lens [2, 6]
+        "seed_keys": np.ones((2, 10, 2)),
+        "seed_values": np.tile(np.arange(40.0).reshape(1, 10, 4), (2, 1, 1)),
+        "seed_lens": np.array([2, 6]),
+        "dot_q": normal((2, 1, 2)),
+        "add_q": normal((2, 1, 20)),
+        "add_params": {**linear_params("W_q", 8, 20, False),
+                       **linear_params("W_k", 8, 2, False),
+                       **linear_params("w_v", 1, 8, False)},
+        "q": normal((2, 3, 4)), "k": normal((2, 5, 4)), "v": normal((2, 5, 3)),
+        "mq": normal((2, 4, 5)), "mk": normal((2, 6, 3)), "mv": normal((2, 6, 7)),
+        "m_lens": np.array([3, 5]),
+        "mha": mha_params(False), "mha_bias": mha_params(True),
+        "P_X": normal((2, 7, 6)),
+        "x_train": x_train, "y_train": y_train, "x_test": np.arange(0, 5, 0.1),
+        "nw_w": np.array([1.7]),
+        "nw_keys": np.tile(x_train, (50, 1))[others].reshape(50, -1),
+        "nw_values": np.tile(y_train, (50, 1))[others].reshape(50, -1),
+    }
+
+
+def rounded(inputs, dtype):
+    """Floats rounded to ``dtype`` (kept float64), so the reference sees
+    exactly what the backend sees."""
+    if isinstance(inputs, dict):
+        return {k: rounded(v, dtype) for k, v in inputs.items()}
+    if inputs.dtype.kind == "f":
+        return inputs.astype(dtype).astype(np.float64)
+    return inputs
+
+
+def _attention(r, net, q, k, v, lens):
+    return [net(r.a(q), r.a(k), r.a(v), r.lens(lens)), net.attention_weights]
+
+
+def _mha(r, i, params):
+    net = r.module(r.am.MultiHeadAttention, 3, 5, 7, 8, 2, 0.5,
+                   bias="W_q.bias" in params, params=params)
+    return _attention(r, net, i["mq"], i["mk"], i["mv"], i["m_lens"])
+
+
+# (row name, run on a backend -> arrays, reference -> float64 arrays)
+CASES = [
+    ("masked_softmax, valid_lens (B,)",
+     lambda r, i: [r.am.masked_softmax(r.a(i["X"]), r.lens(i["lens1"]))],
+     lambda i: [ref.masked_softmax(i["X"], i["lens1"])]),
+    ("masked_softmax, valid_lens (B, Q)",
+     lambda r, i: [r.am.masked_softmax(r.a(i["X2"]), r.lens(i["lens2"]))],
+     lambda i: [ref.masked_softmax(i["X2"], i["lens2"])]),
+    ("sequence_mask",
+     lambda r, i: [r.am.sequence_mask(r.a(i["S"]), r.lens(i["S_lens"]), value=-1.0)],
+     lambda i: [ref.sequence_mask(i["S"], i["S_lens"], -1.0)]),
+    ("DotProductAttention, seed example",
+     lambda r, i: _attention(r, r.module(r.am.DotProductAttention, 0.5), i["dot_q"],
+                             i["seed_keys"], i["seed_values"], i["seed_lens"]),
+     lambda i: list(ref.dot_product_attention(i["dot_q"], i["seed_keys"],
+                                              i["seed_values"], i["seed_lens"]))),
+    ("DotProductAttention, valid_lens (B, Q)",
+     lambda r, i: _attention(r, r.module(r.am.DotProductAttention, 0.5),
+                             i["q"], i["k"], i["v"], i["lens2"]),
+     lambda i: list(ref.dot_product_attention(i["q"], i["k"], i["v"], i["lens2"]))),
+    ("AdditiveAttention, seed example",
+     lambda r, i: _attention(r, r.module(r.am.AdditiveAttention, 2, 20, 8, 0.1,
+                                         params=i["add_params"]),
+                             i["add_q"], i["seed_keys"], i["seed_values"], i["seed_lens"]),
+     lambda i: list(ref.additive_attention(i["add_params"], i["add_q"], i["seed_keys"],
+                                           i["seed_values"], i["seed_lens"]))),
+    ("MultiHeadAttention, bias=False",
+     lambda r, i: _mha(r, i, i["mha"]),
+     lambda i: list(ref.multi_head_attention(i["mha"], i["mq"], i["mk"], i["mv"],
+                                             i["m_lens"], 2))),
+    ("MultiHeadAttention, bias=True",
+     lambda r, i: _mha(r, i, i["mha_bias"]),
+     lambda i: list(ref.multi_head_attention(i["mha_bias"], i["mq"], i["mk"], i["mv"],
+                                             i["m_lens"], 2))),
+    ("PositionalEncoding",
+     lambda r, i: [r.module(r.am.PositionalEncoding, 6, 0.0, max_len=50)(r.a(i["P_X"]))],
+     lambda i: [ref.positional_encoding(i["P_X"])]),
+    ("nadaraya_watson",
+     lambda r, i: list(r.am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]),
+                                            r.a(i["x_test"]), return_weights=True)),
+     lambda i: list(ref.nadaraya_watson(i["x_train"], i["y_train"], i["x_test"]))),
+    ("NWKernelRegression forward",
+     lambda r, i: [r.module(r.am.NWKernelRegression, params={"w": i["nw_w"]})(
+         r.a(i["x_train"]), r.a(i["nw_keys"]), r.a(i["nw_values"]))],
+     lambda i: [ref.nw_kernel_regression(i["nw_w"][0], i["x_train"], i["nw_keys"],
+                                         i["nw_values"])]),
+]
+MECHANISMS = [name for name, _, _ in CASES]
+RUNS = {name: run for name, run, _ in CASES}
+
+
+def references(inputs):
+    """{dtype: {mechanism: reference arrays}} for ``{dtype: rounded inputs}``."""
+    return {dtype: {name: reference(inputs[dtype]) for name, _, reference in CASES}
+            for dtype in inputs}
+
+
+def compare(got, want, dtype):
+    """(max abs error, passed) of backend results against the reference."""
+    atol, rtol = TOLERANCES[dtype]
+    if [g.shape for g in got] != [w.shape for w in want]:
+        raise ValueError(f"shapes {[g.shape for g in got]} differ from the "
+                         f"reference's {[w.shape for w in want]}")
+    err = max(float(np.max(np.abs(g.astype(np.float64) - w), initial=0.0))
+              for g, w in zip(got, want))
+    scale = max(float(np.max(np.abs(w), initial=0.0)) for w in want)
+    return err, bool(err <= atol + rtol * scale)   # NaN fails

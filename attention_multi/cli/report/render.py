@@ -1,0 +1,138 @@
+"""The report as text: Markdown tables and sections, and the PNG figures."""
+import datetime
+
+import attention_multi as am
+
+from .cases import DTYPES, MECHANISMS, RUNS, TOLERANCES, target
+from .run import PLANT, TIMING_SHAPE, Runner, train_nw, versions
+
+
+def table(header, rows):
+    """A Markdown table, padded so that it reads in a terminal too."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    return [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+            *(line(r) for r in rows)]
+
+
+def cell_text(cell):
+    err, ok, _ = cell
+    if err is None:
+        return "ERROR"
+    return f"{err:.1e} {'ok' if ok else 'FAIL'}"
+
+
+def summary(cells):
+    """(failed, total, sentence) over every cell."""
+    total = sum(len(c) for c in cells.values())
+    failed = sum(not ok for c in cells.values() for _, ok, _ in c.values())
+    if not total:
+        return failed, total, "No backend could run: nothing was checked."
+    if failed:
+        return failed, total, f"FAILED: {failed} of {total} cells."
+    return failed, total, f"All {total} cells pass."
+
+
+def markdown(command, notes, cells, timings, plant):
+    """The report's text up to (not including) the figures, as lines."""
+    lines = ["# attention-multi report", "",
+             f"{datetime.datetime.now().isoformat(timespec='seconds')}: `{command}`", "",
+             "## Environment", "", *(f"- {v}" for v in versions()),
+             "", "## Backends and devices", "", *notes, ""]
+    if plant:
+        lines += [f"**Planted disagreement (self-test): {PLANT:g} added to every "
+                  f"{plant} result.**", ""]
+    lines += ["## Parity with the float64 reference", "",
+              "Cell: max abs error against `attention_multi.reference` on the same "
+              "(rounded) inputs; ok when error <= atol + rtol * max|reference| "
+              "(" + "; ".join(f"{d}: atol {a:g}, rtol {r:g}"
+                              for d, (a, r) in TOLERANCES.items()) + ").", ""]
+    labels, errors = list(cells), []
+    for dtype in DTYPES:
+        rows = []
+        for mech in MECHANISMS:
+            row = [mech]
+            for label in labels:
+                cell = cells[label].get((mech, dtype))
+                row.append("n/a" if cell is None else cell_text(cell))
+                if cell is not None and cell[2]:
+                    errors.append(f"- {label} {dtype} {mech}: {cell[2]}")
+            rows.append(row)
+        lines += [f"### {dtype}", "", *table(["mechanism", *labels], rows), ""]
+    if errors:
+        lines += ["Errors:", "", *errors, ""]
+    lines += ["## Forward time", "", TIMING_SHAPE, "",
+              *table(["backend/device", "median"], list(timings.items())), "",
+              "## Result", "", summary(cells)[2], ""]
+    return lines
+
+
+def figures(out, B, device, inputs, trainer):
+    """Write the PNGs into ``out``; returns Markdown lines (or why they were
+    skipped). ``trainer`` is (Backend, device) with autodiff, or None."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        return [f"Figures skipped: matplotlib is not available ({exc}); "
+                "pip install 'attention-multi[plot]'."]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = Runner(B, device, "float32")
+    i = inputs["float32"]
+    lines, figs = [f"Made with the {B.name}/{device} backend, float32."], []
+
+    def save(fig, filename, caption):
+        fig.savefig(out / filename, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        figs.append(f"![{caption}]({filename})")
+
+    def weights(case):       # the attention weights of a case's module
+        return r.numpy(RUNS[case](r, i)[1])
+
+    for case, filename, caption in (
+            ("AdditiveAttention, seed example", "heatmap_additive.png",
+             "Additive attention weights, valid_lens [2, 6]"),
+            ("DotProductAttention, seed example", "heatmap_dot_product.png",
+             "Dot-product attention weights, valid_lens [2, 6]")):
+        save(am.show_heatmaps(weights(case).reshape((1, 1, 2, 10)), xlabel="Keys",
+                              ylabel="Queries"), filename, caption)
+
+    w = weights("MultiHeadAttention, bias=False")      # (batch * heads, Q, K)
+    heads, lens = 2, i["m_lens"]
+    w = w.reshape((-1, heads) + w.shape[1:])
+    fig = am.show_heatmaps(w, xlabel="Keys", ylabel="Queries",
+                           titles=[f"Head {h + 1}" for h in range(heads)],
+                           figsize=(2.5 * heads, 1.9 * w.shape[0]))
+    for b, row in enumerate(fig.axes[:w.shape[0] * heads:heads]):
+        row.set_ylabel(f"batch {b} (valid_len {lens[b]})\nQueries")
+    save(fig, "heatmap_multihead.png", "Multi-head attention weights: one column per "
+         "head, one row per batch element (valid_lens " + str(list(lens)) + ")")
+
+    fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5))
+    x_test = i["x_test"]
+    y_hat = r.numpy(am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]),
+                                       r.a(x_test)))
+    ax.plot(x_test, target(x_test), label="truth")
+    ax.plot(x_test, y_hat, label="Gaussian kernel")
+    if trainer is not None:
+        (T, trainer_device) = trainer
+        w_fit, losses, y_fit = train_nw(T, trainer_device, i)
+        ax.plot(x_test, y_fit, "--", label=f"trained on {T.name} (w = {w_fit:.2f})")
+        ax_loss.plot(range(1, len(losses) + 1), losses, "o-")
+        lines.append(f"NWKernelRegression trained on {T.name}/{trainer_device}: "
+                     f"w = {w_fit:.3f}, loss per epoch "
+                     + ", ".join(f"{x:.2f}" for x in losses) + ".")
+    else:
+        ax_loss.text(0.5, 0.5, "no autodiff backend\n(torch, jax or mxnet)",
+                     ha="center", va="center")
+        lines.append("NWKernelRegression not trained: no autodiff backend ran "
+                     "(pip install 'attention-multi[torch]').")
+    ax.plot(i["x_train"], i["y_train"], "o", alpha=0.5, label="training points")
+    ax.set(xlabel="x", ylabel="y", xlim=(0, 5), title="Nadaraya-Watson regression")
+    ax.legend()
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="Training loss (summed squares)")
+    save(fig, "nadaraya_watson.png", "Nadaraya-Watson fit and training loss")
+    return lines + [""] + figs
