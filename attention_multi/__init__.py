@@ -4,8 +4,8 @@ from backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend
-from .functional import (masked_softmax, nadaraya_watson, sequence_mask,
-                         transpose_output, transpose_qkv)
+from .functional import (dot_product_attention, masked_softmax, nadaraya_watson,
+                         sequence_mask, transpose_output, transpose_qkv)
 from .module import Module
 from .modules import (AdditiveAttention, DotProductAttention, Linear,
                       MultiHeadAttention, NWKernelRegression, PositionalEncoding,
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AdditiveAttention", "DotProductAttention", "Linear", "Module",
     "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
-    "asarray", "available_backends", "get_backend", "get_params",
+    "asarray", "available_backends", "dot_product_attention", "get_backend", "get_params",
     "masked_softmax", "nadaraya_watson", "port", "sequence_mask", "set_backend",
     "set_params", "show_heatmaps", "train_kernel_regression",
     "transpose_output", "transpose_qkv", "use_backend",

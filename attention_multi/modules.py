@@ -9,10 +9,11 @@ import math
 
 import numpy as np
 
-from ._checks import check_array, check_float, valid_lens_array
-from .functional import (DEFAULT_MEMORY_BUDGET, _check_heads, _softmax, attend,
-                         check_path_options, key_mask, work_itemsize,
-                         zero_masked_values)
+from .core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
+                   masked_softmax)
+from .core.checks import check_array, check_float
+from .core.paths import work_itemsize
+from .functional import check_heads
 from .module import Module
 
 
@@ -64,11 +65,25 @@ class _Attention(Module):
     def _dtype_of_params(self):
         return self._backend.dtype_name(next(iter(self.named_arrays().values())))
 
-    def _lens(self, valid_lens, queries):
-        if valid_lens is None:
+    def _mask(self, queries, keys, heads=1, valid_lens=None, **forms):
+        """The normalized mask of a call: ``valid_lens`` and ``forms``
+        (``mask``, ``bias``, ``causal``, ``window``) for (batch, heads, Q, K)."""
+        B = self._backend
+        return make_mask(B, queries.shape[0], heads, queries.shape[1], keys.shape[1],
+                         valid_lens=valid_lens, dtype=B.dtype_name(queries),
+                         heads_axis=False, device=B.device_of(queries), **forms)
+
+    def _empty(self, queries, keys, size):
+        """Zeros (batch, Q, size) and empty weights when an axis is empty (no
+        framework kernel is called); None otherwise."""
+        b, nq, nk = queries.shape[0], queries.shape[1], keys.shape[1]
+        if b * nq * nk:
             return None
-        return valid_lens_array(self._backend, valid_lens, queries.shape[0],
-                                queries.shape[1])
+        B, dtype, device = self._backend, self._backend.dtype_name(queries), \
+            self._backend.device_of(queries)
+        self._keep_attention(B.zeros((b * getattr(self, "num_heads", 1), nq, nk), dtype, device))
+        self.__dict__["_attention_path"] = "empty"
+        return B.zeros((b, nq, size), dtype, device)
 
     @property
     def last_path(self):
@@ -99,16 +114,21 @@ class AdditiveAttention(_Attention):
     def forward(self, queries, keys, values, valid_lens=None, *, key=None):
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
-        lens = self._lens(valid_lens, queries)
-        q, k = self.W_q(queries), self.W_k(keys)
-        scores = self._scores(q, k)
-        weights = _softmax(B, scores, None if lens is None else
-                           key_mask(B, lens, k.shape[1], B.device_of(keys)))
-        if lens is not None:
-            values = zero_masked_values(B, values, lens)
+        mask = self._mask(queries, keys, valid_lens=valid_lens)
+        empty = self._empty(queries, keys, values.shape[2])
+        if empty is not None:
+            return empty
+        scores = self._scores(self.W_q(queries), self.W_k(keys))
+        visible = mask.boolean(B, B.device_of(queries))
+        if visible is not None:      # (batch, 1, Q|1, K) -> (batch, Q|1, K)
+            visible = visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
+        weights = masked_softmax(B, scores, visible)
+        values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
+        _, values4 = mask.guard_unused(B, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
-        return B.matmul(self._dropout(weights, self.dropout, key), values)
+        return B.matmul(self._dropout(weights, self.dropout, key),
+                        values4.reshape(tuple(values.shape)))
 
     def _scores(self, q, k):
         """(b, nq, nk) scores, over blocks of queries within the memory budget."""
@@ -158,24 +178,29 @@ class DotProductAttention(_Attention):
         self.path, self.memory_budget, self.chunk_size = check_path_options(
             path, memory_budget, chunk_size)
 
-    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
+                causal=False, window=None, key=None):
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
             raise ValueError(f"queries and keys must have the same feature size, got "
                              f"queries {tuple(queries.shape)} and keys "
                              f"{tuple(keys.shape)}")
-        return self._attend(queries, keys, values, self._lens(valid_lens, queries), key)
+        m = self._mask(queries, keys, valid_lens=valid_lens, mask=mask, bias=bias,
+                       causal=causal, window=window)
+        q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+                   for x in (queries, keys, values))
+        out = self._attend(q, k, v, m, key)
+        return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
-    def _attend(self, queries, keys, values, lens, key):
-        """Attention on checked inputs: (N, n, d) or (batch, heads, n, d);
-        ``lens`` is None or int32 (N or batch,) / (N or batch, Q)."""
+    def _attend(self, queries, keys, values, mask, key):
+        """Attention on checked (batch, heads, n, d) inputs and a normalized mask."""
         B = self._backend
         dropout = None
         if self.training and self.dropout > 0:
             def dropout(w, index=None):
                 return self._dropout(w, self.dropout, B.fold_key(key, index))
         out, kept, taken = attend(
-            B, queries, keys, values, lens, dropout=dropout, path=self.path,
+            B, queries, keys, values, mask, dropout=dropout, path=self.path,
             memory_budget=self.memory_budget, chunk_size=self.chunk_size)
         self._keep_attention(kept)
         self.__dict__["_attention_path"] = taken
@@ -195,7 +220,7 @@ class MultiHeadAttention(_Attention):
                  dropout, bias=False, *, path="auto", memory_budget=None,
                  chunk_size=None, **options):
         self._start(**options)
-        _check_heads(num_hiddens, num_heads)
+        check_heads(num_hiddens, num_heads)
         self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.attention = DotProductAttention(
@@ -206,19 +231,23 @@ class MultiHeadAttention(_Attention):
         self.W_v = Linear(value_size, num_hiddens, bias=bias, **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
 
-    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
+                causal=False, window=None, key=None):
         self._check_inputs(queries, keys, values,
                            (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
-        lens = self._lens(valid_lens, queries)   # broadcast over the heads
+        m = self._mask(queries, keys, h, valid_lens=valid_lens, mask=mask, bias=bias,
+                       causal=causal, window=window)
 
         def heads(x):   # (b, n, h * s) -> (b, h, n, s), a view where possible
-            return B.transpose(x.reshape((x.shape[0], x.shape[1], h, -1)), (0, 2, 1, 3))
+            b, n, hidden = x.shape
+            return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
         out = self.attention._attend(heads(self.W_q(queries)), heads(self.W_k(keys)),
-                                     heads(self.W_v(values)), lens, key)
+                                     heads(self.W_v(values)), m, key)
         out = B.transpose(out, (0, 2, 1, 3))
-        return self.W_o(out.reshape((out.shape[0], out.shape[1], -1)))
+        b, n = out.shape[0], out.shape[1]
+        return self.W_o(out.reshape((b, n, self.num_hiddens)))
 
     @property
     def attention_weights(self):
@@ -290,7 +319,7 @@ class NWKernelRegression(Module):
                              f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
         n, m = keys.shape
         d = (queries.reshape((-1, 1)) - keys) * self._param("w")
-        weights = _softmax(B, -(d * d) / 2, None)
+        weights = masked_softmax(B, -(d * d) / 2, None)
         self._keep_attention(weights)
         return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((-1,))
 

@@ -1,4 +1,4 @@
-"""Backends: one small class per framework, behind one protocol (``base.Backend``).
+"""Backends: one small class per framework, behind one protocol (``protocol.Backend``).
 
 ``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
 the backend of an array, looking only at frameworks that are already imported.
@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 import sys
 
-from .base import Backend
+from .protocol import Backend
 from .devices import parse_device
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")

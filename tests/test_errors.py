@@ -132,9 +132,7 @@ def test_module_backend_vs_input_backend(backend):
 def test_dtype_mismatch_with_parameters(backend):
     mha = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, backend=backend)
     other = "float64" if "float64" in backend.float_dtypes else "float16"
-    if other == "float64" and backend.name == "jax":
-        import jax
-        jax.config.update("jax_enable_x64", True)
+    backend.enable_float64()
     x = arr(backend, 2, 3, 4, dtype=other)
     with pytest.raises(TypeError, match=rf"dtypes differ \(queries {other}, keys {other}, "
                                         rf"values {other}, parameters float32\)"):

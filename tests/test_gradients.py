@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-from tests import oracle
+from attention_multi import reference as oracle
 from tests.gradients import gradients
 
 SHAPES = {"queries": (2, 3, 4), "keys": (2, 5, 4), "values": (2, 5, 3)}
@@ -72,7 +72,7 @@ def build(mechanism, backend, params):
 @pytest.mark.parametrize("mask", list(LENS))
 @pytest.mark.parametrize("mechanism", ["dot_product", "additive", "multi_head"])
 def test_gradients_match_the_oracle(backend, mechanism, mask):
-    if backend.name == "numpy":
+    if not backend.autodiff:
         with pytest.raises(ValueError, match="no autodiff"):
             gradients(backend, None, [], None, None)
         return

@@ -9,10 +9,10 @@ import pytest
 
 import attention_multi as am
 import backends
-from attention_multi.functional import DEFAULT_MEMORY_BUDGET, attend
-from tests import oracle
+from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
+from attention_multi import reference as oracle
 
-PATHS = ("fused", "chunked", "full")
+PATHS = ("fused", "tiled", "chunked", "full")
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH, NQ, NK, D = 3, 5, 7, 4
 
@@ -41,9 +41,17 @@ def _module(cls, backend, path, *args, dtype="float32", **kw):
 
 
 def _expected_path(backend, path, dv=D, d=D):
-    if path == "fused" and backend.name == "jax" and dv != d:
-        return "full"     # jax.nn.dot_product_attention needs dv == d
+    """A forced "fused" falls back to "tiled" where the backend has no kernel."""
+    if path == "fused" and (not backend.has_fused_attention or (backend.name == "jax" and dv != d)):
+        return "tiled"    # (jax.nn.dot_product_attention needs dv == d)
     return path
+
+
+def _attend(backend, q, k, v, lens, **options):
+    """attend() on (batch, heads, n, d) arrays with lengths broadcast over heads."""
+    mask = make_mask(backend, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
+                     valid_lens=lens)
+    return attend(backend, q, k, v, mask, **options)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -55,7 +63,7 @@ def test_dot_product_paths_match_oracle(backend, path, mask):
     m = _module(am.DotProductAttention, backend, path, 0.0)
     out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
             None if lens is None else backend.asarray(lens))
-    assert m.last_path == path
+    assert m.last_path == _expected_path(backend, path)
     assert tuple(out.shape) == (BATCH, NQ, D)
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
     # read after the call: computed from what the call kept
@@ -84,7 +92,7 @@ def test_multi_head_paths_match_oracle(backend, path, mask):
     ref, ref_w = oracle.multi_head_attention(am.get_params(m), q, k, v, lens, heads)
     out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
             None if lens is None else backend.asarray(lens))
-    assert m.last_path == path
+    assert m.last_path == _expected_path(backend, path)
     assert tuple(out.shape) == (BATCH, NQ, hidden)
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
     w = m.attention_weights
@@ -128,8 +136,7 @@ def test_float16_large_scores_do_not_overflow(backend, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_float64(backend, path):
-    if backend.name == "jax":
-        pytest.importorskip("jax").config.update("jax_enable_x64", True)
+    backend.enable_float64()
     q, k, v = _inputs(5)
     lens = MASKS["2d"]
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
@@ -162,7 +169,7 @@ def test_auto_path_choice(backend):
     lens = backend.asarray(MASKS["2d"])
     m = am.DotProductAttention(0.0, backend=backend).eval()
     m(q, k, v, lens)
-    assert m.last_path == "fused"          # every backend has a kernel here
+    assert m.last_path == ("fused" if backend.has_fused_attention else "tiled")
     # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit
     m.memory_budget = 16
     small = m(q, k, v, lens)
@@ -173,9 +180,9 @@ def test_auto_path_choice(backend):
     assert m.last_path == "full"
     # dropout active: the weights are needed, so no fused kernel
     m = am.DotProductAttention(0.5, backend=backend)
-    if backend.name != "jax":
-        m(q, k, v, lens)
-        assert m.last_path == "full"
+    key = backend.dropout_key(0)
+    m(q, k, v, lens, **({} if key is None else {"key": key}))
+    assert m.last_path == "full"
     assert am.DotProductAttention(0.5, backend=backend).eval().path == "auto"
 
 
@@ -195,11 +202,8 @@ def test_default_budget_and_option_checks():
 
 def test_chunked_path_with_dropout(backend):
     """Dropout on the chunked path: per-block masks, unbiased on average."""
-    if backend.name == "jax":
-        import jax
-        kw = {"key": jax.random.PRNGKey(0)}
-    else:
-        kw = {}
+    key = backend.dropout_key(0)
+    kw = {} if key is None else {"key": key}
     q, k, v = (backend.asarray(x, "float32") for x in _inputs(8, nk=16))
     lens = backend.asarray(np.array([10, 16, 0]))
     m = am.DotProductAttention(0.5, backend=backend, path="chunked", chunk_size=8)
@@ -243,17 +247,17 @@ def test_attend_function_4d_layout(backend):
     flat = [x.reshape(6, 5, 4) for x in (q, k, v)]
     ref, _ = oracle.dot_product_attention(*flat, np.repeat(lens, 3, axis=0))
     for path in PATHS:
-        out, _, taken = attend(backend, *(backend.asarray(x, "float32") for x in (q, k, v)),
-                               backend.asarray(lens, "int32"), path=path)
-        assert taken == path and tuple(out.shape) == (2, 3, 5, 4)
+        out, _, taken = _attend(backend, *(backend.asarray(x, "float32") for x in (q, k, v)),
+                                backend.asarray(lens, "int32"), path=path)
+        assert taken == _expected_path(backend, path) and tuple(out.shape) == (2, 3, 5, 4)
         np.testing.assert_allclose(backend.to_numpy(out).reshape(6, 5, 4), ref, **TOL)
 
 
 def test_gradients_agree_across_paths(backend):
     """Training through each path (dropout 0, so fused is allowed in training
     mode) gives the gradients of the full path."""
-    if backend.name == "numpy":
-        pytest.skip("the numpy backend has no autodiff")
+    if not backend.autodiff:
+        pytest.skip(f"the {backend.name} backend has no autodiff")
     q, k, v = (backend.asarray(x, "float32") for x in _inputs(12, d=6, dv=6))
     lens = backend.asarray(MASKS["2d"])
     params = None
@@ -288,28 +292,29 @@ def test_gradients_agree_across_paths(backend):
 
 @pytest.mark.parametrize("mask", ["none", "1d", "2d", "over-long"])
 def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
-    """Variants that fused kernels pick only for large inputs, forced on small
-    ones: NumPy's worker threads, MXNet's lengths folded into the product."""
-    module = __import__(f"backends.{backend.name}_backend", fromlist=["_"])
-    knobs = {"numpy": "_PARALLEL_MIN_SCORES", "mxnet": "_FOLD_MIN_SCORES"}
-    if backend.name not in knobs:
-        pytest.skip(f"the {backend.name} kernel has no size-dependent variant")
-    monkeypatch.setattr(module, knobs[backend.name], 0)
+    """Variants that are picked only for large inputs, forced on small ones:
+    the tiled path's parallel tiles, MXNet's lengths folded into the product."""
+    import attention_multi.core.paths as core_paths
+    monkeypatch.setattr(core_paths, "PARALLEL_MIN_SCORES", 0)
+    if backend.name == "mxnet":
+        monkeypatch.setattr(__import__("backends.mxnet_backend", fromlist=["_"]),
+                            "_FOLD_MIN_SCORES", 0)
     q, k, v = _inputs(13)
     lens = MASKS[mask]
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
     if lens is not None:   # as the modules' checks leave them: int32
         lens = np.minimum(lens, 2**31 - 1)
-    for shape4 in (False, True):     # (N, n, d) and (batch, heads, n, d) inputs
-        args = [backend.asarray(x.reshape((1,) + x.shape) if shape4 else x, "float32")
+    for shape4 in (False, True):     # (N, 1, n, d) and (1, N, n, d) inputs
+        args = [backend.asarray(x[None] if shape4 else x[:, None], "float32")
                 for x in (q, k, v)]
         if shape4:   # one batch element, BATCH heads: lengths of element 0
             lens4 = None if lens is None else lens[:1]
             ref4, _ = oracle.dot_product_attention(q, k, v, None if lens is None else
                                                    np.repeat(lens4, BATCH, axis=0))
-        out, _, taken = attend(backend, *args, None if lens is None else
-                               backend.asarray(lens4 if shape4 else lens, "int32"),
-                               path="fused")
-        assert taken == "fused"
-        np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
-                                   ref4 if shape4 else ref, **TOL)
+        for path in ("fused", "tiled"):
+            out, _, taken = _attend(backend, *args, None if lens is None else
+                                    backend.asarray(lens4 if shape4 else lens, "int32"),
+                                    path=path)
+            assert taken == _expected_path(backend, path)
+            np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
+                                       ref4 if shape4 else ref, **TOL)

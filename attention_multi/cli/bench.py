@@ -413,7 +413,7 @@ def machine():
     for name in ("torch", "jax", "mxnet"):
         if name in sys.modules:
             versions[name] = getattr(sys.modules[name], "__version__", "?")
-    from backends.numpy_backend import blas_config
+    from backends.numpy_threads import blas_config
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
             "versions": versions, "numpy_blas": blas_config() or "not OpenBLAS"}
 

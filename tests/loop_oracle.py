@@ -1,6 +1,8 @@
-"""Independent float64 reference, written from the formulas with plain loops.
+"""A second float64 reference, written from the formulas with plain loops:
+tests/test_reference.py checks ``attention_multi.reference`` (the vectorised
+reference that grades the backends) against it.
 
-It never imports attention_multi or backends: the library must not grade itself.
+It never imports attention_multi or backends.
 Lengths: ``lens[b][i]`` is the number of valid keys for query ``i`` of batch
 ``b`` (None: all). A row with no valid key has zero weights and zero output.
 """

@@ -1,4 +1,6 @@
 """Argument checks: errors name the argument and show shapes and values."""
+import numbers
+
 import numpy as np
 
 import backends
@@ -55,16 +57,17 @@ def check_same_dtype(backend, **arrays):
         raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
 
 
-def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens"):
+def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens", device=None):
     """``valid_lens`` as an int32 array of shape (batch,) or (batch, queries).
 
-    Accepts arrays of the call's backend, NumPy arrays and lists. Values are
-    checked (>= 0, integer-valued) unless they are traced (e.g. under jax.jit);
-    lengths past the end mean no masking, so no clipping is needed.
+    Accepts arrays of the call's backend, NumPy arrays and lists (placed on
+    ``device``). Values are checked (>= 0, integer-valued) unless they are
+    traced (``jax.jit``, ``torch.compile``); lengths past the end mean no
+    masking, so no clipping is needed.
     """
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int)):
-            valid_lens = backend.asarray(np.asarray(valid_lens))
+            valid_lens = backend.asarray(np.asarray(valid_lens), device=device)
         else:
             raise TypeError(f"{name} must be a {backend.name} array, a NumPy array "
                             f"or a list, got {_backend_name(valid_lens)}")
@@ -88,3 +91,54 @@ def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens"):
         if values.size and values.max() > _INT32_MAX:  # would wrap in int32
             valid_lens = backend.where(valid_lens > _INT32_MAX, _INT32_MAX, valid_lens)
     return backend.astype(valid_lens, "int32")
+
+
+def check_window(window):
+    """``window`` as None or (left, right), each a non-negative int or None
+    (unbounded); an int ``w`` means (w, w)."""
+    if window is None:
+        return None
+    sides = (window, window) if not isinstance(window, (tuple, list)) else tuple(window)
+    if len(sides) != 2:
+        raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
+    for side in sides:
+        if side is not None and (isinstance(side, (bool, np.bool_))
+                                 or not isinstance(side, numbers.Integral) or side < 0):
+            raise ValueError(f"window must be a non-negative int or a pair (left, "
+                             f"right) of non-negative ints or None, got {window!r}")
+    return tuple(None if s is None else int(s) for s in sides)
+
+
+def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
+    """A boolean ``mask`` or float ``bias`` as a 4-D array broadcastable to
+    ``shape`` = (batch, heads, Q, K).
+
+    With ``heads_axis`` (4-D inputs) ``x`` broadcasts against ``shape`` as
+    NumPy does; without (3-D inputs) against (batch, Q, K), and a 4-D ``x``
+    is (batch, heads, Q, K) (multi-head attention).
+    """
+    if not backend.is_array(x):
+        if isinstance(x, (np.ndarray, np.generic, list, tuple)):
+            x = backend.asarray(np.asarray(x), device=device)
+        else:
+            raise TypeError(f"{name} must be a {backend.name} array or a NumPy array, "
+                            f"got {_backend_name(x)}")
+    dtype = backend.dtype_name(x)
+    if kind == "bool" and dtype != "bool":
+        raise TypeError(f"{name} must be boolean (True = may attend), got dtype {dtype}; "
+                        f"for an additive float mask use bias=")
+    if kind == "float" and dtype not in backend.float_dtypes:
+        raise TypeError(f"{name} must have a floating dtype, got {dtype}")
+    batch, heads, q, k = shape
+    against = shape if heads_axis or len(x.shape) == 4 else (batch, q, k)
+    got = tuple(x.shape)
+    if len(got) > len(against) or any(
+            g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
+        names = ("batch", "heads", "queries", "keys")[-len(against):] if heads_axis or \
+            len(against) == 4 else ("batch", "queries", "keys")
+        raise ValueError(f"{name} of shape {got} does not broadcast to "
+                         f"({', '.join(f'{n}={s}' for n, s in zip(names, against))})")
+    full = (1,) * (len(against) - len(got)) + got
+    if len(full) == 3:
+        full = (full[0], 1) + full[1:]
+    return x.reshape(full)

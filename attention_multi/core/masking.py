@@ -1,0 +1,350 @@
+"""The masking contract, written once: which keys a query may see, and what
+every path must do about what it may not see.
+
+Callers give any mix of d2l's ``valid_lens`` (1-D or 2-D), a boolean ``mask``
+(True = may attend), a float ``bias``, ``causal`` and ``window``. ``make_mask``
+turns them into one ``Mask``; every path reads it. The rules:
+
+- **Visible keys.** Query ``i`` sits at key position ``p = i + offset``
+  (``offset = K - Q`` by default: aligned at the bottom right, as decoding
+  needs). It may see key ``j`` when ``lo <= j < hi`` with
+  ``lo = max(0, p - left)`` and ``hi = min(K, valid_len, p + 1 if causal,
+  p + right + 1)`` for a ``window = (left, right)``, and ``mask`` allows it
+  and ``bias`` there is not ``-inf``. All forms combine by AND.
+- **Masked scores** are replaced by ``fill_value``, the lowest finite number
+  of the compute dtype (never ``-inf``, so nothing becomes NaN), and masked
+  weights are exactly 0.
+- **Half precision** (float16, bfloat16) is computed in float32.
+- **Empty rows**: a query that may see no key gets zero weights and a zero
+  output, with finite gradients.
+- **NaN**: NaN in the inputs propagates, except from key and value rows that
+  no query of that batch element may see; those are zeroed before any kernel
+  reads them.
+
+The row intervals ``[lo, hi)`` are kept as integers (``offset``, ``window``,
+lengths), not as matrices: the chunked and tiled paths ask for one block, skip
+blocks that no query may see, and drop the mask on blocks that every query may
+see entirely.
+"""
+import numpy as np
+
+from backends.protocol import HALF_DTYPES
+
+from .checks import check_mask_array, check_window, valid_lens_array
+
+def compute_dtype(dtype):
+    """The dtype scores are computed in: float32 for half precision."""
+    return "float32" if dtype in HALF_DTYPES else dtype
+
+
+def fill_value(dtype):
+    """What a masked score becomes: the lowest finite value of ``dtype``."""
+    return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+
+
+def fill(B, dtype, device):
+    """``fill_value`` as a 0-d array of the compute dtype (a Python float
+    would promote float32 to float64 in NumPy 1.x)."""
+    work = compute_dtype(dtype)
+    return B.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device)
+
+
+class Mask:
+    """Which keys each query may see, for (batch, heads, Q, K) attention.
+
+    Fields (None: no constraint of that kind): ``lens`` int32 (batch, 1, Q|1,
+    1) key lengths; ``offset`` int or 0-d int array (traced); ``causal``;
+    ``window`` (left, right) or None; ``allowed`` bool and ``bias`` float,
+    both 4-D and broadcastable to (batch, heads, Q, K). ``lens_known`` and
+    ``offset_known`` are host copies, None while traced.
+    """
+
+    def __init__(self, batch, heads, num_queries, num_keys, *, lens=None,
+                 lens_known=None, offset=None, offset_known=None, causal=False,
+                 window=None, allowed=None, bias=None):
+        self.batch, self.heads = batch, heads
+        self.num_queries, self.num_keys = num_queries, num_keys
+        self.lens, self.lens_known = lens, lens_known
+        if offset is None:
+            offset = offset_known = num_keys - num_queries
+        self.offset, self.offset_known = offset, offset_known
+        self.causal, self.window = causal, window
+        self.allowed, self.bias = allowed, bias
+
+    # -- what kernels read ----------------------------------------------------------
+    @property
+    def intervals(self):
+        """True when lengths, causal or a window restrict the keys."""
+        return self.lens is not None or self.causal or self.window is not None
+
+    @property
+    def unmasked(self):
+        """Every query may see every key, and there is no bias."""
+        return not self.intervals and self.allowed is None and self.bias is None
+
+    @property
+    def only_lens(self):
+        """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
+        return (self.lens is not None and not self.causal and self.window is None
+                and self.allowed is None and self.bias is None)
+
+    @property
+    def per_batch_lens(self):
+        """int32 (batch,) lengths when they are all there is (1-D valid_lens)."""
+        if self.only_lens and self.lens.shape[2] == 1:
+            return self.lens.reshape((self.batch,))
+        return None
+
+    @property
+    def top_left_causal(self):
+        """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0)."""
+        return (self.causal and self.offset_known == 0 and self.lens is None
+                and self.window is None and self.allowed is None and self.bias is None)
+
+    def boolean(self, B, device):
+        """bool (batch|1, heads|1, Q, K): True where a query may see a key;
+        None when every query is known to see every key."""
+        visible = None
+        if self.intervals and not self._sees_all():
+            lo, hi = self._bounds(B, device)
+            j = B.arange(self.num_keys, device).reshape((1, 1, 1, -1))
+            visible = j < hi if lo is None else (j >= lo) & (j < hi)
+        if self.allowed is not None:
+            visible = self.allowed if visible is None else visible & self.allowed
+        return visible
+
+    def additive(self, B, dtype, device):
+        """float: ``bias`` (or 0) where a query may see a key, ``fill_value``
+        where it may not; None when nothing is masked and there is no bias."""
+        visible = self.boolean(B, device)
+        if visible is None:
+            return self.bias
+        return B.where(visible, 0.0 if self.bias is None else self.bias,
+                       fill(B, dtype, device))
+
+    # -- the row intervals ----------------------------------------------------------
+    def _sees_all(self):
+        """Known on the host: every row's interval is all the keys."""
+        if not self.intervals:
+            return True
+        known = self._bounds_known()
+        return known is not None and (known[0] <= 0).all() and \
+            (known[1] >= self.num_keys).all()
+
+    def _bounds(self, B, device):
+        """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
+        lo, hi = None, self.lens
+        if self.causal or self.window is not None:
+            p = B.arange(self.num_queries, device).reshape((1, 1, -1, 1)) + self.offset
+            ends = []
+            if self.causal:
+                ends.append(p + 1)
+            if self.window is not None:
+                left, right = self.window
+                if left is not None:
+                    lo = B.where(p > left, p - left, 0)
+                if right is not None:
+                    ends.append(p + (right + 1))
+            for end in ends:
+                hi = end if hi is None else B.minimum(hi, end)
+        if hi is None:
+            hi = B.zeros((1, 1, 1, 1), "int32", device) + self.num_keys
+        return lo, hi
+
+    def known_on_host(self):
+        """Whether the rows' intervals are known on the host (not traced)."""
+        return not ((self.lens is not None and self.lens_known is None) or (
+            (self.causal or self.window is not None) and self.offset_known is None))
+
+    def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
+        """Host ``(lo, hi)`` int64, broadcastable to (batch block, Q block), of
+        the rows' visible keys (before ``allowed`` and ``bias``); None while
+        traced. Computed once per Mask, then sliced."""
+        if not self.known_on_host():
+            return None
+        known = self.__dict__.get("_known")
+        if known is None:
+            lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), self.num_keys, np.int64)
+            if self.lens is not None:
+                hi = np.minimum(hi, self.lens_known.reshape(self.batch, -1))
+            p = np.arange(self.num_queries)[None, :] + self.offset_known
+            if self.causal:
+                hi = np.minimum(hi, p + 1)
+            if self.window is not None:
+                left, right = self.window
+                if left is not None:
+                    lo = np.maximum(lo, p - left)
+                if right is not None:
+                    hi = np.minimum(hi, p + right + 1)
+            known = self.__dict__["_known"] = (lo, hi)
+
+        def block(x):
+            return x[slice(b0, b1) if x.shape[0] > 1 else slice(None),
+                     slice(q0, q1) if x.shape[1] > 1 else slice(None)]
+        return block(known[0]), block(known[1])
+
+    # -- blocks -----------------------------------------------------------------------
+    def block_state(self, b0, b1, q0, q1, k0, k1):
+        """``"none"`` when no query of the block may see a key of it, ``"all"``
+        when each may see all (no mask needed), else ``"some"``; from what is
+        known on the host (traced: ``"some"``)."""
+        known = self._bounds_known(b0, b1, q0, q1)
+        if known is None:
+            return "some"
+        lo, hi = known
+        if (np.maximum(lo, k0) >= np.minimum(hi, k1)).all():
+            return "none"
+        whole = (lo <= k0).all() and (hi >= k1).all()
+        return "all" if whole and self.allowed is None and self.bias is None else "some"
+
+    def key_range(self, b0=0, b1=None, q0=0, q1=None):
+        """Host ``(start, stop)``: the keys that any query of the block may see
+        lie in ``[start, stop)``; all keys while traced."""
+        known = self._bounds_known(b0, b1, q0, q1)
+        if known is None:
+            return 0, self.num_keys
+        lo, hi = np.broadcast_arrays(*known)
+        rows = hi > lo
+        if not rows.any():
+            return 0, 0
+        return int(lo[rows].min()), int(hi[rows].max())
+
+    def sub(self, b0, b1, q0, q1, k0, k1):
+        """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
+        and keys ``[k0, k1)``, with positions counted from the block's start.
+        A block that every query sees whole gets a Mask without constraints."""
+        if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
+            return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0)
+        def rows(x, axis_q):
+            if x is None:
+                return None
+            index = [slice(None)] * 4
+            if x.shape[0] > 1:
+                index[0] = slice(b0, b1)
+            if x.shape[2] > 1:
+                index[2] = slice(q0, q1)
+            if axis_q is False and x.shape[3] > 1:
+                index[3] = slice(k0, k1)
+            return x[tuple(index)]
+
+        lens = rows(self.lens, True)
+        known = None if self.lens_known is None else rows(self.lens_known, True) - k0
+        return Mask(
+            b1 - b0, self.heads, q1 - q0, k1 - k0,
+            lens=None if lens is None else lens - k0, lens_known=known,
+            offset=self.offset + (q0 - k0),
+            offset_known=None if self.offset_known is None else self.offset_known + q0 - k0,
+            causal=self.causal, window=self.window,
+            allowed=rows(self.allowed, False), bias=rows(self.bias, False))
+
+    # -- the rules every path applies ---------------------------------------------------
+    def rows_with_keys(self, B, device):
+        """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
+        None when every query is known to see one."""
+        if self.allowed is None:
+            if not self.intervals:
+                return None if self.num_keys else B.zeros((1, 1, 1, 1), "bool", device)
+            known = self._bounds_known()
+            if known is not None and (known[1] > known[0]).all():
+                return None
+            lo, hi = self._bounds(B, device)
+            return hi > (0 if lo is None else lo)
+        return B.any(self.boolean(B, device), -1, keepdims=True)
+
+    def used_keys(self, B, device):
+        """bool (batch|1, 1, K, 1): True where some query of that batch
+        element may see the key; None when every key is known to be seen."""
+        if self.allowed is None and not self.intervals:
+            return None
+        if self.allowed is None and (self.window is None or self.lens is None
+                                     or self.lens.shape[2] == 1):
+            # the rows' intervals overlap or touch: their union is [least lo, last hi)
+            known = self._bounds_known()
+            if known is not None:
+                lo, hi = known
+                rows = hi > lo
+                if rows.any(axis=1).all() and (np.where(rows, lo, 1).min(axis=1) == 0).all() \
+                        and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all():
+                    return None
+            lo, hi = self._bounds(B, device)
+            nonempty = hi > (0 if lo is None else lo)
+            last = B.max(B.where(nonempty, hi, 0), 2, keepdims=True)
+            j = B.arange(self.num_keys, device).reshape((1, 1, -1, 1))
+            if lo is None:
+                return j < last
+            first = -B.max(B.where(nonempty, -lo, -self.num_keys), 2, keepdims=True)
+            return (j >= first) & (j < last)
+        visible = self.boolean(B, device)       # (..., Q, K): any over heads and queries
+        used = B.any(B.any(visible, 2, keepdims=True), 1, keepdims=True)
+        return B.transpose(used, (0, 1, 3, 2))
+
+    def guard_unused(self, B, keys, values):
+        """Zero key and value rows that no query may see (NaN there must not
+        leak into the product); ``keys``/``values`` (batch, heads, K, d)."""
+        used = self.used_keys(B, B.device_of(keys))
+        if used is None:
+            return keys, values
+        return B.where(used, keys, 0.0), B.where(used, values, 0.0)
+
+    def zero_empty_rows(self, B, out):
+        """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
+        rows = self.rows_with_keys(B, B.device_of(out))
+        return out if rows is None else B.where(rows, out, 0.0)
+
+
+def masked_softmax(B, scores, visible):
+    """Softmax over the last axis restricted to ``visible`` (None: all), in
+    float32 for half precision; masked weights and empty rows are exactly 0.
+    Returns the dtype of ``scores``."""
+    dtype = B.dtype_name(scores)
+    work = compute_dtype(dtype)
+    x = B.astype(scores, work) if work != dtype else scores
+    if visible is None:
+        return B.astype(B.softmax(x, -1), dtype)
+    weights = B.softmax(B.where(visible, x, fill(B, work, B.device_of(x))), -1)
+    return B.astype(B.where(visible, weights, 0.0), dtype)
+
+
+# -- from the caller's arguments to one Mask ---------------------------------------------
+
+def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=None,
+              bias=None, causal=False, window=None, offset=None, dtype=None,
+              heads_axis=True, device=None):
+    """Check what the caller gave and normalize it into one ``Mask``.
+
+    ``valid_lens`` (batch,) or (batch, Q); ``mask`` bool and ``bias`` float,
+    broadcastable to (batch, heads, Q, K) when ``heads_axis`` (4-D inputs),
+    else to (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
+    multi-head attention); ``causal`` bool; ``window`` int or (left, right);
+    ``offset`` the position of query 0 among the keys (default K - Q);
+    ``dtype`` that of the queries (a bias is cast to its compute dtype).
+    Lists and NumPy arrays are placed on ``device``.
+    """
+    lens = lens_known = None
+    if valid_lens is not None:
+        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device)
+        if B.is_concrete(lens):
+            lens_known = B.to_numpy(lens).astype(np.int64).reshape((batch, 1, -1, 1))
+        lens = lens.reshape((batch, 1, -1, 1))
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    window = check_window(window)
+    shape = (batch, heads, num_queries, num_keys)
+    allowed = None
+    if mask is not None:
+        allowed = check_mask_array(B, "mask", mask, shape, heads_axis, "bool", device)
+    if bias is not None:
+        bias = check_mask_array(B, "bias", bias, shape, heads_axis, "float", device)
+        if dtype is not None and B.dtype_name(bias) != compute_dtype(dtype):
+            bias = B.astype(bias, compute_dtype(dtype))
+        finite = bias != float("-inf")      # -inf masks, as in additive masks
+        allowed = finite if allowed is None else allowed & finite
+    offset_known = None
+    if offset is not None:
+        if B.is_array(offset):
+            offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
+        else:
+            offset = offset_known = int(offset)
+    return Mask(batch, heads, num_queries, num_keys, lens=lens, lens_known=lens_known,
+                offset=offset, offset_known=offset_known, causal=bool(causal),
+                window=window, allowed=allowed, bias=bias)

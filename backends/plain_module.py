@@ -1,0 +1,64 @@
+"""Module base for frameworks without a module system (NumPy, and JAX's pytrees).
+
+Parameters, buffers and child modules are plain attributes whose names are
+tracked so that they can be listed, loaded and (for JAX) flattened.
+"""
+
+
+class PlainModule:
+    def _native_init(self):
+        object.__setattr__(self, "_param_names", [])
+        object.__setattr__(self, "_buffer_names", [])
+        object.__setattr__(self, "_child_names", [])
+        self.training = True
+
+    def __setattr__(self, name, value):
+        if isinstance(value, PlainModule) and name not in self._child_names:
+            self._child_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def _add_param(self, name, value):
+        self._param_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def _add_buffer(self, name, value):
+        self._buffer_names.append(name)
+        object.__setattr__(self, name, value)
+
+    def _param(self, name):
+        return getattr(self, name)
+
+    def named_arrays(self, prefix=""):
+        """``{dotted name: parameter}`` over this module and its children."""
+        out = {prefix + n: getattr(self, n) for n in self._param_names}
+        for c in self._child_names:
+            out.update(getattr(self, c).named_arrays(f"{prefix}{c}."))
+        return out
+
+    def _assign_param(self, dotted_name, value):
+        *path, name = dotted_name.split(".")
+        owner = self
+        for part in path:
+            owner = getattr(owner, part)
+        object.__setattr__(owner, name, value)
+
+    def train(self, mode=True):
+        self.training = mode
+        for c in self._child_names:
+            getattr(self, c).train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def to_device(self, device):
+        """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
+        dev = self._backend.native_device(device)
+        for n in self._param_names + self._buffer_names:
+            object.__setattr__(self, n, self._backend.to_device(getattr(self, n), dev))
+        for c in self._child_names:
+            getattr(self, c).to_device(device)
+        return self
