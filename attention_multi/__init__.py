@@ -6,8 +6,7 @@ from . import port
 from .config import get_backend, set_backend, use_backend
 from .functional import (dot_product_attention, masked_softmax, nadaraya_watson,
                          sequence_mask, transpose_output, transpose_qkv)
-from .module import Module
-from .modules import (AdditiveAttention, DotProductAttention, Linear,
+from .modules import (AdditiveAttention, DotProductAttention, Linear, Module,
                       MultiHeadAttention, NWKernelRegression, PositionalEncoding,
                       train_kernel_regression)
 from .params import get_params, set_params

@@ -1,36 +1,10 @@
-"""The attention modules of d2l, written once; native on every backend.
-
-Each takes the keywords ``backend=`` (default: the current backend),
-``device=`` (default: ATTENTION_MULTI_DEVICE or cpu) and ``dtype=``
-(default ``"float32"``). Parameters are initialized as PyTorch's
-``nn.Linear`` does, with weights laid out (out, in).
-"""
-import math
-
-import numpy as np
-
-from .core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
-                   masked_softmax)
-from .core.checks import check_array, check_float
-from .core.paths import work_itemsize
-from .functional import check_heads
-from .module import Module
-
-
-class Linear(Module):
-    """``y = x W^T + b``, with ``weight`` (out_features, in_features)."""
-
-    def __init__(self, in_features, out_features, bias=True, **options):
-        self._start(**options)
-        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        self._new_param("weight", (out_features, in_features), -bound, bound)
-        if bias:
-            self._new_param("bias", (out_features,), -bound, bound)
-
-    def forward(self, x):
-        bias = self._param("bias") if self.has_bias else None
-        return self._backend.linear(x, self._param("weight"), bias)
+"""The attention modules of d2l: additive, scaled dot-product and multi-head."""
+from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
+                    masked_softmax)
+from ..core.checks import check_array, check_float
+from ..core.paths import work_itemsize
+from ..functional import check_heads
+from .base import Linear, Module
 
 
 class _Attention(Module):
@@ -264,90 +238,3 @@ class MultiHeadAttention(_Attention):
                              lambda self, v: setattr(self.attention, "memory_budget", v))
     chunk_size = property(lambda self: self.attention.chunk_size,
                           lambda self, v: setattr(self.attention, "chunk_size", v))
-
-
-class PositionalEncoding(Module):
-    """Sinusoidal positional encoding added to ``X`` (batch, steps, num_hiddens)."""
-
-    def __init__(self, num_hiddens, dropout, max_len=1000, **options):
-        self._start(**options)
-        self.num_hiddens, self.max_len, self.dropout = num_hiddens, max_len, float(dropout)
-        self._add_buffer("P", self._backend.asarray(
-            sinusoid_table(max_len, num_hiddens), self._dtype, self._device))
-
-    def forward(self, X, *, key=None):
-        B = self._backend
-        check_array(B, "X", X, 3, "(batch, steps, num_hiddens)")
-        if X.shape[2] != self.num_hiddens:
-            raise ValueError(f"X has feature size {X.shape[2]} (shape "
-                             f"{tuple(X.shape)}) but num_hiddens={self.num_hiddens}")
-        if X.shape[1] > self.max_len:
-            raise ValueError(f"X has {X.shape[1]} steps (shape {tuple(X.shape)}), "
-                             f"more than max_len={self.max_len}")
-        P = self.P[:, :X.shape[1], :]
-        if B.dtype_name(X) != B.dtype_name(P):
-            raise TypeError(f"X is {B.dtype_name(X)} but the encoding is "
-                            f"{B.dtype_name(P)}; build it with dtype= or cast X")
-        return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
-
-
-def sinusoid_table(max_len, num_hiddens):
-    """(1, max_len, num_hiddens) float64: sin on even, cos on odd features."""
-    position = np.arange(max_len, dtype=np.float64).reshape(-1, 1)
-    angles = position / np.power(10000, np.arange(0, num_hiddens, 2) / num_hiddens)
-    P = np.zeros((1, max_len, num_hiddens))
-    P[0, :, 0::2] = np.sin(angles)
-    P[0, :, 1::2] = np.cos(angles[:, :num_hiddens // 2])  # odd sizes: one fewer cos
-    return P
-
-
-class NWKernelRegression(Module):
-    """Trainable Nadaraya-Watson regression: one parameter ``w`` of shape (1,)."""
-
-    def __init__(self, **options):
-        self._start(**options)
-        self._new_param("w", (1,), 0.0, 1.0)   # as torch.rand((1,)) in d2l
-
-    def forward(self, queries, keys, values):
-        B = self._backend
-        check_array(B, "queries", queries, 1, "(n,)")
-        for name, x in (("keys", keys), ("values", values)):
-            check_array(B, name, x, 2, "(n, m)")
-        if keys.shape != values.shape or keys.shape[0] != queries.shape[0]:
-            raise ValueError(f"keys and values must both be (n, m) with n = "
-                             f"len(queries); got queries {tuple(queries.shape)}, "
-                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
-        n, m = keys.shape
-        d = (queries.reshape((-1, 1)) - keys) * self._param("w")
-        weights = masked_softmax(B, -(d * d) / 2, None)
-        self._keep_attention(weights)
-        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((-1,))
-
-
-def train_kernel_regression(net, x_train, y_train, epochs=5, lr=0.5):
-    """Seed 003's loop: SGD on the summed squared error, leave-one-out keys.
-
-    Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of
-    each epoch, measured before that epoch's update.
-    """
-    B = net.backend
-    x, y = B.to_numpy(x_train), B.to_numpy(y_train)
-    n = x.shape[0]
-    others = ~np.eye(n, dtype=bool)
-    device = B.device_of(x_train)
-    keys = B.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
-    values = B.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
-
-    def loss_fn(model):
-        err = model(x_train, keys, values) - y_train
-        return B.sum(err * err, axis=0)
-
-    losses = []
-    for _ in range(epochs):
-        loss, grads = B.value_and_grad(net, loss_fn)
-        params = net.named_arrays()
-        for name, grad in grads.items():
-            net._assign_param(name, params[name] - lr * grad)
-        losses.append(loss)
-    return losses
-

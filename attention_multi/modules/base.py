@@ -1,11 +1,13 @@
-"""The base of every module: one class, native on every backend.
+"""The base of every module, and ``Linear``: one class, native on every backend.
 
 ``MultiHeadAttention(..., backend="torch")`` returns an instance of a subclass
 of both ``MultiHeadAttention`` and the backend's ``module_base``
 (``torch.nn.Module``, ``gluon.Block``, a JAX pytree, or a plain object).
 The mechanism itself is written once, in the public class.
 """
-from .config import native_device, resolve_backend
+import math
+
+from ..config import native_device, resolve_backend
 
 
 class Module:
@@ -76,3 +78,19 @@ def _rebuild(public_class, backend_name):
     """Unpickling: an empty instance of ``public_class``'s native class."""
     import backends
     return object.__new__(backends.get_backend(backend_name).native_class(public_class))
+
+
+class Linear(Module):
+    """``y = x W^T + b``, with ``weight`` (out_features, in_features)."""
+
+    def __init__(self, in_features, out_features, bias=True, **options):
+        self._start(**options)
+        self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        self._new_param("weight", (out_features, in_features), -bound, bound)
+        if bias:
+            self._new_param("bias", (out_features,), -bound, bound)
+
+    def forward(self, x):
+        bias = self._param("bias") if self.has_bias else None
+        return self._backend.linear(x, self._param("weight"), bias)

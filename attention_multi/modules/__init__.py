@@ -1,0 +1,18 @@
+"""The modules of d2l, written once; native on every backend.
+
+Each takes the keywords ``backend=`` (default: the current backend),
+``device=`` (default: ATTENTION_MULTI_DEVICE or cpu) and ``dtype=``
+(default ``"float32"``). Parameters are initialized as PyTorch's
+``nn.Linear`` does, with weights laid out (out, in).
+
+Files: ``base.py`` (``Module``, ``Linear``), ``attention.py``,
+``encoding.py``, ``regression.py``.
+"""
+from .attention import AdditiveAttention, DotProductAttention, MultiHeadAttention
+from .base import Linear, Module
+from .encoding import PositionalEncoding, sinusoid_table
+from .regression import NWKernelRegression, train_kernel_regression
+
+__all__ = ["AdditiveAttention", "DotProductAttention", "Linear", "Module",
+           "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
+           "sinusoid_table", "train_kernel_regression"]

@@ -1,0 +1,40 @@
+"""Sinusoidal positional encoding."""
+import numpy as np
+
+from ..core.checks import check_array
+from .base import Module
+
+
+class PositionalEncoding(Module):
+    """Sinusoidal positional encoding added to ``X`` (batch, steps, num_hiddens)."""
+
+    def __init__(self, num_hiddens, dropout, max_len=1000, **options):
+        self._start(**options)
+        self.num_hiddens, self.max_len, self.dropout = num_hiddens, max_len, float(dropout)
+        self._add_buffer("P", self._backend.asarray(
+            sinusoid_table(max_len, num_hiddens), self._dtype, self._device))
+
+    def forward(self, X, *, key=None):
+        B = self._backend
+        check_array(B, "X", X, 3, "(batch, steps, num_hiddens)")
+        if X.shape[2] != self.num_hiddens:
+            raise ValueError(f"X has feature size {X.shape[2]} (shape "
+                             f"{tuple(X.shape)}) but num_hiddens={self.num_hiddens}")
+        if X.shape[1] > self.max_len:
+            raise ValueError(f"X has {X.shape[1]} steps (shape {tuple(X.shape)}), "
+                             f"more than max_len={self.max_len}")
+        P = self.P[:, :X.shape[1], :]
+        if B.dtype_name(X) != B.dtype_name(P):
+            raise TypeError(f"X is {B.dtype_name(X)} but the encoding is "
+                            f"{B.dtype_name(P)}; build it with dtype= or cast X")
+        return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
+
+
+def sinusoid_table(max_len, num_hiddens):
+    """(1, max_len, num_hiddens) float64: sin on even, cos on odd features."""
+    position = np.arange(max_len, dtype=np.float64).reshape(-1, 1)
+    angles = position / np.power(10000, np.arange(0, num_hiddens, 2) / num_hiddens)
+    P = np.zeros((1, max_len, num_hiddens))
+    P[0, :, 0::2] = np.sin(angles)
+    P[0, :, 1::2] = np.cos(angles[:, :num_hiddens // 2])  # odd sizes: one fewer cos
+    return P

@@ -1,0 +1,57 @@
+"""Nadaraya-Watson kernel regression, trainable (seed 003)."""
+import numpy as np
+
+from ..core import masked_softmax
+from ..core.checks import check_array
+from .base import Module
+
+
+class NWKernelRegression(Module):
+    """Trainable Nadaraya-Watson regression: one parameter ``w`` of shape (1,)."""
+
+    def __init__(self, **options):
+        self._start(**options)
+        self._new_param("w", (1,), 0.0, 1.0)   # as torch.rand((1,)) in d2l
+
+    def forward(self, queries, keys, values):
+        B = self._backend
+        check_array(B, "queries", queries, 1, "(n,)")
+        for name, x in (("keys", keys), ("values", values)):
+            check_array(B, name, x, 2, "(n, m)")
+        if keys.shape != values.shape or keys.shape[0] != queries.shape[0]:
+            raise ValueError(f"keys and values must both be (n, m) with n = "
+                             f"len(queries); got queries {tuple(queries.shape)}, "
+                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+        n, m = keys.shape
+        d = (queries.reshape((-1, 1)) - keys) * self._param("w")
+        weights = masked_softmax(B, -(d * d) / 2, None)
+        self._keep_attention(weights)
+        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((-1,))
+
+
+def train_kernel_regression(net, x_train, y_train, epochs=5, lr=0.5):
+    """Seed 003's loop: SGD on the summed squared error, leave-one-out keys.
+
+    Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of
+    each epoch, measured before that epoch's update.
+    """
+    B = net.backend
+    x, y = B.to_numpy(x_train), B.to_numpy(y_train)
+    n = x.shape[0]
+    others = ~np.eye(n, dtype=bool)
+    device = B.device_of(x_train)
+    keys = B.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
+    values = B.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
+
+    def loss_fn(model):
+        err = model(x_train, keys, values) - y_train
+        return B.sum(err * err, axis=0)
+
+    losses = []
+    for _ in range(epochs):
+        loss, grads = B.value_and_grad(net, loss_fn)
+        params = net.named_arrays()
+        for name, grad in grads.items():
+            net._assign_param(name, params[name] - lr * grad)
+        losses.append(loss)
+    return losses
