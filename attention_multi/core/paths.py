@@ -75,10 +75,49 @@ def fused(B, q, k, v, mask, scale, memory_budget=None):
     return None if out is None else mask.zero_empty_rows(B, out)
 
 
+def softmax_block(B, qs, k, v, mask, work, dropout=None):
+    """The online-softmax state ``(row max, row sum, accumulator)`` of scaled
+    queries ``qs`` over one block of keys and values, whose Mask is ``mask``.
+
+    A row with no visible key in the block has sum 0 and accumulator 0.
+    ``dropout`` (a function of the probabilities) applies to the product only.
+    """
+    device = B.device_of(qs)
+    s = _scores(B, qs, k, mask, work)
+    visible = mask.boolean(B, device)
+    if visible is not None:
+        s = B.where(visible, s, fill(B, work, device))
+    row_max = B.max(s, -1, keepdims=True)
+    p = B.exp(s - row_max)
+    if visible is not None:     # a row with no visible key has s == row_max
+        p = B.where(visible, p, 0.0)
+    row_sum = B.sum(p, -1, keepdims=True)
+    if dropout is not None:
+        p = dropout(p)
+    return row_max, row_sum, B.matmul(p, B.astype(v, work) if B.dtype_name(v) != work else v)
+
+
+def merge_blocks(B, a, b):
+    """The state of two blocks of keys together (either may be None)."""
+    if a is None or b is None:
+        return a if b is None else b
+    row_max = B.where(a[0] > b[0], a[0], b[0])
+    ca, cb = B.exp(a[0] - row_max), B.exp(b[0] - row_max)
+    return row_max, a[1] * ca + b[1] * cb, a[2] * ca + b[2] * cb
+
+
+def finish_blocks(B, state):
+    """``accumulator / row sum``; rows with no visible key give zeros."""
+    _, row_sum, acc = state
+    has_keys = row_sum > 0
+    return B.where(has_keys, acc / B.where(has_keys, row_sum, 1.0), 0.0)
+
+
 def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_size=None):
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
-    or else ``memory_budget`` (up to 1024 keys, queries filling an eighth)."""
+    or else ``memory_budget`` (up to 1024 keys, queries filling an eighth).
+    Blocks that no query may see are skipped."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     batch, heads, num_q = q.shape[:3]
@@ -92,44 +131,24 @@ def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_siz
         block_k = max(1, min(stop - start, DEFAULT_BLOCK_KEYS))
         per_query = batch * heads * block_k * work_itemsize(B, q)
         block_q = max(1, memory_budget // 8 // per_query)
-    lowest = fill(B, work, device)
     outs = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
-        qb = _scaled(B, q[:, :, q0:q1], scale, work)
-        m = total = acc = None
+        qs = _scaled(B, q[:, :, q0:q1], scale, work)
+        state = None
         for k0 in range(start, stop, block_k):
             k1 = min(stop, k0 + block_k)
-            state = mask.block_state(0, batch, q0, q1, k0, k1)
-            if state == "none":
+            if mask.block_state(0, batch, q0, q1, k0, k1) == "none":
                 continue
-            sub = mask.sub(0, batch, q0, q1, k0, k1)
-            s = _scores(B, qb, k[:, :, k0:k1], sub, work)
-            visible = sub.boolean(B, device) if state == "some" else None
-            if visible is not None:
-                s = B.where(visible, s, lowest)
-            m_new = B.max(s, -1, keepdims=True)
-            if m is not None:
-                m_new = B.where(m > m_new, m, m_new)
-            p = B.exp(s - m_new)
-            if visible is not None:     # rows masked so far have s == m_new
-                p = B.where(visible, p, 0.0)
-            row_sum = B.sum(p, -1, keepdims=True)
-            if dropout is not None:
-                p = dropout(p, q0 * mask.num_keys + k0)
-            vb = v[:, :, k0:k1]
-            pv = B.matmul(p, B.astype(vb, work) if work != dtype else vb)
-            if m is None:
-                total, acc = row_sum, pv
-            else:
-                c = B.exp(m - m_new)
-                total, acc = total * c + row_sum, acc * c + pv
-            m = m_new
-        if m is None:      # no query of this block may see any key
+            drop = None if dropout is None else (
+                lambda p, index=q0 * mask.num_keys + k0: dropout(p, index))
+            state = merge_blocks(B, state, softmax_block(
+                B, qs, k[:, :, k0:k1], v[:, :, k0:k1], mask.sub(0, batch, q0, q1, k0, k1),
+                work, drop))
+        if state is None:      # no query of this block may see any key
             outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
-            continue
-        has_keys = total > 0
-        outs.append(B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0))
+        else:
+            outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
     return B.astype(out, dtype) if work != dtype else out
 
