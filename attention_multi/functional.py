@@ -77,14 +77,9 @@ def dot_product_attention(queries, keys, values, valid_lens=None, *, mask=None,
     m = make_mask(B, batch, heads, num_q, k.shape[2], valid_lens=valid_lens, mask=mask,
                   bias=bias, causal=causal, window=window, dtype=B.dtype_name(q),
                   heads_axis=ndim == 4, device=B.device_of(q))
-    drop = None
-    if dropout:
-        if not 0 <= dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
-
-        def drop(w, index=None):
-            return B.dropout(w, dropout, B.fold_key(key, index))
-    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=drop)
+    if dropout and not 0 <= dropout < 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
 

@@ -29,6 +29,8 @@ class JaxBackend(NumpyLike):
     module_base = jax_module.JaxModule
     autodiff = True
     has_fused_attention = True
+    runtime_cond = True
+    compiles_per_shape = True
 
     def _register_class(self, cls):
         jax_module.register(cls)
@@ -52,17 +54,18 @@ class JaxBackend(NumpyLike):
     def softmax(self, x, axis=-1):
         return jax.nn.softmax(x, axis=axis)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None):
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
+                        dropout=0.0):
         """``jax.nn.dot_product_attention``, jitted: per-batch lengths as
         ``key_value_seq_lengths``, top-left causal as ``is_causal``, anything
         else as a boolean ``mask`` (a window too: jax 0.6.2 ignores
         ``local_window_size`` unless another mask is given) and ``bias``.
         Its XLA implementation materializes the scores, so it declines when
         they would not fit in ``memory_budget``; also when values and queries
-        differ in feature size (JAX requires them equal) and for float64 (it
-        computes the scores in float32)."""
+        differ in feature size (JAX requires them equal), for float64 (it
+        computes the scores in float32) and with dropout (it has none)."""
         batch, heads, num_q, d = queries.shape
-        if values.shape[-1] != d or queries.dtype == jnp.float64 or (
+        if dropout or values.shape[-1] != d or queries.dtype == jnp.float64 or (
                 memory_budget is not None and
                 batch * heads * num_q * keys.shape[2] * 4 > memory_budget):
             return None
@@ -77,6 +80,12 @@ class JaxBackend(NumpyLike):
 
     def dropout_key(self, seed):
         return jax.random.PRNGKey(seed)
+
+    def checkpoint(self, fn, *args):
+        return jax.checkpoint(fn)(*args)
+
+    def cond(self, pred, true_fn, false_fn, operand):
+        return jax.lax.cond(pred, true_fn, false_fn, operand)
 
     def fold_key(self, key, index):
         return key if key is None or index is None else jax.random.fold_in(key, index)

@@ -105,7 +105,8 @@ class MXNetBackend(NumpyLike):
                 for v in (x, y))
         return mnp.where(condition, x, y)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None):
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
+                        dropout=0.0):
         """``npx.batch_dot`` and plain ``npx.softmax``, the mask added to the
         scores as the core's additive mask. Per-batch lengths on large inputs
         are folded into the first product as an extra feature instead
@@ -113,10 +114,11 @@ class MXNetBackend(NumpyLike):
         scores. (On the CPU, MXNet 1.9.1's softmax with ``length=`` or
         ``temperature=`` and broadcast ``where`` are several times slower.)
         Materializes the scores, so it declines when they would not fit in
-        ``memory_budget``."""
+        ``memory_budget``; declines with dropout (the core's paths have it)."""
         batch, heads, num_q, _ = queries.shape
         num_k = keys.shape[2]
-        if memory_budget is not None and batch * heads * num_q * num_k * 4 > memory_budget:
+        if dropout or (memory_budget is not None and
+                       batch * heads * num_q * num_k * 4 > memory_budget):
             return None
         dtype = queries.dtype
         if dtype == np.float16:   # no float16 dot on the CPU; accumulate in float32

@@ -10,7 +10,8 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``matmul``, ``linear``, ``softmax``, ``where``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``arange``, ``zeros``. Capabilities, with defaults here:
-``autodiff``/``gradients``, ``is_concrete``, ``enable_float64``,
+``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,
+``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
 ``fused_attention``, and
 ``module_base``: the class that makes a module native to the framework.
@@ -26,6 +27,8 @@ class Backend:
     module_base = None           # base class that makes a module native
     float_dtypes = FLOAT_DTYPES  # float dtypes this framework supports
     autodiff = False             # whether ``gradients`` works
+    runtime_cond = False         # whether ``cond`` decides at run time while traced
+    compiles_per_shape = False   # whether each new array shape costs a compilation
     has_fused_attention = False  # whether ``fused_attention`` is implemented
 
     def __init__(self):
@@ -120,7 +123,18 @@ class Backend:
         """How many tasks ``parallel_map`` runs at once."""
         return 1
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None):
+    def cond(self, pred, true_fn, false_fn, operand):
+        """``true_fn(operand)`` if ``pred`` else ``false_fn(operand)``; with
+        ``runtime_cond``, also while traced (decided when the program runs)."""
+        return true_fn(operand) if bool(pred) else false_fn(operand)
+
+    def checkpoint(self, fn, *args):
+        """``fn(*args)``; under the framework's autodiff, recomputed in the
+        backward pass instead of keeping its intermediates (where it can)."""
+        return fn(*args)
+
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
+                        dropout=0.0):
         """The framework's own attention kernel (with ``has_fused_attention``
         True), or None to let the core's generic paths run.
 
@@ -131,10 +145,11 @@ class Backend:
         ``mask.additive(...)``, ``mask.bias``) and translates what its
         framework supports. The core has already zeroed key and value rows
         that no query may see, and zeroes rows with no visible key afterwards.
-        Return ``softmax(scale Q K^T + bias, masked) V`` (batch, heads, Q, dv)
-        with softmax accumulated in float32 for half precision, or None when
-        the case (dtype, layout, mask form, or extra memory beyond
-        ``memory_budget`` bytes, None meaning no limit) is not supported.
+        Return ``dropout(softmax(scale Q K^T + bias, masked)) V`` (batch,
+        heads, Q, dv), dropout at rate ``dropout`` with the framework's own
+        generator, softmax accumulated in float32 for half precision; or None
+        when the case (dtype, layout, mask form, dropout, or extra memory
+        beyond ``memory_budget`` bytes, None meaning no limit) is not supported.
         """
         return None
 

@@ -2,6 +2,7 @@
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from .numpy_like import NumpyLike
 from .torch_module import TorchModule
@@ -50,13 +51,21 @@ class TorchBackend(NumpyLike):
     def softmax(self, x, axis=-1):
         return torch.softmax(x, dim=axis)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None):
+    def checkpoint(self, fn, *args):
+        if not torch.is_grad_enabled() or not any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+            return fn(*args)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
+                        dropout=0.0):
         """``F.scaled_dot_product_attention``: no mask, ``is_causal`` when the
         mask is top-left causal, else the mask as booleans (a bias as a float
-        mask); grouped-query attention through ``enable_gqa``. Declines when a
+        mask); grouped-query attention through ``enable_gqa``; its own
+        dropout (``dropout_p``). Declines when a
         per-query mask would not fit in ``memory_budget``, and for a bias in
         half precision (SDPA wants the float mask in the inputs' dtype)."""
-        options = {"scale": scale}
+        options = {"scale": scale, "dropout_p": dropout}
         if queries.shape[1] != keys.shape[1]:
             options["enable_gqa"] = True
         device = queries.device

@@ -41,10 +41,12 @@ def _module(cls, backend, path, *args, dtype="float32", **kw):
 
 
 def _expected_path(backend, path, dv=D, d=D):
-    """A forced "fused" falls back to "tiled" where the backend has no kernel."""
+    """A forced "fused" falls back as "auto" does where the backend has no
+    kernel for the case: to the tiles, or (a framework that compiles per
+    shape, eager) to the full path."""
     if path == "fused" and (not backend.has_fused_attention or (backend.name == "jax" and dv != d)):
-        return "tiled"    # (jax.nn.dot_product_attention needs dv == d)
-    return path
+        return "full" if backend.compiles_per_shape else "tiled"
+    return path     # (jax.nn.dot_product_attention needs dv == d)
 
 
 def _attend(backend, q, k, v, lens, **options):
@@ -111,10 +113,19 @@ def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
         k_nan[b, n:] = v_nan[b, n:] = np.nan          # rows that no query may attend
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
     m = _module(am.DotProductAttention, backend, path, 0.0)
-    out = backend.to_numpy(m(*(backend.asarray(x, "float32") for x in (q, k_nan, v_nan)),
-                             backend.asarray(lens)))
+    args = [backend.asarray(x, "float32") for x in (q, k_nan, v_nan)]
+    out = backend.to_numpy(m(*args, backend.asarray(lens)))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, **TOL)
+    if backend.autodiff:     # nor into the gradients
+        def loss_fn(module, *xs):
+            y = module(*xs, backend.asarray(lens))
+            return backend.sum((y * y).reshape((-1,)), 0)
+        _, _, grads = backend.gradients(loss_fn, m, *args)
+        for g, n in zip(grads, ("queries", "keys", "values")):
+            g = backend.to_numpy(g)
+            assert np.isfinite(g[:, :NQ] if n == "queries" else
+                               np.concatenate([g[b, :longest[b]] for b in range(BATCH)])).all(), n
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -178,11 +189,16 @@ def test_auto_path_choice(backend):
     np.testing.assert_allclose(backend.to_numpy(small), backend.to_numpy(m(q, k, v, lens)),
                                **TOL)
     assert m.last_path == "full"
-    # dropout active: the weights are needed, so no fused kernel
+    # dropout active: a kernel with its own dropout, else the tiles; the
+    # weights are those before dropout
     m = am.DotProductAttention(0.5, backend=backend)
     key = backend.dropout_key(0)
     m(q, k, v, lens, **({} if key is None else {"key": key}))
-    assert m.last_path == "full"
+    assert m.last_path == ("fused" if backend.name == "torch" else
+                           "full" if key is not None else "tiled")
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights),
+                               oracle.dot_product_attention(*_inputs(7), MASKS["2d"])[1],
+                               **TOL)
     assert am.DotProductAttention(0.5, backend=backend).eval().path == "auto"
 
 
@@ -226,17 +242,29 @@ def test_additive_attention_blocks_of_queries(backend, budget):
     np.testing.assert_allclose(backend.to_numpy(m.attention_weights), ref_w, **TOL)
 
 
+@pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("path", PATHS)
-def test_under_jax_jit(path):
+def test_under_jax_jit(path, mask):
+    """Traced lengths: the tiled path skips blocks at run time (lax.cond); NaN in
+    key and value rows that no query may see does not leak; gradients agree."""
     jax = pytest.importorskip("jax")
     B = backends.get_backend("jax")
-    q, k, v = _inputs(10)
-    lens = MASKS["1d"]
+    q, k, v = _inputs(10, nk=11)
+    lens = MASKS[mask] if mask == "1d" else np.array(
+        [[0, 3, 0, 11, 1], [5, 0, 2, 2, 0], [9, 6, 5, 4, 3]])
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    longest = lens if lens.ndim == 1 else lens.max(axis=1)
+    k_nan, v_nan = k.copy(), v.copy()
+    for b, n in enumerate(longest):
+        k_nan[b, n:] = v_nan[b, n:] = np.nan
     m = am.DotProductAttention(0.0, backend="jax", path=path, chunk_size=3).eval()
-    out = jax.jit(lambda m, *a: m(*a))(m, *(B.asarray(x, "float32") for x in (q, k, v)),
-                                        B.asarray(lens, "int32"))
+    args = [B.asarray(x, "float32") for x in (q, k_nan, v_nan)] + [B.asarray(lens, "int32")]
+    out = jax.jit(lambda m, *a: m(*a))(m, *args)
     np.testing.assert_allclose(np.asarray(out), ref, **TOL)
+    grad = jax.jit(jax.grad(lambda q: (m(q, *args[1:]) ** 2).sum()))(args[0])
+    full = am.DotProductAttention(0.0, backend="jax", path="full").eval()
+    want = jax.grad(lambda q: (full(q, *args[1:]) ** 2).sum())(args[0])
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
 def test_attend_function_4d_layout(backend):

@@ -1,10 +1,12 @@
 """``attention-multi bench``: this library against each framework's own attention.
 
-Forward inference, float32, modules in eval mode (dropout off), each call
-including the module's input checks. Every comparison runs in one process,
-interleaving bursts of calls of the two sides, and reports their medians and
-the ratio of the medians. The long-sequence case runs each configuration in
-a subprocess and reports its peak RSS (``ru_maxrss``).
+Float32, d2l-style padding (1-D ``valid_lens`` uniform in [T/4, T]). Forward
+inference with modules in eval mode, and training (forward+backward, dropout
+0.1) for torch; each call including the module's input checks. Every
+comparison runs in one process, interleaving bursts of calls of the two
+sides, and reports their medians, the ratio of the medians and the path
+ours took. The long-sequence case and the peak-memory cases under autograd
+run in subprocesses and report their peak RSS (``ru_maxrss``).
 
 Baselines:
 - ``torch.nn.functional.scaled_dot_product_attention`` in its fastest form:
@@ -32,12 +34,20 @@ import time
 import numpy as np
 
 TARGETS = {  # (row key) -> largest acceptable ratio; None: must be faster (< 1)
-    "torch-dot-sdpa": 1.10,
+    "torch-dot-sdpa": 0.85,
     "torch-dot-seed": None,
     "torch-mha-nn": 1.10,
-    "jax-dot-jit": 1.05,
-    "mxnet-dot-seed": 1.05,
+    "torch-dot-train": 1.0,
+    "torch-mha-train": 1.0,
+    "jax-dot-jit": 0.90,
+    "mxnet-dot-seed": 0.70,
     "numpy-dot-sdpa": 2.0,
+}
+MEMORY = {  # autograd cases: (what, shape, peak RSS target in MiB)
+    "torch-additive-grad": ("AdditiveAttention forward+backward, torch",
+                           dict(batch=4, queries=1024, keys=1024, hiddens=128), 1.2 * 1024),
+    "jax-mha-grad": ("jax.grad through MultiHeadAttention",
+                     dict(batch=1, heads=8, head_size=64, length=8192), 1.5 * 1024),
 }
 DOT_SHAPES = {"small": (4, 128, 64), "medium": (16, 512, 64), "large": (16, 1024, 64)}
 MHA_SHAPES = {"small": (2, 64, 64, 4), "medium": (8, 256, 256, 8), "large": (8, 512, 512, 8)}
@@ -60,6 +70,8 @@ def add_arguments(parser):
     parser.add_argument("--long-length", type=int, default=None,
                         help=f"T of the long-sequence case (default {LONG['length']}; "
                              f"--quick 4096; 0 skips it)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak-memory cases under autograd")
     parser.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -171,7 +183,9 @@ def _rng_inputs(shape, n=3, seed=0):
 
 
 def _lens(batch, length, seed=1):
-    return np.random.default_rng(seed).integers(1, length + 1, batch).astype(np.int32)
+    """d2l-style padding: lengths uniform in [T/4, T]."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(length // 4, length + 1, batch).astype(np.int32)
 
 
 # -- the comparisons ----------------------------------------------------------------
@@ -232,6 +246,59 @@ def bench_torch_mha(shape, seconds):
         return [("torch-mha-nn", "torch", "MultiHeadAttention", shape, ours.last_path,
                  "nn.MultiheadAttention", *compare(lambda: ours(x, x, x, lens), nn_mha,
                                                    seconds), check)]
+
+
+def _train_step(f, *tensors):
+    """A forward+backward call: ``f()``'s sum backpropagated, grads cleared."""
+    def step():
+        for t in tensors:
+            t.grad = None
+        out = f()
+        out.sum().backward()
+        return out
+    return step
+
+
+def bench_torch_dot_train(shape, seconds):
+    import torch
+    import torch.nn.functional as F
+
+    import attention_multi as am
+    B, T, d = shape
+    q, k, v = (torch.from_numpy(x).requires_grad_(True) for x in _rng_inputs(shape))
+    lens = torch.from_numpy(_lens(B, T))
+    ours = am.DotProductAttention(0.1, backend="torch").train()
+
+    def sdpa():
+        mask = (torch.arange(T) < lens[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
+                                              attn_mask=mask, dropout_p=0.1)[:, 0]
+
+    ours(q, k, v, lens)
+    return [("torch-dot-train", "torch", "DotProductAttention, train fwd+bwd, dropout 0.1",
+             shape, ours.last_path, "SDPA, dropout_p=0.1 + mask",
+             *compare(_train_step(lambda: ours(q, k, v, lens), q, k, v),
+                      _train_step(sdpa, q, k, v), seconds), float("nan"))]
+
+
+def bench_torch_mha_train(shape, seconds):
+    import torch
+
+    import attention_multi as am
+    B, T, E, h = shape
+    x = torch.from_numpy(_rng_inputs((B, T, E), 1)[0])
+    lens = torch.from_numpy(_lens(B, T))
+    ours = am.MultiHeadAttention(E, E, E, E, h, 0.1, backend="torch").train()
+    mha = torch.nn.MultiheadAttention(E, h, dropout=0.1, bias=False,
+                                      batch_first=True).train()
+    padding = torch.arange(T)[None, :] >= lens[:, None]
+    ours(x, x, x, lens)
+    return [("torch-mha-train", "torch", "MultiHeadAttention, train fwd+bwd, dropout 0.1",
+             shape, ours.last_path, "nn.MultiheadAttention, dropout 0.1",
+             *compare(_train_step(lambda: ours(x, x, x, lens), *ours.parameters()),
+                      _train_step(lambda: mha(x, x, x, key_padding_mask=padding,
+                                              need_weights=False)[0], *mha.parameters()),
+                      seconds), float("nan"))]
 
 
 def bench_jax_dot(shape, seconds):
@@ -305,7 +372,8 @@ def bench_numpy_dot(shape, seconds):
 
 
 BENCHES = {
-    "torch": [("dot", bench_torch_dot), ("mha", bench_torch_mha)],
+    "torch": [("dot", bench_torch_dot), ("mha", bench_torch_mha),
+              ("dot", bench_torch_dot_train), ("mha", bench_torch_mha_train)],
     "jax": [("dot", bench_jax_dot)],
     "mxnet": [("dot", bench_mxnet_dot)],
     "numpy": [("dot", bench_numpy_dot)],
@@ -363,6 +431,84 @@ def long_child(spec):
                       "peak_rss_mib": _peak_rss_mib()}))
 
 
+def memory_child(name):
+    """Run one autograd memory case (in a subprocess); print a JSON line."""
+    import attention_multi as am
+    what, shape, _ = MEMORY[name]
+    rng = np.random.default_rng(0)
+    before = _rss_now_mib() or _peak_rss_mib()
+    t0 = time.perf_counter()
+    if name == "torch-additive-grad":
+        import torch
+        b, nq, nk, h = (shape[k] for k in ("batch", "queries", "keys", "hiddens"))
+        m = am.AdditiveAttention(64, 64, h, 0.0, backend="torch")
+        q = torch.from_numpy(rng.standard_normal((b, nq, 64), dtype=np.float32))
+        kv = torch.from_numpy(rng.standard_normal((b, nk, 64), dtype=np.float32))
+        lens = torch.from_numpy(_lens(b, nk))
+        q.requires_grad_(True)
+        m(q, kv, kv, lens).sum().backward()
+        grad = float(q.grad.abs().sum())
+        taken = m.last_path
+    else:
+        import jax
+        import backends
+        B = backends.get_backend("jax")
+        T, heads = shape["length"], shape["heads"]
+        E = heads * shape["head_size"]
+        m = am.MultiHeadAttention(E, E, E, E, heads, 0.0, backend="jax").eval()
+        x = B.asarray(rng.standard_normal((shape["batch"], T, E), dtype=np.float32))
+        lens = np.array([T - T // 8], dtype=np.int32)
+
+        def loss(module):
+            return (module(x, x, x, lens) ** 2).sum()
+        grads = jax.grad(loss)(m)
+        grad = float(sum(abs(g).sum() for g in grads.named_arrays().values()))
+        m(x[:, :256], x[:, :256], x[:, :256], lens)   # (the path of an eager call)
+        taken = m.last_path
+    print(json.dumps({"case": name, "seconds": time.perf_counter() - t0, "taken": taken,
+                      "rss_before_mib": before, "peak_rss_mib": _peak_rss_mib(),
+                      "grad_abs_sum": grad}))
+
+
+def run_memory(names):
+    results = []
+    for name in names:
+        proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, name],
+                              env=_child_env(), capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode or not lines:
+            results.append({"case": name, "error": (proc.stderr.strip().splitlines()
+                                                    or ["?"])[-1]})
+        else:
+            results.append(json.loads(lines[-1]))
+    return results
+
+
+def memory_table(results):
+    lines = ["| Case | Shape | Path | Time (s) | Peak RSS (MiB) | Target (MiB) | Met |",
+             "|---|---|---|---:|---:|---:|:-:|"]
+    for r in results:
+        what, shape, target = MEMORY[r["case"]]
+        shape_text = " ".join(f"{k}={v}" for k, v in shape.items())
+        if "error" in r:
+            lines.append(f"| {what} | {shape_text} | failed: {r['error']} | | | "
+                         f"{target:.0f} | NO |")
+            continue
+        lines.append(f"| {what} | {shape_text} | {r['taken']} | {r['seconds']:.1f} | "
+                     f"{r['peak_rss_mib']:.0f} | {target:.0f} | "
+                     f"{'yes' if r['peak_rss_mib'] <= target else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _child_env():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+
+
+_MEMORY_CHILD = ("import sys\n"
+                 "from attention_multi.cli.bench import memory_child\n"
+                 "memory_child(sys.argv[1])")
 _LONG_CHILD = ("import json, sys\n"
                "from attention_multi.cli.bench import long_child\n"
                "long_child(json.loads(sys.argv[1]))")
@@ -371,9 +517,7 @@ _LONG_CHILD = ("import json, sys\n"
 def run_long(backends_, length, threads):
     configs = [(b, p) for b in ("numpy", "torch") if b in backends_
                for p in ("auto", "chunked")]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = _child_env()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for backend, path in configs:
@@ -492,6 +636,11 @@ def main(args):
         print(f"  long case T={length} ...", file=sys.stderr, flush=True)
         launcher_rss = _rss_now_mib()
         long_results = run_long([n for n in wanted if n in available], length, threads)
+    memory_results = []
+    if not args.no_memory:
+        cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
+        print(f"  memory under autograd: {', '.join(cases)} ...", file=sys.stderr, flush=True)
+        memory_results = run_memory(cases)
     usable = []
     for name in wanted:
         if name not in available:
@@ -522,9 +671,14 @@ def main(args):
              if os.environ.get("OPENBLAS_CORETYPE") else ""))
     if _blas_note(info):
         print(_blas_note(info))
-    print("Forward inference, float32, eval mode, random valid_lens (1-D); medians of "
-          "interleaved bursts of calls.\n")
+    print("Float32, random valid_lens (1-D, uniform in [T/4, T]); forward inference in "
+          "eval mode unless the row says train (forward+backward, dropout 0.1); medians "
+          "of interleaved bursts of calls.\n")
     print(table(rows))
+    if memory_results:
+        print("\nPeak memory under autograd (forward+backward), one subprocess each, peak "
+              "RSS from its ru_maxrss:\n")
+        print(memory_table(memory_results))
     if length:
         print(f"\nLong sequence: MultiHeadAttention, B={LONG['batch']}, "
               f"{LONG['heads']} heads, head size {LONG['head_size']}, T={length}, "
@@ -538,5 +692,6 @@ def main(args):
             json.dump({"machine": info, "torch_threads": threads, "rows": [
                 dict(zip(("key", "backend", "measured", "shape", "path", "against",
                           "ours_s", "theirs_s", "calls", "max_abs_diff"), r))
-                for r in rows], "long": long_results}, f, indent=1)
+                for r in rows], "long": long_results, "memory": memory_results}, f,
+                indent=1)
     return 0

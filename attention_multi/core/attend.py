@@ -40,40 +40,53 @@ def zeros_for_empty(B, shape, like, *inputs):
     return out
 
 
-def attend(B, queries, keys, values, mask, *, scale=None, dropout=None, path="auto",
-           memory_budget=None, chunk_size=None):
+TILED_WORK_MAX = 0.9
+"""``"auto"`` takes the tiled path first when its tiles skip at least a tenth
+of the scores (padding, causal or window blocks no query sees)."""
+
+
+def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
+           path="auto", memory_budget=None, chunk_size=None):
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
     K, d|dv); ``mask`` the normalized ``Mask``; ``scale`` default
-    ``1/sqrt(d)``; ``dropout`` None when inactive, else a function
-    ``dropout(weights, index=None)``.
+    ``1/sqrt(d)``; ``dropout`` the rate on the weights (0: none), ``key`` the
+    PRNG key where the framework needs one (JAX).
 
     Paths (``path=``):
 
     - ``"fused"``: the backend's own kernel (``Backend.fused_attention``),
-      whatever its memory needs; taken only when dropout is inactive.
+      whatever its memory needs; with dropout only where the kernel has it.
     - ``"tiled"``: one tile per batch element and block of queries over the
       keys that block may see (padding is skipped), each through the
-      backend's kernel or the core's softmax-product; needs concrete lengths.
+      backend's kernel or the core's softmax-product. While the lengths are
+      traced (``jax.jit``), blocks of keys per batch element that
+      ``Backend.cond`` skips at run time, where the framework has it.
     - ``"chunked"``: the online-softmax recurrence over blocks of queries and
       keys; extra memory is O(Q d) plus one block of scores, whose size
-      follows ``chunk_size`` or else ``memory_budget``.
+      follows ``chunk_size`` or else ``memory_budget``; under autodiff the
+      blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
-    - ``"auto"`` (default): ``"fused"`` if dropout is inactive and the
-      backend's kernel fits in ``memory_budget``; else ``"tiled"`` if dropout
-      is inactive and the lengths are known; else ``"chunked"`` if the float32
-      scores would exceed ``memory_budget`` (default 512 MiB); else ``"full"``.
+    - ``"auto"`` (default): ``"tiled"`` when the lengths are known and its
+      tiles skip at least a tenth of the scores, or when they are traced and
+      the backend skips blocks at run time; else ``"fused"`` if the backend's
+      kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
+      lengths are known; else ``"chunked"`` if the float32 scores would
+      exceed ``memory_budget`` (default 512 MiB); else ``"full"``.
 
     A forced ``"fused"`` or ``"tiled"`` falls back as ``"auto"`` does when it
-    cannot run (no kernel for the case, traced lengths, dropout active). A
-    query with no visible key gets a zero output; when an axis is empty
-    (no batch, heads, queries or keys) no kernel is called: the path is
+    cannot run (no kernel for the case, traced lengths, too small a budget;
+    with dropout and a PRNG key the tiled path is not taken, so that a call
+    under ``jax.jit`` draws what an eager call draws). A
+    query with no visible key gets a zero output; when an axis is empty (no
+    batch, heads, queries or keys) no kernel is called: the path is
     ``"empty"`` and the output is zeros of the right shape.
 
     Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
-    a function computing them, path taken)``. Fused, tiled and chunked calls
-    compute the weights only when the function is called.
+    a function computing them, path taken)``. The weights are those before
+    dropout; fused, tiled and chunked calls compute them only when the
+    function is called.
     """
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)   # raises
@@ -90,19 +103,34 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=None, path="au
                               values)
         weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
         return out, weights, "empty"
-    if dropout is None and path in ("auto", "fused"):
+    plan = None
+    # (keyed dropout draws differ by path: with a key, the path must not depend
+    # on whether values are traced, so that jit and eager calls agree)
+    # (a framework that compiles per shape would compile each tile's shape:
+    # "auto" takes its tiles only while traced, where their shapes are static)
+    if path in ("auto", "fused", "tiled") and not (dropout and key is not None) and (
+            path == "tiled" or not B.compiles_per_shape):
+        plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
+    if plan is not None and (path == "tiled" or (path == "auto" and
+                                                 plan[2] <= TILED_WORK_MAX)):
+        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
+            kept, "tiled"
+    if (path in ("auto", "tiled") and plan is None and not dropout and mask.intervals
+            and B.runtime_cond and not B.is_concrete(queries)):
+        return paths.tiled_traced(B, queries, keys, values, mask, scale, chunk_size), \
+            kept, "tiled"
+    if path in ("auto", "fused"):
         out = paths.fused(B, queries, keys, values, mask, scale,
-                          None if path == "fused" else budget)
+                          None if path == "fused" else budget, dropout)
         if out is not None:
             return out, kept, "fused"
-    if dropout is None and path in ("auto", "fused", "tiled"):
-        out = paths.tiled(B, queries, keys, values, mask, scale, budget, chunk_size)
-        if out is not None:
-            return out, kept, "tiled"
+    if plan is not None:
+        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
+            kept, "tiled"
     scores_bytes = batch * heads * num_q * num_k * paths.work_itemsize(B, queries)
     if path == "chunked" or (path != "full" and scores_bytes > budget):
-        out = paths.chunked(B, queries, keys, values, mask, scale, dropout, budget,
-                            chunk_size)
+        out = paths.chunked(B, queries, keys, values, mask, scale, budget, chunk_size,
+                            dropout, key)
         return out, kept, "chunked"
-    out, weights = paths.full(B, queries, keys, values, mask, scale, dropout)
+    out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
     return out, weights, "full"

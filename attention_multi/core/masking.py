@@ -106,7 +106,7 @@ class Mask:
         None when every query is known to see every key."""
         visible = None
         if self.intervals and not self._sees_all():
-            lo, hi = self._bounds(B, device)
+            lo, hi = self.bounds(B, device)
             j = B.arange(self.num_keys, device).reshape((1, 1, 1, self.num_keys))
             visible = j < hi if lo is None else (j >= lo) & (j < hi)
         if self.allowed is not None:
@@ -131,7 +131,7 @@ class Mask:
         return known is not None and (known[0] <= 0).all() and \
             (known[1] >= self.num_keys).all()
 
-    def _bounds(self, B, device):
+    def bounds(self, B, device):
         """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
         lo, hi = None, self.lens
         if self.causal or self.window is not None:
@@ -247,7 +247,7 @@ class Mask:
             known = self._bounds_known()
             if known is not None and (known[1] > known[0]).all():
                 return None
-            lo, hi = self._bounds(B, device)
+            lo, hi = self.bounds(B, device)
             return hi > (0 if lo is None else lo)
         return B.any(self.boolean(B, device), -1, keepdims=True)
 
@@ -266,7 +266,7 @@ class Mask:
                 if rows.any(axis=1).all() and (np.where(rows, lo, 1).min(axis=1) == 0).all() \
                         and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all():
                     return None
-            lo, hi = self._bounds(B, device)
+            lo, hi = self.bounds(B, device)
             nonempty = hi > (0 if lo is None else lo)
             last = B.max(B.where(nonempty, hi, 0), 2, keepdims=True)
             j = B.arange(self.num_keys, device).reshape((1, 1, self.num_keys, 1))

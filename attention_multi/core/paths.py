@@ -7,11 +7,14 @@ float rounding; ``attend`` (attend.py) picks one.
 
 - ``full``: materializes the scores and keeps the weights.
 - ``chunked``: online softmax over blocks of queries and keys (running max,
-  running sum, rescaled accumulator); skips blocks no query may see.
+  running sum, rescaled accumulator); skips blocks no query may see, and under
+  autodiff recomputes each block in the backward pass instead of keeping it.
 - ``tiled``: one tile per batch element and block of queries, over only the
   keys that tile may see (padding is never computed); each tile through the
   backend's kernel, or the softmax-product written here.
 - ``fused``: the backend's own kernel, given the normalized mask.
+
+``dropout`` is a rate; ``key`` the PRNG key of frameworks that need one.
 """
 import numpy as np
 
@@ -19,6 +22,7 @@ from .masking import compute_dtype, fill, masked_softmax
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
+DEFAULT_TRACED_BLOCK_KEYS = 64
 PARALLEL_MIN_SCORES = 1 << 16   # fewer scores than this: tiles run one after another
 
 
@@ -33,6 +37,17 @@ def expand_kv(B, keys, values, heads):
     if group == 1:
         return keys, values
     return B.repeat(keys, group, 1), B.repeat(values, group, 1)
+
+
+def dropout_fn(B, rate, key):
+    """``drop(weights, index)``: dropout at ``rate`` with the ``index``-th key
+    folded from ``key`` (None when the rate is 0)."""
+    if not rate:
+        return None
+
+    def drop(w, index=None):
+        return B.dropout(w, rate, B.fold_key(key, index))
+    return drop
 
 
 def _scaled(B, x, scale, work):
@@ -56,24 +71,27 @@ def weights(B, q, k, mask, scale):
     return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
 
 
-def full(B, q, k, v, mask, scale, dropout=None):
-    """Returns ``(output, weights)``, weights (batch * heads, Q, K)."""
+def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
+    """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    _, v = mask.guard_unused(B, v, v)
+    k, v = mask.guard_unused(B, k, v)     # (keys too: NaN must not reach gradients)
     w = weights(B, q, k, mask, scale)
     w4 = w.reshape(tuple(q.shape[:2]) + tuple(w.shape[1:]))
-    return B.matmul(w4 if dropout is None else dropout(w4), v), w
+    drop = dropout_fn(B, dropout, key)
+    return B.matmul(w4 if drop is None else drop(w4), v), w
 
 
-def fused(B, q, k, v, mask, scale, memory_budget=None):
+def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
     around it: unused key/value rows zeroed before, empty rows zeroed after."""
     if not B.has_fused_attention:
         return None
     k, v = mask.guard_unused(B, k, v)
-    out = B.fused_attention(q, k, v, mask, scale, memory_budget)
+    out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else mask.zero_empty_rows(B, out)
 
+
+# -- online softmax ------------------------------------------------------------------
 
 def softmax_block(B, qs, k, v, mask, work, dropout=None):
     """The online-softmax state ``(row max, row sum, accumulator)`` of scaled
@@ -113,16 +131,18 @@ def finish_blocks(B, state):
     return B.where(has_keys, acc / B.where(has_keys, row_sum, 1.0), 0.0)
 
 
-def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_size=None):
+def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0,
+            key=None):
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
     or else ``memory_budget`` (up to 1024 keys, queries filling an eighth).
-    Blocks that no query may see are skipped."""
+    Blocks that no query may see are skipped; under autodiff each block is
+    recomputed in the backward pass (``B.checkpoint``) instead of kept."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     batch, heads, num_q = q.shape[:3]
     k, v = expand_kv(B, k, v, heads)
-    _, v = mask.guard_unused(B, v, v)
+    k, v = mask.guard_unused(B, k, v)
     device = B.device_of(q)
     start, stop = mask.key_range()
     if chunk_size:
@@ -131,6 +151,7 @@ def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_siz
         block_k = max(1, min(stop - start, DEFAULT_BLOCK_KEYS))
         per_query = batch * heads * block_k * work_itemsize(B, q)
         block_q = max(1, memory_budget // 8 // per_query)
+    drop = dropout_fn(B, dropout, key)
     outs = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
@@ -140,11 +161,14 @@ def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_siz
             k1 = min(stop, k0 + block_k)
             if mask.block_state(0, batch, q0, q1, k0, k1) == "none":
                 continue
-            drop = None if dropout is None else (
-                lambda p, index=q0 * mask.num_keys + k0: dropout(p, index))
-            state = merge_blocks(B, state, softmax_block(
-                B, qs, k[:, :, k0:k1], v[:, :, k0:k1], mask.sub(0, batch, q0, q1, k0, k1),
-                work, drop))
+            sub = mask.sub(0, batch, q0, q1, k0, k1)
+            block_drop = None if drop is None else (
+                lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
+
+            def block(qs, kb, vb, sub=sub, block_drop=block_drop):
+                return softmax_block(B, qs, kb, vb, sub, work, block_drop)
+            state = merge_blocks(B, state, B.checkpoint(block, qs, k[:, :, k0:k1],
+                                                        v[:, :, k0:k1]))
         if state is None:      # no query of this block may see any key
             outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
         else:
@@ -153,52 +177,71 @@ def chunked(B, q, k, v, mask, scale, dropout=None, memory_budget=None, chunk_siz
     return B.astype(out, dtype) if work != dtype else out
 
 
-def tiled(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None):
-    """One tile per batch element and block of queries, over the keys that
-    block may see. Needs the mask's intervals on the host: None while traced.
-    Tiles run through ``B.parallel_map``; each within its share of
-    ``memory_budget``."""
-    if not mask.known_on_host() or not B.is_concrete(q):
+# -- tiles over the keys each batch element may see ----------------------------------------
+
+def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
+    """``(tasks, blocks, fraction)`` of the tiled path, or None when it cannot
+    run (the mask's intervals traced, or not even one query's scores within
+    the budget).
+    A task is ``(b, q0, q1, key start, key stop)``; ``fraction`` is the share
+    of the (batch, Q, K) scores the tiles compute."""
+    if not mask.known_on_host():
         return None
-    dtype = B.dtype_name(q)
     batch, heads, num_q = q.shape[:3]
-    dv = v.shape[-1]
-    device = B.device_of(q)
     block_q = max(1, min(num_q, chunk_size or DEFAULT_BLOCK_QUERIES))
     if memory_budget is not None:
         # scores and their exponentials, for each tile running at once
         per_query = 2 * heads * mask.num_keys * work_itemsize(B, q) * B.concurrency()
         block_q = min(block_q, memory_budget // per_query)
-        if block_q < 1:     # not even one query's scores fit
+        if block_q < 1:
             return None
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     tasks = [(b, q0, q1, *mask.key_range(b, b + 1, q0, q1))
              for b in range(batch) for q0, q1 in blocks]
+    work = sum((q1 - q0) * max(0, stop - start) for _, q0, q1, start, stop in tasks)
+    return tasks, blocks, work / max(1, batch * num_q * mask.num_keys)
 
-    def tile(task):
-        b, q0, q1, start, stop = task
+
+def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
+    """One tile per batch element and block of queries (``plan`` from
+    ``plan_tiles``), over the keys that block may see, on ``B.parallel_map``."""
+    tasks, blocks, _ = plan
+    dtype = B.dtype_name(q)
+    batch, heads, num_q = q.shape[:3]
+    dv = v.shape[-1]
+    device = B.device_of(q)
+    drop = dropout_fn(B, dropout, key)
+
+    def tile(index):
+        b, q0, q1, start, stop = tasks[index]
         if stop <= start:
             return B.zeros((1, heads, q1 - q0, dv), dtype, device)
         sub = mask.sub(b, b + 1, q0, q1, start, stop)
         args = (q[b:b + 1, :, q0:q1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop])
-        out = fused(B, *args, sub, scale)
-        return softmax_product(B, *args, sub, scale) if out is None else out
+        out = fused(B, *args, sub, scale, dropout=dropout)
+        if out is None:
+            tile_drop = None if drop is None else (lambda p: drop(p, index))
+            out = softmax_product(B, *args, sub, scale, tile_drop)
+        return out
 
     scores = batch * heads * num_q * mask.num_keys
-    outs = (B.parallel_map(tile, tasks) if scores >= PARALLEL_MIN_SCORES
-            else [tile(t) for t in tasks])
+    indices = range(len(tasks))
+    outs = (B.parallel_map(tile, indices) if scores >= PARALLEL_MIN_SCORES
+            else [tile(i) for i in indices])
     n = len(blocks)
     rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
             for i in range(0, len(outs), n)]
     return rows[0] if batch == 1 else B.concatenate(rows, 0)
 
 
-def softmax_product(B, q, k, v, mask, scale):
-    """``softmax(scale q k^T) v`` of one tile whose values are concrete.
+def softmax_product(B, q, k, v, mask, scale, dropout=None):
+    """``softmax(scale q k^T) v`` of one tile.
 
     Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
-    (Cauchy-Schwarz) bounds every score well inside exp's range, the scores
-    are exponentiated as they are, without the pass for the row maxima.
+    (Cauchy-Schwarz) bounds every score well inside exp's range (checked on
+    the host when the values are concrete), the scores are exponentiated as
+    they are, without the pass for the row maxima.
+    ``dropout`` (a function of the probabilities) applies to the product only.
     """
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
@@ -211,7 +254,7 @@ def softmax_product(B, q, k, v, mask, scale):
     visible = mask.boolean(B, B.device_of(q))
     if visible is not None:
         s = B.where(visible, s, fill(B, work, B.device_of(q)))
-    shift = mask.bias is not None
+    shift = mask.bias is not None or not B.is_concrete(q)
     if not shift:
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2
@@ -221,7 +264,45 @@ def softmax_product(B, q, k, v, mask, scale):
         s = s - B.max(s, -1, keepdims=True)
     p = B.exp_inplace(s)
     total = B.sum(p, -1, keepdims=True)
+    if dropout is not None:
+        p = dropout(p)
     out = B.matmul(p, v) / B.where(total > 0, total, 1.0)
     if shift:   # a row with no visible key became all ones
         out = mask.zero_empty_rows(B, out)
+    return B.astype(out, dtype) if work != dtype else out
+
+
+def tiled_traced(B, q, k, v, mask, scale, block_k=None):
+    """The tiled path while the mask's intervals are traced (``jax.jit``): per
+    batch element, blocks of keys that ``B.cond`` skips at run time when no
+    query of that element may see them (static shapes, so it compiles once)."""
+    dtype = B.dtype_name(q)
+    work = compute_dtype(dtype)
+    batch, heads, num_q = q.shape[:3]
+    num_k, dv = k.shape[2], v.shape[-1]
+    k, v = expand_kv(B, k, v, heads)
+    k, v = mask.guard_unused(B, k, v)
+    device = B.device_of(q)
+    block_k = max(1, min(num_k, block_k or DEFAULT_TRACED_BLOCK_KEYS))
+    lo, hi = mask.bounds(B, device)       # (batch|1, 1, Q|1, 1)
+    lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
+    rows = hi > lo
+    start = B.zeros((1, heads, num_q, 1), work, device)
+    outs = []
+    for b in range(batch):
+        lo_b, hi_b, rows_b = (x[b:b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
+        qs = _scaled(B, q[b:b + 1], scale, work)
+        state = (start + fill(B, work, device), start,
+                 B.zeros((1, heads, num_q, dv), work, device))
+        for k0 in range(0, num_k, block_k):
+            k1 = min(num_k, k0 + block_k)
+            seen = B.any(rows_b & (hi_b > k0) & (lo_b < k1))
+
+            def block(state, b=b, k0=k0, k1=k1, qs=qs):
+                sub = mask.sub(b, b + 1, 0, num_q, k0, k1)
+                return merge_blocks(B, state, softmax_block(
+                    B, qs, k[b:b + 1, :, k0:k1], v[b:b + 1, :, k0:k1], sub, work))
+            state = B.cond(seen, block, lambda state: state, state)
+        outs.append(finish_blocks(B, state))
+    out = outs[0] if batch == 1 else B.concatenate(outs, 0)
     return B.astype(out, dtype) if work != dtype else out

@@ -104,7 +104,9 @@ class AdditiveAttention(_Attention):
                         values4.reshape(tuple(values.shape)))
 
     def _scores(self, q, k):
-        """(b, nq, nk) scores, over blocks of queries within the memory budget."""
+        """(b, nq, nk) scores, over blocks of queries within the memory
+        budget; under autodiff each block's features are recomputed in the
+        backward pass (``Backend.checkpoint``) instead of kept."""
         B, h = self._backend, self.num_hiddens
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         itemsize = work_itemsize(B, q)
@@ -112,11 +114,13 @@ class AdditiveAttention(_Attention):
         # features and their tanh live together: 2 (b, block, nk, h) arrays
         block = max(1, budget // max(1, 2 * b * nk * h * itemsize))
         k = k.reshape((b, 1, nk, h))
-        chunks = []
-        for q0 in range(0, nq, block):
-            qb = q[:, q0:q0 + block]
+
+        def scores(qb, k):
             features = B.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
-            chunks.append(self.w_v(features).reshape((b, qb.shape[1], nk)))
+            return self.w_v(features).reshape((b, qb.shape[1], nk))
+
+        chunks = [B.checkpoint(scores, q[:, q0:q0 + block], k)
+                  for q0 in range(0, nq, block)]
         return chunks[0] if len(chunks) == 1 else B.concatenate(chunks, axis=1)
 
 
@@ -167,13 +171,9 @@ class DotProductAttention(_Attention):
 
     def _attend(self, queries, keys, values, mask, key):
         """Attention on checked (batch, heads, n, d) inputs and a normalized mask."""
-        B = self._backend
-        dropout = None
-        if self.training and self.dropout > 0:
-            def dropout(w, index=None):
-                return self._dropout(w, self.dropout, B.fold_key(key, index))
         out, kept, taken = attend(
-            B, queries, keys, values, mask, dropout=dropout, path=self.path,
+            self._backend, queries, keys, values, mask,
+            dropout=self.dropout if self.training else 0.0, key=key, path=self.path,
             memory_budget=self.memory_budget, chunk_size=self.chunk_size)
         self._keep_attention(kept)
         self.__dict__["_attention_path"] = taken
