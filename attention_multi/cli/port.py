@@ -113,7 +113,7 @@ def _write_torch(params, f):
                 for name, value in params.items()}, f)
 
 
-def _check_out(out, source, force):
+def _check_out(out, source, force, given):
     """Refuse to write over the input, or over an existing OUT without --force."""
     same = os.path.realpath(out) == os.path.realpath(source)
     if not same and os.path.exists(out):
@@ -122,7 +122,8 @@ def _check_out(out, source, force):
         except OSError:
             pass
     if same:
-        raise _CliError(f"--out {out} is the input file; choose another name "
+        named = f"--out {out}" if given else f"the default OUT {out}"
+        raise _CliError(f"{named} is the input file; choose another name with --out "
                         f"(--force does not override this)", _EXIT_FAILED)
     if os.path.lexists(out) and not force:
         raise _CliError(f"{out} exists; add --force to replace it, or choose another "
@@ -148,7 +149,7 @@ def _port(args):
         params = {n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
                   for n, v in params.items()}
     out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
-    _check_out(out, args.input, args.force)
+    _check_out(out, args.input, args.force, given=bool(args.out))
     if args.to == "torch":
         _import_torch()    # before a file is made
     with atomic_write(out) as f:
