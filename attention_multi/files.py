@@ -30,6 +30,9 @@ class WriteError(OSError):
         super().__init__(cause.errno, cause.strerror or str(cause), os.fspath(path))
         self.path, self.action = os.fspath(path), action
 
+    def __reduce__(self):
+        return type(self), (self.path, OSError(self.errno, self.strerror), self.action)
+
     def __str__(self):
         parent = os.path.dirname(os.path.abspath(self.path))
         if self.errno == errno.ENOENT and not os.path.isdir(parent):

@@ -8,6 +8,7 @@ write, which the tests then kill (SIGKILL) or interrupt (SIGINT).
 import errno
 import json
 import os
+import pickle
 import re
 import signal
 import stat
@@ -357,6 +358,7 @@ def test_write_error_is_an_oserror_with_one_line(tmp_path):
         with atomic_write(tmp_path / "no" / "x.bin") as f:
             f.write(b"x")
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
     assert str(info.value) == (f"cannot write {tmp_path}/no/x.bin: directory "
                                f"{tmp_path}/no does not exist")
     with pytest.raises(ValueError, match="mode: expected 'wb' or 'w', got 'a'"):
