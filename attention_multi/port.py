@@ -29,6 +29,8 @@ import struct
 
 import numpy as np
 
+from .files import atomic_write
+
 __all__ = ["check_params", "load_into", "load_mxnet_params", "save_mxnet_params"]
 
 _LIST_MAGIC = 0x112
@@ -147,6 +149,8 @@ def save_mxnet_params(params, path, *, np_mode=True):
     loadable by ``block.load_parameters`` under ``npx.set_np()``); ``np_mode=False``
     writes V2 records (legacy ``mx.nd.save``), which cannot hold 0-d arrays.
     Supported dtypes: float16/32/64, uint8, int8, int32, int64, bool.
+    The file is written whole or not at all (``attention_multi.files.atomic_write``);
+    failures raise ``attention_multi.files.WriteError``, an ``OSError``.
     """
     out = [struct.pack("<QQQ", _LIST_MAGIC, 0, len(params))]
     for name, value in params.items():
@@ -163,7 +167,7 @@ def save_mxnet_params(params, path, *, np_mode=True):
     for name in params:
         raw = str(name).encode("utf-8")
         out += [struct.pack("<Q", len(raw)), raw]
-    with open(path, "wb") as f:
+    with atomic_write(path) as f:
         f.write(b"".join(out))
 
 

@@ -7,7 +7,10 @@ import sys
 
 import backends
 
+from ..files import WriteError
 from . import bench, port, report
+
+EXIT_INTERRUPTED = 130   # the shell's 128 + SIGINT
 
 
 def _info(args):
@@ -53,4 +56,14 @@ def main(argv=None):
         if module is not None:
             module.add_arguments(command)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return COMMANDS[args.command or "info"][3](args)
+    name = args.command or "info"
+    module, _, _, run = COMMANDS[name]
+    try:
+        return run(args)
+    except WriteError as exc:     # every command's files go through atomic_write
+        print(f"attention-multi {name}: error: {exc}", file=sys.stderr)
+        return module.EXIT_CANNOT_WRITE
+    except KeyboardInterrupt:     # atomic_write has removed its partial file
+        print(f"attention-multi {name}: interrupted; no partial file was left",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED

@@ -33,6 +33,9 @@ import time
 
 import numpy as np
 
+from ..files import atomic_write, check_writable
+
+EXIT_CANNOT_WRITE = 1
 TARGETS = {  # (row key) -> largest acceptable ratio; None: must be faster (< 1)
     "torch-dot-sdpa": 0.85,
     "torch-dot-seed": None,
@@ -72,7 +75,11 @@ def add_arguments(parser):
                              f"--quick 4096; 0 skips it)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory cases under autograd")
-    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--json", default=None,
+                        help="also write the results here (checked before the timing "
+                             "starts; written whole or not at all)")
+    parser.epilog = (f"exit status: 0 measured; {EXIT_CANNOT_WRITE} --json cannot be "
+                     "written; 2 bad arguments")
 
 
 # -- baselines: the seeds' code, copied -------------------------------------------
@@ -628,6 +635,8 @@ def main(args):
     seconds = args.seconds or (1.0 if args.quick else 3.0)
     length = args.long_length if args.long_length is not None else (
         4096 if args.quick else LONG["length"])
+    if args.json:
+        check_writable(args.json)    # now, not after minutes of timing
     info = machine()
     threads = args.threads or os.cpu_count()
     long_results = []
@@ -688,7 +697,7 @@ def main(args):
               f"resident), peak RSS from its ru_maxrss.\n")
         print(long_table(long_results))
     if args.json:
-        with open(args.json, "w") as f:
+        with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "torch_threads": threads, "rows": [
                 dict(zip(("key", "backend", "measured", "shape", "path", "against",
                           "ours_s", "theirs_s", "calls", "max_abs_diff"), r))

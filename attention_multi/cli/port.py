@@ -4,9 +4,11 @@ import sys
 
 import numpy as np
 
+from ..files import atomic_write
 from ..port import check_params, load_mxnet_params
 
 _EXIT_FAILED, _EXIT_BAD_INPUT = 1, 2
+EXIT_CANNOT_WRITE = _EXIT_FAILED
 
 
 class _CliError(Exception):
@@ -22,7 +24,11 @@ def add_arguments(parser):
                         help="torch: torch.save of {name: tensor} (a state_dict); "
                              "numpy: an .npz archive")
     parser.add_argument("--out", metavar="OUT",
-                        help="output file (default: IN with suffix .pt or .npz)")
+                        help="output file (default: IN with suffix .pt or .npz); "
+                             "never the input file")
+    parser.add_argument("--force", action="store_true",
+                        help="replace OUT if it exists (it is replaced only once the "
+                             "new file is complete)")
     parser.add_argument("--module", metavar="NAME",
                         help="check names and shapes against this attention_multi "
                              "module, e.g. MultiHeadAttention")
@@ -31,8 +37,10 @@ def add_arguments(parser):
                              "value_size=5,num_hiddens=8,num_heads=2,dropout=0,bias=True")
     parser.add_argument("--dtype", choices=("float16", "float32", "float64"),
                         help="cast floating-point arrays (default: keep the file's dtype)")
-    parser.epilog = ("exit status: 0 converted; 1 the file does not match --module, or OUT "
-                     "cannot be written; 2 unreadable or malformed input, or bad arguments")
+    parser.epilog = ("exit status: 0 converted; 1 the file does not match --module, OUT "
+                     "is the input, OUT exists and --force is not given, or OUT cannot be "
+                     "written (missing directory, permissions, full disk); 2 unreadable "
+                     "or malformed input, or bad arguments")
 
 
 def _parse_value(text):
@@ -81,23 +89,45 @@ def _module_from_spec(name, args):
                         f"{name}{signature}", _EXIT_BAD_INPUT) from None
 
 
-def _write_npz(params, path):
+def _write_npz(params, f):
     """Like numpy.savez, but any parameter name is fine (even 'file')."""
     import zipfile
-    with zipfile.ZipFile(path, "w", allowZip64=True) as zf:
+    with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
         for name, value in params.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.asanyarray(value), allow_pickle=False)
 
 
-def _write_torch(params, path):
+def _import_torch():
     try:
         import torch
     except ImportError as exc:
         raise _CliError(f"--to torch needs PyTorch ({exc}); pip install torch",
                         _EXIT_BAD_INPUT) from None
+    return torch
+
+
+def _write_torch(params, f):
+    torch = _import_torch()
     torch.save({name: torch.from_numpy(np.ascontiguousarray(value))
-                for name, value in params.items()}, path)
+                for name, value in params.items()}, f)
+
+
+def _check_out(out, source, force, given):
+    """Refuse to write over the input, or over an existing OUT without --force."""
+    same = os.path.realpath(out) == os.path.realpath(source)
+    if not same and os.path.exists(out):
+        try:
+            same = os.path.samefile(out, source)
+        except OSError:
+            pass
+    if same:
+        named = f"--out {out}" if given else f"the default OUT {out}"
+        raise _CliError(f"{named} is the input file; choose another name with --out "
+                        f"(--force does not override this)", _EXIT_FAILED)
+    if os.path.lexists(out) and not force:
+        raise _CliError(f"{out} exists; add --force to replace it, or choose another "
+                        f"--out", _EXIT_FAILED)
 
 
 def _port(args):
@@ -119,10 +149,11 @@ def _port(args):
         params = {n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
                   for n, v in params.items()}
     out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
-    try:
-        (_write_torch if args.to == "torch" else _write_npz)(params, out)
-    except OSError as exc:
-        raise _CliError(f"{out}: {exc.strerror or exc}", _EXIT_FAILED) from None
+    _check_out(out, args.input, args.force, given=bool(args.out))
+    if args.to == "torch":
+        _import_torch()    # before a file is made
+    with atomic_write(out) as f:
+        (_write_torch if args.to == "torch" else _write_npz)(params, f)
     dtypes = sorted({str(v.dtype) for v in params.values()})
     print(f"wrote {out}: {len(params)} arrays ({', '.join(dtypes) or 'none'})"
           + (f", checked against {args.module}" if module is not None else ""))
@@ -131,7 +162,9 @@ def _port(args):
 
 def main(args):
     """Run ``attention-multi port``; errors go to stderr, and the exit status
-    says what went wrong (see ``add_arguments``)."""
+    says what went wrong (see ``add_arguments``). OUT is written whole or not
+    at all (``attention_multi.files.atomic_write``); ``attention_multi.cli``
+    reports a failed write."""
     try:
         return _port(args)
     except _CliError as exc:

@@ -5,7 +5,10 @@ Prints, and writes to ``DIR/report.md``: the environment, one table per dtype
 (rows: mechanisms; columns: backend/device; cells: max abs error and ok/FAIL),
 and the forward time of each backend. With the ``plot`` extra it also writes
 PNG heatmaps and the Nadaraya-Watson fit. Exit code: 0 when every cell passes,
-1 when any cell fails, 2 when no backend could run.
+1 when any cell fails, 2 when no backend could run (or bad arguments), 3 when
+``--out`` cannot be written: it is created when its parent directory exists,
+and checked before anything runs. Every file is written whole or not at all
+(``attention_multi.files.atomic_write``).
 
 Self-test: ``--plant BACKEND`` adds 1e-2 to that backend's results before they
 are compared, so its cells must FAIL and the exit code must be 1 (report.md
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import backends
 
+from ...files import WriteError, atomic_write, check_writable, make_directory
 from .cases import DTYPES, MECHANISMS, make_inputs, references, rounded
 from .render import figures, markdown, summary
 from .run import backend_state, device_state, run_cells, time_forward
@@ -29,6 +33,7 @@ from .run import backend_state, device_state, run_cells, time_forward
 __all__ = ["MECHANISMS", "add_arguments", "main"]
 
 DEFAULT_OUT = "attention-multi-report"
+EXIT_CANNOT_WRITE = 3
 
 
 def _names(text, check, what):
@@ -60,11 +65,14 @@ def add_arguments(parser):
                         help="comma-separated, default: cpu,cuda (absent ones are "
                              "listed, not failed)")
     parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
-                        help="directory for report.md and the PNGs (default: "
-                             "./%(default)s)")
+                        help="directory for report.md and the PNGs, created if its "
+                             "parent exists (default: ./%(default)s)")
     parser.add_argument("--plant", metavar="BACKEND", type=backends.canonical_name,
                         help="self-test: add 1e-2 to BACKEND's results, so that its "
                              "cells must FAIL")
+    parser.epilog = ("exit status: 0 every cell passes; 1 a cell fails; 2 no backend "
+                     f"could run, or bad arguments; {EXIT_CANNOT_WRITE} --out cannot be "
+                     "created or written")
     return parser
 
 
@@ -92,7 +100,8 @@ def main(args):
               f"{','.join(args.backends)}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out)
+    check_writable(out / "report.md")    # now, not after every backend has run
     inputs = {d: rounded(make_inputs(), d) for d in DTYPES}
     refs = references(inputs)
     pairs, notes = find_pairs(args.backends, args.devices)
@@ -121,11 +130,14 @@ def main(args):
         trainer = next((p for p in pairs if p[0].autodiff), None)
         try:
             lines += figures(out, *pairs[0], inputs, trainer)
+        except WriteError:         # --out itself fails: exit EXIT_CANNOT_WRITE
+            raise
         except Exception as exc:   # figures are extras; parity decides the exit code
             lines += [f"Figures failed: {type(exc).__name__}: {exc}"]
         print(lines[-1] if lines[-1].startswith("Figures") else
               f"Figures: {', '.join(sorted(p.name for p in out.glob('*.png')))}")
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    with atomic_write(out / "report.md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
     print(f"Wrote {out / 'report.md'}")
     failed, total, _ = summary(cells)
     return 1 if failed else 2 if not total else 0

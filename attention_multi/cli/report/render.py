@@ -3,6 +3,7 @@ import datetime
 
 import attention_multi as am
 
+from ...files import atomic_write
 from .cases import DTYPES, MECHANISMS, RUNS, TOLERANCES, target
 from .run import PLANT, TIMING_SHAPE, Runner, train_nw, versions
 
@@ -97,8 +98,11 @@ def figures(out, B, device, inputs, trainer):
     lines, figs = [f"Made with the {B.name}/{device} backend, float32."], []
 
     def save(fig, filename, caption):
-        fig.savefig(out / filename, dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        try:
+            with atomic_write(out / filename) as f:
+                fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
+        finally:
+            plt.close(fig)
         figs.append(f"![{caption}]({filename})")
 
     def weights(case):       # the attention weights of a case's module
