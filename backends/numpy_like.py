@@ -8,7 +8,7 @@ from .protocol import Backend
 # Functions whose name and arguments are NumPy's in every ``xp``; a subclass
 # that spells one differently defines a method of that name.
 SAME_SPELLING = ("exp", "tanh", "sqrt", "where", "max", "sum", "any", "repeat",
-                 "transpose", "concatenate", "broadcast_to", "minimum", "maximum")
+                 "transpose", "concatenate", "broadcast_to", "minimum", "maximum", "take")
 
 
 def np_dtype(name):

@@ -9,7 +9,7 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``dropout``. Math (NumPy spelling, from ``xp`` unless overridden):
 ``matmul``, ``linear``, ``softmax``, ``where``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
-``broadcast_to``, ``arange``, ``zeros``. Capabilities, with defaults here:
+``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
 ``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,

@@ -21,6 +21,10 @@ class TorchBackend(NumpyLike):
     repeat = staticmethod(torch.repeat_interleave)
     transpose = staticmethod(torch.permute)
 
+    @staticmethod
+    def take(x, indices, axis):
+        return torch.index_select(x, axis, indices.long())
+
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):
             x = torch.as_tensor(np.asarray(x))

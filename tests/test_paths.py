@@ -346,3 +346,28 @@ def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
             assert taken == _expected_path(backend, path)
             np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
                                        ref4 if shape4 else ref, **TOL)
+
+
+@pytest.mark.parametrize("mask", ["1d", "2d"])
+def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
+    """The tiled path groups batch elements whose key ranges are alike (one
+    kernel call per group), computes little padding, and puts every row back
+    in batch order."""
+    from attention_multi.core.paths import plan_tiles
+    rng = np.random.default_rng(14)
+    batch, nq, nk = 9, 4, 40
+    q, k, v = (rng.standard_normal((batch, n, D)) for n in (nq, nk, nk))
+    lens = np.array([40, 12, 39, 0, 13, 25, 38, 12, 26])
+    if mask == "2d":
+        lens = np.stack([lens, np.maximum(lens - 3, 0), lens, lens // 2], axis=1)
+    ref, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = _module(am.DotProductAttention, backend, "tiled", 0.0)
+    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)), backend.asarray(lens))
+    assert m.last_path == "tiled"
+    np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+    four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
+    tasks, _, fraction = plan_tiles(backend, four[0], make_mask(
+        backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
+    assert len(tasks) == 4           # (40, 39, 38), (25, 26), (12, 13, 12), (0)
+    assert fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
+                              else lens).sum() / (batch * nk)

@@ -237,6 +237,22 @@ class Mask:
             causal=self.causal, window=self.window,
             allowed=rows(self.allowed, False), bias=rows(self.bias, False))
 
+    def select(self, B, indices, device):
+        """The Mask of the batch elements ``indices`` (host ints), in that order."""
+        idx = np.asarray(indices)
+        index = B.asarray(idx.astype(np.int32), device=device)
+
+        def rows(x):
+            return x if x is None or x.shape[0] == 1 else B.take(x, index, 0)
+        known = self.lens_known
+        if known is not None and known.shape[0] > 1:
+            known = known[idx]
+        mask = Mask(len(idx), self.heads, self.num_queries, self.num_keys,
+                    lens=rows(self.lens), lens_known=known, offset=self.offset,
+                    offset_known=self.offset_known, causal=self.causal,
+                    window=self.window, allowed=rows(self.allowed), bias=rows(self.bias))
+        return mask
+
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;

@@ -183,8 +183,13 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
     """``(tasks, blocks, fraction)`` of the tiled path, or None when it cannot
     run (the mask's intervals traced, or not even one query's scores within
     the budget).
-    A task is ``(b, q0, q1, key start, key stop)``; ``fraction`` is the share
-    of the (batch, Q, K) scores the tiles compute."""
+
+    A task is ``(members, q0, q1, key start, key stop)``: batch elements whose
+    rows of queries ``[q0, q1)`` see keys in similar ranges are grouped (the
+    group's range computes at most ``GROUP_WASTE`` more than its members need),
+    so that a few kernel calls skip most of the padding. ``fraction`` is the
+    share of the (batch, Q, K) scores that the tiles compute.
+    """
     if not mask.known_on_host():
         return None
     batch, heads, num_q = q.shape[:3]
@@ -196,15 +201,45 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
         if block_q < 1:
             return None
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    tasks = [(b, q0, q1, *mask.key_range(b, b + 1, q0, q1))
-             for b in range(batch) for q0, q1 in blocks]
-    work = sum((q1 - q0) * max(0, stop - start) for _, q0, q1, start, stop in tasks)
+    tasks, work = [], 0
+    for q0, q1 in blocks:
+        ranges = [mask.key_range(b, b + 1, q0, q1) for b in range(batch)]
+        for members in _groups(ranges):
+            start = min(ranges[b][0] for b in members)
+            stop = max(ranges[b][1] for b in members)
+            tasks.append((tuple(members), q0, q1, start, stop))
+            work += len(members) * (q1 - q0) * max(0, stop - start)
     return tasks, blocks, work / max(1, batch * num_q * mask.num_keys)
 
 
+GROUP_WASTE = 0.1
+
+
+def _groups(ranges):
+    """Batch elements grouped by their key ranges ``[(start, stop)]``, longest
+    first; elements that see no key form one group of their own."""
+    order = sorted(range(len(ranges)), key=lambda b: ranges[b][0] - ranges[b][1])
+    groups, empty = [], []
+    for b in order:
+        start, stop = ranges[b]
+        if stop <= start:
+            empty.append(b)
+            continue
+        if groups:
+            members = groups[-1] + [b]
+            need = sum(ranges[m][1] - ranges[m][0] for m in members)
+            span = max(ranges[m][1] for m in members) - min(ranges[m][0] for m in members)
+            if len(members) * span <= (1 + GROUP_WASTE) * need:
+                groups[-1] = members
+                continue
+        groups.append([b])
+    return groups + ([empty] if empty else [])
+
+
 def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
-    """One tile per batch element and block of queries (``plan`` from
-    ``plan_tiles``), over the keys that block may see, on ``B.parallel_map``."""
+    """The tiles of ``plan`` (from ``plan_tiles``): each group of batch
+    elements and block of queries over the keys its rows may see, through the
+    backend's kernel or ``softmax_product``, on ``B.parallel_map``."""
     tasks, blocks, _ = plan
     dtype = B.dtype_name(q)
     batch, heads, num_q = q.shape[:3]
@@ -212,12 +247,21 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
 
+    def rows(x, members):
+        b0 = members[0]
+        if members == tuple(range(b0, b0 + len(members))):
+            return x[b0:b0 + len(members)]
+        return B.take(x, B.asarray(np.asarray(members, np.int32), device=device), 0)
+
     def tile(index):
-        b, q0, q1, start, stop = tasks[index]
+        members, q0, q1, start, stop = tasks[index]
         if stop <= start:
-            return B.zeros((1, heads, q1 - q0, dv), dtype, device)
-        sub = mask.sub(b, b + 1, q0, q1, start, stop)
-        args = (q[b:b + 1, :, q0:q1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop])
+            return B.zeros((len(members), heads, q1 - q0, dv), dtype, device)
+        group = mask.select(B, members, device) if len(members) > 1 else mask
+        b0 = 0 if len(members) > 1 else members[0]
+        sub = group.sub(b0, b0 + len(members), q0, q1, start, stop)
+        args = (rows(q, members)[:, :, q0:q1], rows(k, members)[:, :, start:stop],
+                rows(v, members)[:, :, start:stop])
         out = fused(B, *args, sub, scale, dropout=dropout)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
@@ -228,10 +272,16 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     indices = range(len(tasks))
     outs = (B.parallel_map(tile, indices) if scores >= PARALLEL_MIN_SCORES
             else [tile(i) for i in indices])
-    n = len(blocks)
-    rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
-            for i in range(0, len(outs), n)]
-    return rows[0] if batch == 1 else B.concatenate(rows, 0)
+    columns = []      # per block of queries: the groups' rows, back in batch order
+    for q0, q1 in blocks:
+        done = [(task[0], out) for task, out in zip(tasks, outs) if task[1] == q0]
+        order = [b for members, _ in done for b in members]
+        column = done[0][1] if len(done) == 1 else B.concatenate([o for _, o in done], 0)
+        if order != list(range(batch)):
+            column = B.take(column, B.asarray(np.argsort(order).astype(np.int32),
+                                              device=device), 0)
+        columns.append(column)
+    return columns[0] if len(columns) == 1 else B.concatenate(columns, 2)
 
 
 def softmax_product(B, q, k, v, mask, scale, dropout=None):
