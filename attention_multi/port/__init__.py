@@ -79,7 +79,7 @@ def _read(source):
         return load_mxnet_params(source), os.fspath(source)
     if isinstance(source, dict):
         from ..params import _to_numpy
-        return {str(n): _to_numpy(v) for n, v in source.items()}, "the parameters"
+        return {str(n): _to_numpy(v) for n, v in source.items()}, "the given dict"
     raise TypeError(f"expected a .params path or a {{name: array}} dict, got "
                     f"{type(source).__name__}")
 

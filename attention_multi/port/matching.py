@@ -161,6 +161,17 @@ class Mapping:
         what = self.target_label
         only = sorted(self.only_file, key=lambda e: e.index)
         missing = [name for _, name, _ in sorted(self.missing)]
+        for (_, name, _), entries in self.ambiguous:
+            self.problems.append(f"ambiguous: {name} could come from "
+                                 f"{' or '.join(e.name for e in entries)}")
+        for gpath, g_rest, tpath, t_rest in self.unpaired:
+            where = gpath or "the top level"
+            if tpath != gpath:
+                where += f" ({what}: {tpath or 'the top level'})"
+            self.problems.append(
+                f"cannot pair by order under {where}: the file has "
+                f"{len(g_rest)} ({', '.join(g_rest)}), {what} has {len(t_rest)} "
+                f"({', '.join(t_rest)})")
         if only:
             self.problems.append(f"only in the file: {', '.join(e.name for e in only)}")
         if missing:
@@ -169,14 +180,6 @@ class Mapping:
             where = "" if name == entry.name else f"{name} "
             self.problems.append(f"{entry.name}: shape {_shape(entry.shape)} in the file, "
                                  f"{where}{_shape(shape)} in {what}")
-        for (_, name, _), entries in self.ambiguous:
-            self.problems.append(f"ambiguous: {name} could come from "
-                                 f"{' or '.join(e.name for e in entries)}")
-        for gpath, g_rest, tpath, t_rest in self.unpaired:
-            self.problems.append(
-                f"cannot pair by order under {gpath or 'the top level'}: the file has "
-                f"{len(g_rest)} ({', '.join(g_rest)}), {what} has {len(t_rest)} "
-                f"({', '.join(t_rest)})")
         if only and all(e.name.endswith(".bias") for e in only) and not missing:
             self.problems.append("(the file has biases: build the module with bias=True)")
         elif missing and all(n.endswith(".bias") for n in missing) and not only:
