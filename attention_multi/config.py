@@ -17,8 +17,13 @@ _state = {"backend": None}      # set_backend's choice, process-wide
 _local = threading.local()      # .stack: use_backend's choices, per thread
 
 
-def get_backend():
-    """The current default backend (an object with ``.name``)."""
+def get_backend(backend=None):
+    """A Backend (an object with ``.name``): with no argument the current
+    default (``use_backend`` > ``set_backend`` > ATTENTION_MULTI_BACKEND >
+    ``"numpy"``); else the backend of a name (``"torch"``), a Backend, or an
+    array (``am.get_backend(tensor)``). Same as ``backends.get_backend``."""
+    if backend is not None:
+        return backends.get_backend(backend)
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
@@ -53,7 +58,7 @@ def use_backend(name):
 
 def resolve_backend(backend=None):
     """A Backend from ``backend=`` (name, Backend or None for the default)."""
-    return get_backend() if backend is None else backends.get_backend(backend)
+    return get_backend(backend)
 
 
 def parse_device(name=None):

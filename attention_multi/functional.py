@@ -1,6 +1,7 @@
 """The public functions: d2l's helpers and the functional attention, on any
 backend (the backend comes from the arrays)."""
-from .core import attend, make_mask, masked_softmax as _masked_softmax
+from .core import attend, make_mask, zeros_for_empty
+from .core import masked_softmax as _masked_softmax
 from .core.checks import backend_of, check_array, check_float, valid_lens_array
 
 
@@ -15,7 +16,7 @@ def sequence_mask(X, valid_len, value=0):
     lens = valid_lens_array(B, valid_len, n, -1, name="valid_len", device=B.device_of(X))
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
-        return B.zeros((n, t), B.dtype_name(X), B.device_of(X))
+        return zeros_for_empty(B, (n, t), X)
     return B.where(mask.boolean(B, B.device_of(X)).reshape((n, t)), X, value)
 
 
@@ -31,7 +32,7 @@ def masked_softmax(X, valid_lens):
     b, q, k = X.shape
     mask = make_mask(B, b, 1, q, k, valid_lens=valid_lens, device=B.device_of(X))
     if b * q * k == 0:
-        return B.zeros((b, q, k), B.dtype_name(X), B.device_of(X))
+        return zeros_for_empty(B, (b, q, k), X)
     visible = mask.boolean(B, B.device_of(X))
     if visible is not None:
         visible = visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
@@ -161,8 +162,8 @@ def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
                          f"{tuple(x_train.shape)} and {tuple(y_train.shape)}")
     m, n = x_query.shape[0], x_train.shape[0]
     if m * n == 0:
-        dtype, device = B.dtype_name(x_query), B.device_of(x_query)
-        y_hat, weights = B.zeros((m,), dtype, device), B.zeros((m, n), dtype, device)
+        y_hat = zeros_for_empty(B, (m,), x_query, x_train, y_train)
+        weights = zeros_for_empty(B, (m, n), x_query, x_train)
     else:
         diff = x_query.reshape((m, 1)) - x_train.reshape((1, n))
         weights = _masked_softmax(B, -(diff * diff) / 2, None)

@@ -7,6 +7,8 @@ import importlib
 import importlib.util
 import sys
 
+import numpy
+
 from .protocol import Backend
 from .devices import parse_device
 
@@ -21,6 +23,17 @@ _SPECS = {
     "mxnet": ("mxnet_backend", "MXNetBackend", "mxnet", "mxnet"),
 }
 _loaded = {}
+
+
+def _restore_numpy_bool():
+    """MXNet 1.9.1 uses ``numpy.bool``, which numpy 1.24-1.26 removed (numpy 2
+    has it again): restore the alias where MXNet is installed, so that
+    ``import mxnet`` works after ``import attention_multi`` too."""
+    if "bool" not in vars(numpy) and importlib.util.find_spec("mxnet") is not None:
+        numpy.bool = bool
+
+
+_restore_numpy_bool()
 
 __all__ = ["Backend", "BACKEND_NAMES", "available_backends", "backend_of_array",
            "canonical_name", "get_backend", "parse_device"]

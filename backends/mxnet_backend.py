@@ -1,27 +1,24 @@
 """MXNet backend: ``mxnet.numpy`` arrays, ``npx.batch_dot``, Gluon blocks.
 
 MXNet 1.9.1 quirks handled here:
-- it uses ``numpy.bool``, which numpy 1.24-1.26 removed: the alias is restored
-  before ``import mxnet``;
+- it uses ``numpy.bool``, which numpy 1.24-1.26 removed: ``backends/__init__.py``
+  restores the alias where MXNet is installed;
 - importing this backend calls ``npx.set_np()``, which switches the whole
   process to MXNet's NumPy mode (Gluon blocks then take ``mxnet.numpy`` arrays,
   and legacy ``mx.nd`` code in the same process runs in NumPy mode too);
 - its CPU ``batch_dot`` and ``fully_connected`` have no float16 kernels, and
-  ``fully_connected`` fails on zero input features;
+  ``fully_connected`` corrupts memory on empty inputs (its backward);
 - ``np.where`` with a scalar operand sends gradients to the wrong positions,
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
 import numpy as np
 
-if "bool" not in vars(np):  # numpy 1.24-1.26 removed the alias
-    np.bool = bool
+import mxnet as mx  # (backends/__init__.py restored numpy.bool)
+from mxnet import autograd, npx
+from mxnet import np as mnp
 
-import mxnet as mx  # noqa: E402
-from mxnet import autograd, npx  # noqa: E402
-from mxnet import np as mnp  # noqa: E402
-
-from .mxnet_module import GluonModule  # noqa: E402
-from .numpy_like import NumpyLike  # noqa: E402
+from .mxnet_module import GluonModule
+from .numpy_like import NumpyLike
 
 npx.set_np()
 
@@ -64,6 +61,8 @@ class MXNetBackend(NumpyLike):
         return mnp.array(x, dtype=dtype or x.dtype, ctx=device)
 
     def to_numpy(self, x):
+        if x.size == 0:     # asnumpy() fails on an empty array never written
+            return np.zeros(x.shape, np.dtype(x.dtype))
         return x.asnumpy()
 
     def astype(self, x, dtype):
@@ -82,8 +81,9 @@ class MXNetBackend(NumpyLike):
         return npx.batch_dot(a, b, transpose_b=transpose_b)
 
     def linear(self, x, weight, bias=None):
-        if weight.shape[1] == 0:    # no input features: the bias (or zeros)
+        if x.size == 0:     # fully_connected corrupts memory on empty inputs
             out = mnp.zeros(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, ctx=x.ctx)
+            out = out + mnp.sum(x.reshape((0,)))       # (0: keeps autograd's graph)
             return out if bias is None else out + bias
         if _cpu_half(x):
             weight, bias = weight.astype("float32"), bias if bias is None else bias.astype("float32")
@@ -168,9 +168,15 @@ class MXNetBackend(NumpyLike):
 
     def gradients(self, loss_fn, module, *inputs):
         params = module._collect_params_with_prefix()
+        for p in params.values():      # what the loss does not use gets zeros
+            for g in p.list_grad():    # (Parameter.zero_grad fails in NumPy mode)
+                if g.size:
+                    g[:] = 0
         inputs = [x.copy() for x in inputs]
         for x in inputs:
             x.attach_grad()
+            if x.size:
+                x.grad[:] = 0
         with autograd.record():
             loss = loss_fn(module, *inputs)
         loss.backward()

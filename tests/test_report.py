@@ -191,3 +191,17 @@ def test_bad_arguments_are_named(tmp_path, args, words):
     assert result.returncode == 2
     for word in words:
         assert word in result.stderr, result.stderr
+
+
+def test_multi_head_heatmap_labels_each_row_with_its_batch_element():
+    pytest.importorskip("matplotlib").use("Agg")
+    from attention_multi.cli.report.render import multi_head_heatmaps
+    weights = np.random.default_rng(0).random((3 * 2, 4, 5))      # batch 3, 2 heads
+    fig = multi_head_heatmaps(weights, 2, [1, 5, 2])
+    grid = [ax for ax in fig.axes if ax.get_images()]              # not the colorbar
+    assert len(grid) == 6
+    labels = [ax.get_ylabel() for ax in grid]
+    assert labels[0::2] == ["batch 0 (valid_len 1)\nQueries", "batch 1 (valid_len 5)\nQueries",
+                            "batch 2 (valid_len 2)\nQueries"]
+    assert labels[1::2] == ["", "", ""]
+    assert [ax.get_title() for ax in grid[:2]] == ["Head 1", "Head 2"]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
+from conftest import load_backend
 import backends
 from attention_multi import config
 
@@ -95,6 +96,17 @@ def test_get_backend_of_arrays(backend):
         backends.get_backend("x".encode())
 
 
+def test_am_get_backend_takes_what_backends_get_backend_takes(backend):
+    """am.get_backend(name or array or Backend) means what backends.get_backend does;
+    with no argument it is the current default."""
+    for given in (backend.name, backend.name.upper(), backend, backend.asarray([1.0])):
+        assert am.get_backend(given) is backends.get_backend(given) is backend
+    with am.use_backend(backend.name):
+        assert am.get_backend() is backend
+    with pytest.raises(ValueError, match="unknown backend 'cntk'"):
+        am.get_backend("cntk")
+
+
 def test_available_backends_lists_installed_ones():
     names = am.available_backends()
     assert names[0] == "numpy" and set(names) <= set(backends.BACKEND_NAMES)
@@ -143,6 +155,18 @@ def test_import_with_numpy_imports_no_framework():
             "assert backends.get_backend(x).name == 'numpy'\n"
             "am.DotProductAttention(0.0)(x, x, x, np.array([1])).sum()")
     assert _imported_after(code) == ""
+
+
+def test_mxnet_imports_after_attention_multi():
+    """The README's promise, as a user writes it: on numpy 1.24-1.26 (where
+    numpy.bool is gone) mxnet imports after attention_multi."""
+    load_backend("mxnet")     # skips (or fails where required) without MXNet
+    code = ("import attention_multi\n"
+            "from mxnet import np\n"
+            "print(np.ones((2,)).sum())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "2.0"
 
 
 def test_a_backend_imports_only_its_framework(backend):

@@ -1,8 +1,9 @@
 """The attention core: the masking contract (``masking.py``), the paths
 (``paths.py``) and the one function that picks a path (``attend.py``), written
 once against the backend protocol. Argument checks are in ``checks.py``."""
-from .attend import DEFAULT_MEMORY_BUDGET, PATHS, attend, check_path_options
+from .attend import (DEFAULT_MEMORY_BUDGET, PATHS, attend, check_path_options,
+                     zeros_for_empty)
 from .masking import Mask, compute_dtype, fill_value, make_mask, masked_softmax
 
 __all__ = ["DEFAULT_MEMORY_BUDGET", "PATHS", "Mask", "attend", "check_path_options",
-           "compute_dtype", "fill_value", "make_mask", "masked_softmax"]
+           "compute_dtype", "fill_value", "make_mask", "masked_softmax", "zeros_for_empty"]

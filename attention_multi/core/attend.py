@@ -27,6 +27,19 @@ def check_path_options(path, memory_budget, chunk_size):
     return (path, *checked)
 
 
+def zeros_for_empty(B, shape, like, *inputs):
+    """The answer when an axis is empty: zeros of ``shape`` in the dtype and
+    on the device of ``like``. No framework kernel sees a zero-size array (MXNet
+    1.9.1 crashes on some); the zeros stay in the autodiff graph through the
+    empty ones among ``like`` and ``inputs`` (whose sums are exactly 0), so
+    gradients are zero or empty, never NaN."""
+    out = B.zeros(shape, B.dtype_name(like), B.device_of(like))
+    for x in (like, *inputs):
+        if 0 in tuple(x.shape):
+            out = out + B.sum(x.reshape((0,)), 0)
+    return out
+
+
 def attend(B, queries, keys, values, mask, *, scale=None, dropout=None, path="auto",
            memory_budget=None, chunk_size=None):
     """Scaled dot-product attention on checked arrays, on the path it picks.
@@ -73,9 +86,10 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=None, path="au
         return paths.weights(B, queries, keys, mask, scale)
 
     if 0 in (batch, heads, num_q, num_k):   # nothing to attend: no kernel is called
-        device, dtype = B.device_of(queries), B.dtype_name(queries)
-        out = B.zeros((batch, heads, num_q, values.shape[-1]), dtype, device)
-        return out, B.zeros((batch * heads, num_q, num_k), dtype, device), "empty"
+        out = zeros_for_empty(B, (batch, heads, num_q, values.shape[-1]), queries, keys,
+                              values)
+        weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
+        return out, weights, "empty"
     if dropout is None and path in ("auto", "fused"):
         out = paths.fused(B, queries, keys, values, mask, scale,
                           None if path == "fused" else budget)

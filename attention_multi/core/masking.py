@@ -107,7 +107,7 @@ class Mask:
         visible = None
         if self.intervals and not self._sees_all():
             lo, hi = self._bounds(B, device)
-            j = B.arange(self.num_keys, device).reshape((1, 1, 1, -1))
+            j = B.arange(self.num_keys, device).reshape((1, 1, 1, self.num_keys))
             visible = j < hi if lo is None else (j >= lo) & (j < hi)
         if self.allowed is not None:
             visible = self.allowed if visible is None else visible & self.allowed
@@ -135,7 +135,7 @@ class Mask:
         """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
         lo, hi = None, self.lens
         if self.causal or self.window is not None:
-            p = B.arange(self.num_queries, device).reshape((1, 1, -1, 1)) + self.offset
+            p = B.arange(self.num_queries, device).reshape((1, 1, self.num_queries, 1)) + self.offset
             ends = []
             if self.causal:
                 ends.append(p + 1)
@@ -166,7 +166,7 @@ class Mask:
         if known is None:
             lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), self.num_keys, np.int64)
             if self.lens is not None:
-                hi = np.minimum(hi, self.lens_known.reshape(self.batch, -1))
+                hi = np.minimum(hi, self.lens_known.reshape(self.lens_known.shape[0], self.lens_known.shape[2]))
             p = np.arange(self.num_queries)[None, :] + self.offset_known
             if self.causal:
                 hi = np.minimum(hi, p + 1)
@@ -269,7 +269,7 @@ class Mask:
             lo, hi = self._bounds(B, device)
             nonempty = hi > (0 if lo is None else lo)
             last = B.max(B.where(nonempty, hi, 0), 2, keepdims=True)
-            j = B.arange(self.num_keys, device).reshape((1, 1, -1, 1))
+            j = B.arange(self.num_keys, device).reshape((1, 1, self.num_keys, 1))
             if lo is None:
                 return j < last
             first = -B.max(B.where(nonempty, -lo, -self.num_keys), 2, keepdims=True)
@@ -323,9 +323,10 @@ def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=N
     lens = lens_known = None
     if valid_lens is not None:
         lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device)
+        shape = (batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         if B.is_concrete(lens):
-            lens_known = B.to_numpy(lens).astype(np.int64).reshape((batch, 1, -1, 1))
-        lens = lens.reshape((batch, 1, -1, 1))
+            lens_known = B.to_numpy(lens).astype(np.int64).reshape(shape)
+        lens = lens.reshape(shape)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     window = check_window(window)

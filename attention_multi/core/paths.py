@@ -53,7 +53,7 @@ def weights(B, q, k, mask, scale):
     work = compute_dtype(dtype)
     s = _scores(B, _scaled(B, q, scale, work), k, mask, work)
     w = B.astype(masked_softmax(B, s, mask.boolean(B, B.device_of(q))), dtype)
-    return w.reshape((-1,) + tuple(w.shape[2:]))
+    return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
 
 
 def full(B, q, k, v, mask, scale, dropout=None):

@@ -1,6 +1,6 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
 from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
-                    masked_softmax)
+                    masked_softmax, zeros_for_empty)
 from ..core.checks import check_array, check_float
 from ..core.paths import work_itemsize
 from ..functional import check_heads
@@ -47,17 +47,16 @@ class _Attention(Module):
                          valid_lens=valid_lens, dtype=B.dtype_name(queries),
                          heads_axis=False, device=B.device_of(queries), **forms)
 
-    def _empty(self, queries, keys, size):
-        """Zeros (batch, Q, size) and empty weights when an axis is empty (no
-        framework kernel is called); None otherwise."""
+    def _empty(self, queries, keys, values):
+        """Zeros (batch, Q, value size) and empty weights when an axis is
+        empty (no framework kernel is called); None otherwise."""
         b, nq, nk = queries.shape[0], queries.shape[1], keys.shape[1]
         if b * nq * nk:
             return None
-        B, dtype, device = self._backend, self._backend.dtype_name(queries), \
-            self._backend.device_of(queries)
-        self._keep_attention(B.zeros((b * getattr(self, "num_heads", 1), nq, nk), dtype, device))
+        B = self._backend
+        self._keep_attention(zeros_for_empty(B, (b, nq, nk), queries))
         self.__dict__["_attention_path"] = "empty"
-        return B.zeros((b, nq, size), dtype, device)
+        return zeros_for_empty(B, (b, nq, values.shape[2]), queries, keys, values)
 
     @property
     def last_path(self):
@@ -89,7 +88,7 @@ class AdditiveAttention(_Attention):
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
         mask = self._mask(queries, keys, valid_lens=valid_lens)
-        empty = self._empty(queries, keys, values.shape[2])
+        empty = self._empty(queries, keys, values)
         if empty is not None:
             return empty
         scores = self._scores(self.W_q(queries), self.W_k(keys))

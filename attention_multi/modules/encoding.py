@@ -1,6 +1,7 @@
 """Sinusoidal positional encoding."""
 import numpy as np
 
+from ..core import zeros_for_empty
 from ..core.checks import check_array
 from .base import Module
 
@@ -27,6 +28,8 @@ class PositionalEncoding(Module):
         if B.dtype_name(X) != B.dtype_name(P):
             raise TypeError(f"X is {B.dtype_name(X)} but the encoding is "
                             f"{B.dtype_name(P)}; build it with dtype= or cast X")
+        if 0 in tuple(X.shape):
+            return zeros_for_empty(B, tuple(X.shape), X)
         return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
 
 

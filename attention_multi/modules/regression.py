@@ -1,7 +1,7 @@
 """Nadaraya-Watson kernel regression, trainable (seed 003)."""
 import numpy as np
 
-from ..core import masked_softmax
+from ..core import masked_softmax, zeros_for_empty
 from ..core.checks import check_array
 from .base import Module
 
@@ -23,10 +23,14 @@ class NWKernelRegression(Module):
                              f"len(queries); got queries {tuple(queries.shape)}, "
                              f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
         n, m = keys.shape
-        d = (queries.reshape((-1, 1)) - keys) * self._param("w")
+        w = self._param("w")
+        if n * m == 0:     # no query, or no key: zero output
+            self._keep_attention(zeros_for_empty(B, (n, m), queries, keys, w))
+            return zeros_for_empty(B, (n,), queries, keys, values, w)
+        d = (queries.reshape((n, 1)) - keys) * w
         weights = masked_softmax(B, -(d * d) / 2, None)
         self._keep_attention(weights)
-        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((-1,))
+        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
 
 
 def train_kernel_regression(net, x_train, y_train, epochs=5, lr=0.5):

@@ -69,6 +69,18 @@ def markdown(command, notes, cells, timings, plant):
     return lines
 
 
+def multi_head_heatmaps(weights, heads, lens):
+    """d2l's heatmaps of (batch * heads, Q, K) weights: a column per head, a
+    row per batch element, each row labelled with its element and length."""
+    w = weights.reshape((-1, heads) + weights.shape[1:])
+    fig = am.show_heatmaps(w, xlabel="Keys", ylabel="Queries",
+                           titles=[f"Head {h + 1}" for h in range(heads)],
+                           figsize=(2.5 * heads, 1.9 * w.shape[0]))
+    for b, first in enumerate(fig.axes[:w.shape[0] * heads:heads]):
+        first.set_ylabel(f"batch {b} (valid_len {lens[b]})\nQueries")
+    return fig
+
+
 def figures(out, B, device, inputs, trainer):
     """Write the PNGs into ``out``; returns Markdown lines (or why they were
     skipped). ``trainer`` is (Backend, device) with autodiff, or None."""
@@ -100,15 +112,9 @@ def figures(out, B, device, inputs, trainer):
         save(am.show_heatmaps(weights(case).reshape((1, 1, 2, 10)), xlabel="Keys",
                               ylabel="Queries"), filename, caption)
 
-    w = weights("MultiHeadAttention, bias=False")      # (batch * heads, Q, K)
-    heads, lens = 2, i["m_lens"]
-    w = w.reshape((-1, heads) + w.shape[1:])
-    fig = am.show_heatmaps(w, xlabel="Keys", ylabel="Queries",
-                           titles=[f"Head {h + 1}" for h in range(heads)],
-                           figsize=(2.5 * heads, 1.9 * w.shape[0]))
-    for b, row in enumerate(fig.axes[:w.shape[0] * heads:heads]):
-        row.set_ylabel(f"batch {b} (valid_len {lens[b]})\nQueries")
-    save(fig, "heatmap_multihead.png", "Multi-head attention weights: one column per "
+    lens = i["m_lens"]
+    save(multi_head_heatmaps(weights("MultiHeadAttention, bias=False"), 2, lens),
+         "heatmap_multihead.png", "Multi-head attention weights: one column per "
          "head, one row per batch element (valid_lens " + str(list(lens)) + ")")
 
     fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5))
