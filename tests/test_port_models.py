@@ -9,6 +9,7 @@ reproduce MXNet's saved outputs within 1e-5.
 """
 import contextlib
 import importlib.util
+import sys
 import warnings
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from attention_multi.port import (load_into, load_mxnet_params, mapping,  # noqa
 from attention_multi.port.rules import rules_table, translate  # noqa: E402
 from attention_multi.testing import assert_close  # noqa: E402
 from tests import d2l_torch  # noqa: E402
+from tests.test_port import run_cli  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "mxnet"
 MODELS = list(d2l_torch.FACTORIES)
@@ -398,3 +400,78 @@ def test_freshly_trained_mxnet_models_port(mx_models, tmp_path):
         data = np.load(tmp_path / f"{name}.npz")
         assert not np.array_equal(data["output"], fixture(name)["output"])
         assert_close(run(net, name, data), data["output"], rtol=0, atol=ATOL, msg=name)
+
+
+# ---- the command line: attention-multi port --like ----
+
+def cli(monkeypatch, capsys, *args):
+    """``attention-multi port ...`` in this process: (status, stdout, stderr)."""
+    from attention_multi.cli import main
+    monkeypatch.chdir(FIXTURES.parents[2])          # --like imports from here
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    status = main(["port", *map(str, args)])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_like_writes_a_state_dict_that_loads_strictly(tmp_path):
+    out = tmp_path / "transformer.pt"
+    result = run_cli(FIXTURES / "transformer.params", "--to", "torch", "--out", out,
+                     "--like", "tests.d2l_torch:transformer()", "--show-mapping")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[-4:] == ["->", "EncoderDecoder", "shape", "how"]
+    assert any(line.startswith("encoder.blks.0.addnorm1.ln.gamma ") and
+               "-> encoder.blks.block0.addnorm1.ln.weight " in line for line in lines)
+    assert lines[-2:] == ["mapped 64 arrays onto EncoderDecoder",
+                          f"wrote {out}: 64 arrays (float32)"]
+    net = build("transformer")
+    net.load_state_dict(torch.load(out))   # strict
+    data = fixture("transformer")
+    assert_close(run(net, "transformer", data), data["output"], rtol=0, atol=ATOL)
+
+
+def test_cli_like_to_numpy_keeps_batchnorm_counters(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "bn.npz"
+    status, stdout, err = cli(monkeypatch, capsys, FIXTURES / "bn_lenet.params", "--to",
+                              "numpy", "--out", out, "--like", "tests.d2l_torch:bn_lenet")
+    assert status == 0, err
+    assert stdout.splitlines() == [
+        "mapped 26 arrays onto BNLeNet; 4 kept as the model has them (no Gluon counterpart)",
+        f"wrote {out}: 30 arrays (float32, int64)"]
+    with np.load(out) as z:
+        assert list(z.files) == list(build("bn_lenet").state_dict())
+        assert z["net.10.running_var"].tobytes() == load_mxnet_params(
+            FIXTURES / "bn_lenet.params")["net.9.running_var"].tobytes()
+
+
+def test_cli_like_mismatch_exits_1_and_writes_nothing(monkeypatch, capsys, tmp_path):
+    out = tmp_path / "x.pt"
+    status, stdout, err = cli(monkeypatch, capsys, FIXTURES / "transformer.params", "--to",
+                              "torch", "--out", out, "--like", "tests.d2l_torch:textcnn()",
+                              "--show-mapping")
+    assert status == 1 and not out.exists()
+    assert err.startswith(f"attention-multi port: error: {FIXTURES / 'transformer.params'} "
+                          "does not match TextCNN:\n")
+    assert "problem(s):" in stdout    # the table, then its problems
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--like", "tests.d2l_torch"], "expected MODULE:FACTORY or MODULE:FACTORY(ARGS)"),
+    (["--like", "tests.d2l_torch:nothing()"], "has no attribute 'nothing'"),
+    (["--like", "no_such_module:build()"], "No module named 'no_such_module'"),
+    (["--like", "tests.d2l_torch:transformer(attention=print)"], "must be literals"),
+    (["--like", "tests.d2l_torch:transformer(attention='none')"], "KeyError: 'none'"),
+    (["--like", "tests.d2l_torch:BNLeNet()"],
+     "BNLeNet has uninitialized parameters: net.0.weight, "),
+    (["--like", "tests.d2l_torch:FACTORIES"], "expected an attention_multi module or a "
+                                              "torch.nn.Module, got builtins.dict"),
+    (["--show-mapping"], "--show-mapping needs --like"),
+    (["--like", "tests.d2l_torch:bn_lenet()", "--module", "MultiHeadAttention"],
+     "--like and --module exclude each other"),
+])
+def test_cli_bad_like_exits_2(args, message, monkeypatch, capsys, tmp_path):
+    status, _, err = cli(monkeypatch, capsys, FIXTURES / "bn_lenet.params", "--to", "numpy",
+                         "--out", tmp_path / "x.npz", *args)
+    assert status == 2 and message in err, err
+    assert err.startswith("attention-multi port: error: ") and not (tmp_path / "x.npz").exists()
