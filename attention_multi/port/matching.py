@@ -66,7 +66,7 @@ def match(source, target, *, exact=False, source_label="the file", target_label=
     for i, (name, shape) in enumerate(target.items()):
         module.add(name.split("."), (i, name, tuple(shape)))
     mapping = Mapping(source, target, source_label, target_label)
-    _pair(gluon, module, "", "", [], exact, mapping)
+    _walk(gluon, module, "", "", [], exact, mapping)
     mapping._finish()
     return mapping
 
@@ -75,7 +75,7 @@ def _join(path, name):
     return f"{path}.{name}" if path else name
 
 
-def _pair(g, t, gpath, tpath, how, exact, m):
+def _walk(g, t, gpath, tpath, how, exact, m):
     # parameters at this node
     wanted = {}
     for items in g.leaves.values():
@@ -105,7 +105,7 @@ def _pair(g, t, gpath, tpath, how, exact, m):
             m.unpaired.append((gpath, g_rest, tpath, t_rest))
     for gn, tn in pairs:
         step = how if gn == tn else how + [f"by order: {_join(gpath, gn)} -> {_join(tpath, tn)}"]
-        _pair(g.children[gn], t.children[tn], _join(gpath, gn), _join(tpath, tn),
+        _walk(g.children[gn], t.children[tn], _join(gpath, gn), _join(tpath, tn),
               step, exact, m)
     for gn in g_rest:
         m.only_file += g.children[gn].items()
