@@ -1,4 +1,7 @@
 """``attention-multi port``: convert a Gluon ``.params`` file to PyTorch or NumPy."""
+import ast
+import importlib
+import inspect
 import os
 import sys
 
@@ -35,6 +38,14 @@ def add_arguments(parser):
     parser.add_argument("--args", metavar="K=V,...", default="",
                         help="the module's arguments, e.g. key_size=5,query_size=5,"
                              "value_size=5,num_hiddens=8,num_heads=2,dropout=0,bias=True")
+    parser.add_argument("--like", metavar="MODULE:FACTORY(ARGS)",
+                        help="map the file's Gluon names onto the names of the model that "
+                             "FACTORY (a class or function of the importable MODULE, with "
+                             "literal ARGS) returns, e.g. 'mypkg.models:build(vocab_size=100)'; "
+                             "any torch.nn.Module, built and called once if it has lazy "
+                             "layers. Exit status 1 if the file does not match it")
+    parser.add_argument("--show-mapping", action="store_true",
+                        help="with --like: print how the names pair (a table) first")
     parser.add_argument("--dtype", choices=("float16", "float32", "float64"),
                         help="cast floating-point arrays (default: keep the file's dtype)")
     parser.epilog = ("exit status: 0 converted; 1 the file does not match --module, OUT "
@@ -130,9 +141,83 @@ def _check_out(out, source, force, given):
                         f"--out", _EXIT_FAILED)
 
 
+def _dotted_name(node):
+    """``a.b.c`` for a Name/Attribute chain, else None."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        head = _dotted_name(node.value)
+        return head and f"{head}.{node.attr}"
+    return None
+
+
+def _like_from_spec(args):
+    """The model that ``--like MODULE:FACTORY(ARGS)`` builds, or None."""
+    if args.show_mapping and not args.like:
+        raise _CliError("--show-mapping needs --like", _EXIT_BAD_INPUT)
+    if not args.like:
+        return None
+    spec = args.like
+    if args.module:
+        raise _CliError("--like and --module exclude each other", _EXIT_BAD_INPUT)
+    module_name, colon, text = (part.strip() for part in spec.partition(":"))
+    try:
+        expr = ast.parse(text, mode="eval").body if module_name and colon and text else None
+    except SyntaxError:
+        expr = None
+    call = expr if isinstance(expr, ast.Call) else None
+    name = _dotted_name(call.func if call else expr)
+    if name is None:
+        raise _CliError(f"--like {spec!r}: expected MODULE:FACTORY or MODULE:FACTORY(ARGS), "
+                        f"e.g. 'mypkg.models:build(vocab_size=100)'", _EXIT_BAD_INPUT)
+    try:
+        pos = [ast.literal_eval(a) for a in call.args] if call else []
+        kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords} if call else {}
+        if None in kw:
+            raise ValueError("**kwargs")
+    except ValueError:
+        raise _CliError(f"--like {spec!r}: the arguments must be literals (numbers, strings, "
+                        f"lists, ...)", _EXIT_BAD_INPUT) from None
+    if os.getcwd() not in sys.path:   # as `python -m` does, for the console script
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = importlib.import_module(module_name)
+        for part in name.split("."):
+            factory = getattr(factory, part)
+    except (ImportError, AttributeError) as exc:
+        raise _CliError(f"--like {spec!r}: {exc}", _EXIT_BAD_INPUT) from None
+    if call is None and not (inspect.isclass(factory) or inspect.isroutine(factory)):
+        return factory   # a model object itself
+    try:
+        return factory(*pos, **kw)
+    except Exception as exc:   # the user's code: any error is a bad --like
+        raise _CliError(f"--like {spec!r}: {type(exc).__name__}: {exc}",
+                        _EXIT_BAD_INPUT) from None
+
+
+def _mapped_onto(like, params, args):
+    """The file's arrays under ``like``'s names; the table with --show-mapping."""
+    from ..port import mapping, to_state_dict
+    try:
+        pairs = mapping(args.input, like=like)
+    except (TypeError, ValueError) as exc:   # not a module, or lazy layers never called
+        raise _CliError(f"--like {args.like!r}: {exc}", _EXIT_BAD_INPUT) from None
+    if args.show_mapping:
+        print(pairs)
+    try:
+        pairs.check()
+    except ValueError as exc:
+        raise _CliError(str(exc), _EXIT_FAILED) from None
+    print(f"mapped {len(pairs.rows)} arrays onto {pairs.target_label}"
+          + (f"; {len(pairs.kept)} kept as the model has them (no Gluon counterpart)"
+             if pairs.kept else ""))
+    return to_state_dict(params, like=like)
+
+
 def _port(args):
     if args.args and not args.module:
         raise _CliError("--args needs --module", _EXIT_BAD_INPUT)
+    like = _like_from_spec(args)
     module = _module_from_spec(args.module, args.args) if args.module else None
     try:
         params = load_mxnet_params(args.input)
@@ -145,6 +230,8 @@ def _port(args):
             check_params(params, module, source=args.input)
         except ValueError as exc:
             raise _CliError(str(exc), _EXIT_FAILED) from None
+    if like is not None:
+        params = _mapped_onto(like, params, args)
     if args.dtype:
         params = {n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
                   for n, v in params.items()}

@@ -18,10 +18,8 @@ An array with unknown shape (V3: ndim -1 or a dim -1; V1/V2: ndim 0) has no
 context/dtype/data in the file; such uninitialised arrays are rejected.
 Pre-V1 files (uint32 dims, no magic) are not supported.
 
-Gluon's ``save_parameters`` names (``W_q.weight``, ``W_o.bias``...) are the
-names our modules use on every backend (the PyTorch ``state_dict`` names), and
-Dense weights are (out, in) as in PyTorch, so a file loads as it is:
-``load_into(module, path)``, or ``attention-multi port`` on the command line.
+Gluon's ``save_parameters`` writes structural names (``blks.0.attention.W_q.weight``);
+``attention_multi.port`` maps them onto a module's names.
 """
 
 import os
@@ -29,9 +27,9 @@ import struct
 
 import numpy as np
 
-from .files import atomic_write
+from ..files import atomic_write
 
-__all__ = ["check_params", "load_into", "load_mxnet_params", "save_mxnet_params"]
+__all__ = ["load_mxnet_params", "save_mxnet_params"]
 
 _LIST_MAGIC = 0x112
 _V1, _V2, _V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
@@ -169,55 +167,3 @@ def save_mxnet_params(params, path, *, np_mode=True):
         out += [struct.pack("<Q", len(raw)), raw]
     with atomic_write(path) as f:
         f.write(b"".join(out))
-
-
-# ---- into modules ----
-
-def _listing(shapes):
-    return ", ".join(f"{n} {tuple(s)}" for n, s in shapes.items()) or "nothing"
-
-
-def check_params(params, module, source="the file"):
-    """Raise ValueError unless ``params`` has exactly the names and shapes of
-    ``module``'s parameters (a module of any backend).
-
-    The message (headed by ``source``, e.g. the file's path) lists the
-    differences, then everything the file holds and everything the module
-    expects, each with its shape.
-    """
-    have = {n: tuple(np.shape(v)) for n, v in params.items()}
-    want = {n: tuple(v.shape) for n, v in module.named_arrays().items()}
-    if have == want:
-        return
-    what = type(module).__name__
-    lines = [f"{source} does not match {what}:"]
-    only_file = [n for n in have if n not in want]
-    only_module = [n for n in want if n not in have]
-    if only_file:
-        lines.append(f"  only in the file: {', '.join(only_file)}")
-    if only_module:
-        lines.append(f"  missing from the file: {', '.join(only_module)}")
-    for n in have:
-        if n in want and have[n] != want[n]:
-            lines.append(f"  {n}: shape {have[n]} in the file, {want[n]} in {what}")
-    if only_file and all(n.endswith(".bias") for n in only_file) and not only_module:
-        lines.append("  (the file has biases: build the module with bias=True)")
-    elif only_module and all(n.endswith(".bias") for n in only_module) and not only_file:
-        lines.append("  (the file has no biases: build the module with bias=False)")
-    lines.append(f"the file holds: {_listing(have)}")
-    lines.append(f"{what} expects: {_listing(want)}")
-    raise ValueError("\n".join(lines))
-
-
-def load_into(module, path):
-    """Load an MXNet ``.params`` file into ``module`` (any backend); returns it.
-
-    Names and shapes must match exactly (ValueError naming the file, listing
-    what it holds and what the module expects). Values are cast to the
-    module's dtype, as ``set_params`` does. Call ``module.eval()`` before
-    comparing outputs: modules start in training mode, with dropout on.
-    """
-    from .params import set_params
-    params = load_mxnet_params(path)
-    check_params(params, module, source=os.fspath(path))
-    return set_params(module, params)

@@ -1,0 +1,88 @@
+"""Parity checks across frameworks, for your own tests.
+
+- ``assert_close(actual, expected)``: arrays of any backend (NumPy, PyTorch,
+  JAX, MXNet, or plain lists), with a message that says where they differ.
+- a pytest plugin (``attention_multi.testing.plugin``, registered by an entry
+  point when attention-multi is installed): a ``backend`` fixture that runs a
+  test once per installed backend; ``--am-backends=torch,jax`` chooses them.
+
+Nothing here imports a framework or pytest.
+"""
+import numpy as np
+
+import backends
+
+__all__ = ["assert_close", "default_tolerances"]
+
+# (rtol, atol) by dtype, as torch.testing.assert_close chooses them.
+_TOLERANCES = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5),
+               "float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
+
+
+def default_tolerances(*dtypes):
+    """``(rtol, atol)`` for comparing arrays of these dtype names: those of the
+    least precise floating dtype; (0, 0) when none is floating."""
+    found = [_TOLERANCES[d] for d in dtypes if d in _TOLERANCES]
+    return max(found) if found else (0.0, 0.0)
+
+
+def _as_numpy(x):
+    """``(numpy array, framework name, dtype name)`` of an array of any backend."""
+    if isinstance(x, (list, tuple, int, float, bool, np.ndarray, np.generic)):
+        a = np.asarray(x)
+        return a, "numpy", a.dtype.name
+    B = backends.backend_of_array(x)
+    return B.to_numpy(x), B.name, B.dtype_name(x)
+
+
+def assert_close(actual, expected, *, rtol=None, atol=None, equal_nan=False,
+                 check_dtype=False, msg=None):
+    """Raise AssertionError unless ``|actual - expected| <= atol + rtol * |expected|``
+    everywhere (the same shape; equal infinities match; NaN matches NaN only
+    with ``equal_nan``).
+
+    ``actual`` and ``expected`` may be arrays of different frameworks. The
+    default ``rtol``/``atol`` are ``default_tolerances`` of their dtypes
+    (float32: 1.3e-6, 1e-5). ``check_dtype=True`` also requires the same
+    dtype. The message, headed by ``msg``, gives the number of mismatched
+    elements, the worst one's index and both values, the largest absolute
+    and relative differences, and the shapes or dtypes where they differ.
+    """
+    a, a_framework, a_dtype = _as_numpy(actual)
+    e, e_framework, e_dtype = _as_numpy(expected)
+    default_rtol, default_atol = default_tolerances(a_dtype, e_dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    head = f"{msg}: " if msg else ""
+    kinds = f"actual: {a_framework} {a_dtype} {a.shape}; expected: {e_framework} {e_dtype} {e.shape}"
+    if a.shape != e.shape:
+        raise AssertionError(f"{head}shapes differ: actual {a.shape}, expected {e.shape}\n{kinds}")
+    if check_dtype and a_dtype != e_dtype:
+        raise AssertionError(f"{head}dtypes differ: actual {a_dtype}, expected {e_dtype}\n{kinds}")
+    a64, e64 = a.astype(np.float64), e.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a64 - e64)
+        allowed = atol + rtol * np.abs(e64)
+        close = np.where(np.isfinite(a64) & np.isfinite(e64), diff <= allowed, a64 == e64)
+        if equal_nan:
+            close |= np.isnan(a64) & np.isnan(e64)
+    bad = ~close
+    count = int(bad.sum())
+    if count == 0:
+        return
+    ranked = np.where(bad, np.nan_to_num(diff, nan=np.inf, posinf=np.inf), -1.0)
+    worst = np.unravel_index(int(np.argmax(ranked)), a.shape)
+    finite = np.isfinite(diff)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rel = np.where(finite & (e64 != 0), diff / np.abs(e64), 0.0)
+    lines = [
+        f"{head}arrays are not close (rtol={rtol:g}, atol={atol:g}): {count} of {a.size} "
+        f"elements differ ({100.0 * count / a.size:.3g}%)",
+        f"worst at index {tuple(int(i) for i in worst)}: actual {a[worst]}, expected "
+        f"{e[worst]} (abs diff {diff[worst]:.3g}, allowed {allowed[worst]:.3g})",
+        f"max abs diff {np.max(np.where(finite, diff, 0.0)):.3g}, max rel diff {np.max(rel):.3g}"
+        + ("" if finite.all() else f"; {int((~finite).sum())} NaN or infinite differences"),
+    ]
+    if a_dtype != e_dtype or a_framework != e_framework:
+        lines.append(kinds)
+    raise AssertionError("\n".join(lines))
