@@ -290,10 +290,9 @@ def test_gradients_agree_across_paths(backend):
     lens = backend.asarray(MASKS["2d"])
     params = None
     grads = {}
-    # (eager JAX autodiff through the unrolled block loops takes seconds; the
-    # chunked path's gradients are those of code written once, checked on
-    # torch and mxnet)
-    paths = ("full", "fused") if backend.name == "jax" else PATHS
+    # (JAX: jitted, where eager autodiff through the block loops would take
+    # seconds; the tiled path under jit is checked in test_under_jax_jit)
+    paths = ("full", "fused", "chunked") if backend.name == "jax" else PATHS
     for path in paths:
         m = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias=True, backend=backend,
                                   path=path, chunk_size=3)

@@ -115,10 +115,10 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
                                                  plan[2] <= TILED_WORK_MAX)):
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
             kept, "tiled"
-    if (path in ("auto", "tiled") and plan is None and not dropout and mask.intervals
-            and B.runtime_cond and not B.is_concrete(queries)):
-        return paths.tiled_traced(B, queries, keys, values, mask, scale, chunk_size), \
-            kept, "tiled"
+    if (path in ("auto", "tiled") and not dropout and mask.intervals
+            and not mask.known_on_host() and B.runtime_cond):
+        return paths.tiled_traced(B, queries, keys, values, mask, scale, budget,
+                                  chunk_size), kept, "tiled"
     if path in ("auto", "fused"):
         out = paths.fused(B, queries, keys, values, mask, scale,
                           None if path == "fused" else budget, dropout)

@@ -135,7 +135,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             key=None):
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
-    or else ``memory_budget`` (up to 1024 keys, queries filling an eighth).
+    or else ``memory_budget`` (up to 1024 keys, queries filling a sixteenth).
     Blocks that no query may see are skipped; under autodiff each block is
     recomputed in the backward pass (``B.checkpoint``) instead of kept."""
     dtype = B.dtype_name(q)
@@ -150,7 +150,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
     else:
         block_k = max(1, min(stop - start, DEFAULT_BLOCK_KEYS))
         per_query = batch * heads * block_k * work_itemsize(B, q)
-        block_q = max(1, memory_budget // 8 // per_query)
+        block_q = max(1, memory_budget // 16 // per_query)   # (backward: ~8 such arrays)
     drop = dropout_fn(B, dropout, key)
     outs = []
     for q0 in range(0, num_q, block_q):
@@ -165,10 +165,12 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             block_drop = None if drop is None else (
                 lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
 
-            def block(qs, kb, vb, sub=sub, block_drop=block_drop):
-                return softmax_block(B, qs, kb, vb, sub, work, block_drop)
-            state = merge_blocks(B, state, B.checkpoint(block, qs, k[:, :, k0:k1],
-                                                        v[:, :, k0:k1]))
+            # (the whole step is recomputed in the backward pass: it keeps only
+            # the running state, not the block's scores nor slices of k and v)
+            def step(state, qs, k, v, k0=k0, k1=k1, sub=sub, block_drop=block_drop):
+                return merge_blocks(B, state, softmax_block(
+                    B, qs, k[:, :, k0:k1], v[:, :, k0:k1], sub, work, block_drop))
+            state = B.checkpoint(step, state, qs, k, v)
         if state is None:      # no query of this block may see any key
             outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
         else:
@@ -322,10 +324,11 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     return B.astype(out, dtype) if work != dtype else out
 
 
-def tiled_traced(B, q, k, v, mask, scale, block_k=None):
-    """The tiled path while the mask's intervals are traced (``jax.jit``): per
-    batch element, blocks of keys that ``B.cond`` skips at run time when no
-    query of that element may see them (static shapes, so it compiles once)."""
+def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
+    """The tiled path while the mask's intervals are traced (``jax.jit`` with
+    lengths as arguments): per batch element, blocks of keys that ``B.cond``
+    skips at run time when no query of that element may see them (static
+    shapes, so it compiles once). Blocks are recomputed in the backward pass."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     batch, heads, num_q = q.shape[:3]
@@ -333,7 +336,10 @@ def tiled_traced(B, q, k, v, mask, scale, block_k=None):
     k, v = expand_kv(B, k, v, heads)
     k, v = mask.guard_unused(B, k, v)
     device = B.device_of(q)
-    block_k = max(1, min(num_k, block_k or DEFAULT_TRACED_BLOCK_KEYS))
+    if not block_k:      # small blocks skip more; at most 16 of them, within the budget
+        fits = memory_budget // (3 * heads * num_q * work_itemsize(B, q))
+        block_k = min(max(DEFAULT_TRACED_BLOCK_KEYS, -(-num_k // 16)), max(1, fits))
+    block_k = max(1, min(num_k, block_k))
     lo, hi = mask.bounds(B, device)       # (batch|1, 1, Q|1, 1)
     lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
@@ -348,11 +354,14 @@ def tiled_traced(B, q, k, v, mask, scale, block_k=None):
             k1 = min(num_k, k0 + block_k)
             seen = B.any(rows_b & (hi_b > k0) & (lo_b < k1))
 
-            def block(state, b=b, k0=k0, k1=k1, qs=qs):
+            def block(state, qs, k, v, b=b, k0=k0, k1=k1):
                 sub = mask.sub(b, b + 1, 0, num_q, k0, k1)
                 return merge_blocks(B, state, softmax_block(
                     B, qs, k[b:b + 1, :, k0:k1], v[b:b + 1, :, k0:k1], sub, work))
-            state = B.cond(seen, block, lambda state: state, state)
+
+            def step(state, qs=qs, block=block):
+                return B.checkpoint(block, state, qs, k, v)
+            state = B.cond(seen, step, lambda state: state, state)
         outs.append(finish_blocks(B, state))
     out = outs[0] if batch == 1 else B.concatenate(outs, 0)
     return B.astype(out, dtype) if work != dtype else out

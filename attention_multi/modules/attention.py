@@ -111,8 +111,9 @@ class AdditiveAttention(_Attention):
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         itemsize = work_itemsize(B, q)
         budget = self.memory_budget or DEFAULT_MEMORY_BUDGET
-        # features and their tanh live together: 2 (b, block, nk, h) arrays
-        block = max(1, budget // max(1, 2 * b * nk * h * itemsize))
+        # features and their tanh, and in the backward pass their gradients:
+        # 4 (b, block, nk, h) arrays
+        block = max(1, budget // max(1, 4 * b * nk * h * itemsize))
         k = k.reshape((b, 1, nk, h))
 
         def scores(qb, k):
