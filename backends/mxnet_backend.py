@@ -164,6 +164,9 @@ class MXNetBackend(NumpyLike):
     def uniform(self, shape, low, high, dtype="float32", device=None):
         return mnp.random.uniform(low, high, size=shape, ctx=device).astype(dtype)
 
+    def seed(self, n):
+        mx.random.seed(n)
+
     def _dropout(self, x, p):
         keep = mnp.random.uniform(0, 1, size=x.shape, ctx=x.ctx) >= p
         return mnp.where(keep, x / (1 - p), mnp.zeros((), dtype=x.dtype, ctx=x.ctx))

@@ -93,6 +93,9 @@ class NumpyLike(Backend):
         """Drawn by NumPy's global generator (``np.random.seed`` applies)."""
         return self.asarray(np.random.uniform(low, high, size=shape), dtype, device)
 
+    def seed(self, n):
+        np.random.seed(n)
+
     def dropout(self, x, p, key=None):
         if key is not None:
             raise ValueError(

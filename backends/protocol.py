@@ -6,7 +6,7 @@ NumPy's spelling then comes from ``xp``, and it overrides only its quirks.
 
 Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``astype``, ``device``, ``device_of``, ``to_device``, ``uniform``,
-``dropout``. Math (NumPy spelling, from ``xp`` unless overridden):
+``dropout``, ``seed``. Math (NumPy spelling, from ``xp`` unless overridden):
 ``matmul``, ``linear``, ``softmax``, ``where``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
@@ -30,6 +30,7 @@ class Backend:
     runtime_cond = False         # whether ``cond`` decides at run time while traced
     compiles_per_shape = False   # whether each new array shape costs a compilation
     has_fused_attention = False  # whether ``fused_attention`` is implemented
+    fused_dropout = False        # whether it takes ``dropout`` (its own generator)
 
     def __init__(self):
         self._native_classes = {}
@@ -81,6 +82,11 @@ class Backend:
 
     def dropout(self, x, p, key=None):
         """Zero each element with probability p, scale survivors by 1/(1-p)."""
+        raise NotImplementedError
+
+    def seed(self, n):
+        """Seed the global generators that ``uniform`` and ``dropout`` draw
+        from (frameworks with explicit keys: only the initialization's)."""
         raise NotImplementedError
 
     # -- capabilities -------------------------------------------------------------

@@ -15,6 +15,7 @@ class TorchBackend(NumpyLike):
     module_base = TorchModule
     autodiff = True
     has_fused_attention = True
+    fused_dropout = True
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
@@ -105,6 +106,9 @@ class TorchBackend(NumpyLike):
 
     def uniform(self, shape, low, high, dtype="float32", device=None):
         return torch.empty(shape, dtype=getattr(torch, dtype), device=device).uniform_(low, high)
+
+    def seed(self, n):
+        torch.manual_seed(n)
 
     def _dropout(self, x, p):
         return F.dropout(x, p, training=True)

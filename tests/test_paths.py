@@ -216,19 +216,29 @@ def test_default_budget_and_option_checks():
     assert m.attention.memory_budget == 1024
 
 
-def test_chunked_path_with_dropout(backend):
-    """Dropout on the chunked path: per-block masks, unbiased on average."""
+@pytest.mark.parametrize("path", PATHS)
+def test_dropout_on_every_path(backend, path):
+    """Dropout in training mode: per-block (or the kernel's own) masks, the
+    right mean, zeros for rows with no key, and the pre-dropout weights."""
     key = backend.dropout_key(0)
-    kw = {} if key is None else {"key": key}
-    q, k, v = (backend.asarray(x, "float32") for x in _inputs(8, nk=16))
-    lens = backend.asarray(np.array([10, 16, 0]))
-    m = am.DotProductAttention(0.5, backend=backend, path="chunked", chunk_size=8)
-    out = backend.to_numpy(m(q, k, v, lens, **kw))
-    assert m.last_path == "chunked"
-    assert np.isfinite(out).all() and (out[2] == 0).all()
-    m.eval()
-    exact = backend.to_numpy(m(q, k, v, lens))
-    assert not np.allclose(out, exact)
+    backend.seed(0)
+    q, k, v = _inputs(8, nk=16)
+    lens = np.array([10, 16, 0])
+    args = [backend.asarray(x, "float32") for x in (q, k, v)] + [backend.asarray(lens)]
+    m = am.DotProductAttention(0.5, backend=backend, path=path, chunk_size=8)
+    outs = []
+    for i in range(40):
+        kw = {} if key is None else {"key": backend.fold_key(key, i)}
+        outs.append(backend.to_numpy(m(*args, **kw)))
+    fallback = "full" if key is not None else "tiled"     # (keyed dropout: no tiles)
+    assert m.last_path == (fallback if (path == "fused" and not backend.fused_dropout)
+                           or (path == "tiled" and key is not None) else path)
+    assert all(np.isfinite(o).all() and (o[2] == 0).all() for o in outs)
+    assert not np.allclose(outs[0], outs[1])
+    ref, ref_w = oracle.dot_product_attention(q, k, v, lens)
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), ref_w, **TOL)
+    # unbiased: the mean of 40 draws is near the exact output (rate 0.5, |v| ~ 1)
+    assert np.abs(np.mean(outs, axis=0) - ref).max() < 0.5
 
 
 @pytest.mark.parametrize("budget", [None, 2000, 1])

@@ -119,7 +119,7 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
             and not mask.known_on_host() and B.runtime_cond):
         return paths.tiled_traced(B, queries, keys, values, mask, scale, budget,
                                   chunk_size), kept, "tiled"
-    if path in ("auto", "fused"):
+    if path in ("auto", "fused") and (not dropout or B.fused_dropout):
         out = paths.fused(B, queries, keys, values, mask, scale,
                           None if path == "fused" else budget, dropout)
         if out is not None:
