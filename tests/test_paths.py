@@ -375,8 +375,9 @@ def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
     assert m.last_path == "tiled"
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
     four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
-    tasks, _, fraction = plan_tiles(backend, four[0], make_mask(
+    plan = plan_tiles(backend, four[0], make_mask(
         backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
-    assert len(tasks) == 4           # (40, 39, 38), (25, 26), (12, 13, 12), (0)
-    assert fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
-                              else lens).sum() / (batch * nk)
+    assert len(plan.tasks) == 4      # (40, 39, 38), (25, 26), (12, 13, 12), (0)
+    assert plan.order == [0, 2, 6, 8, 5, 4, 1, 7, 3]
+    assert plan.fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
+                                   else lens).sum() / (batch * nk)

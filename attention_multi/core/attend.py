@@ -112,7 +112,7 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
             path == "tiled" or not B.compiles_per_shape):
         plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
     if plan is not None and (path == "tiled" or (path == "auto" and
-                                                 plan[2] <= TILED_WORK_MAX)):
+                                                 plan.fraction <= TILED_WORK_MAX)):
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
             kept, "tiled"
     if (path in ("auto", "tiled") and not dropout and mask.intervals

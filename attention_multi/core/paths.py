@@ -81,12 +81,14 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     return B.matmul(w4 if drop is None else drop(w4), v), w
 
 
-def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
+def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0, guarded=False):
     """The backend's kernel (None when it declines), with the core's rules
-    around it: unused key/value rows zeroed before, empty rows zeroed after."""
+    around it: unused key/value rows zeroed before (unless ``guarded``: the
+    caller did), empty rows zeroed after."""
     if not B.has_fused_attention:
         return None
-    k, v = mask.guard_unused(B, k, v)
+    if not guarded:
+        k, v = mask.guard_unused(B, k, v)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else mask.zero_empty_rows(B, out)
 
@@ -181,16 +183,24 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
 # -- tiles over the keys each batch element may see ----------------------------------------
 
-def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
-    """``(tasks, blocks, fraction)`` of the tiled path, or None when it cannot
-    run (the mask's intervals traced, or not even one query's scores within
-    the budget).
+class TilePlan:
+    """The tiles of one call: batch elements reordered (``order``) so that
+    those whose rows see alike ranges of keys sit together in ``groups`` of
+    consecutive positions, and ``tasks`` ``(g0, g1, q0, q1, key start, key
+    stop)`` over those positions and blocks of queries ``blocks``.
+    ``fraction``: the share of the (batch, Q, K) scores the tiles compute."""
 
-    A task is ``(members, q0, q1, key start, key stop)``: batch elements whose
-    rows of queries ``[q0, q1)`` see keys in similar ranges are grouped (the
-    group's range computes at most ``GROUP_WASTE`` more than its members need),
-    so that a few kernel calls skip most of the padding. ``fraction`` is the
-    share of the (batch, Q, K) scores that the tiles compute.
+    def __init__(self, order, tasks, blocks, fraction):
+        self.order, self.tasks, self.blocks, self.fraction = order, tasks, blocks, fraction
+
+
+def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
+    """The ``TilePlan`` of the tiled path, or None when it cannot run (the
+    mask's intervals traced, or not even one query's scores within the budget).
+
+    Batch elements are grouped when the group's key range computes at most
+    ``GROUP_WASTE`` more than its members need, so that a few kernel calls
+    skip most of the padding.
     """
     if not mask.known_on_host():
         return None
@@ -203,15 +213,18 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
         if block_q < 1:
             return None
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    tasks, work = [], 0
-    for q0, q1 in blocks:
-        ranges = [mask.key_range(b, b + 1, q0, q1) for b in range(batch)]
-        for members in _groups(ranges):
-            start = min(ranges[b][0] for b in members)
-            stop = max(ranges[b][1] for b in members)
-            tasks.append((tuple(members), q0, q1, start, stop))
-            work += len(members) * (q1 - q0) * max(0, stop - start)
-    return tasks, blocks, work / max(1, batch * num_q * mask.num_keys)
+    groups = _groups([mask.key_range(b, b + 1) for b in range(batch)])
+    order = [b for group in groups for b in group]
+    tasks, work, g0 = [], 0, 0
+    for group in groups:
+        g1 = g0 + len(group)
+        for q0, q1 in blocks:
+            ranges = [mask.key_range(b, b + 1, q0, q1) for b in group]
+            start, stop = min(r[0] for r in ranges), max(r[1] for r in ranges)
+            tasks.append((g0, g1, q0, q1, start, stop))
+            work += (g1 - g0) * (q1 - q0) * max(0, stop - start)
+        g0 = g1
+    return TilePlan(order, tasks, blocks, work / max(1, batch * num_q * mask.num_keys))
 
 
 GROUP_WASTE = 0.1
@@ -239,66 +252,62 @@ def _groups(ranges):
 
 
 def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
-    """The tiles of ``plan`` (from ``plan_tiles``): each group of batch
-    elements and block of queries over the keys its rows may see, through the
-    backend's kernel or ``softmax_product``, on ``B.parallel_map``."""
-    tasks, blocks, _ = plan
+    """The tiles of ``plan`` (a ``TilePlan``): each group of batch elements and
+    block of queries over the keys its rows may see, through the backend's
+    kernel or ``softmax_product``, on ``B.parallel_map``."""
     dtype = B.dtype_name(q)
     batch, heads, num_q = q.shape[:3]
     dv = v.shape[-1]
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
-
-    def rows(x, members):
-        b0 = members[0]
-        if members == tuple(range(b0, b0 + len(members))):
-            return x[b0:b0 + len(members)]
-        return B.take(x, B.asarray(np.asarray(members, np.int32), device=device), 0)
+    k, v = mask.guard_unused(B, k, v)        # once, for every tile
+    reorder = plan.order != list(range(batch))
+    if reorder:
+        index = B.asarray(np.asarray(plan.order, np.int32), device=device)
+        q, k, v = (B.take(x, index, 0) for x in (q, k, v))
+        mask = mask.select(B, plan.order, device)
 
     def tile(index):
-        members, q0, q1, start, stop = tasks[index]
+        g0, g1, q0, q1, start, stop = plan.tasks[index]
         if stop <= start:
-            return B.zeros((len(members), heads, q1 - q0, dv), dtype, device)
-        group = mask.select(B, members, device) if len(members) > 1 else mask
-        b0 = 0 if len(members) > 1 else members[0]
-        sub = group.sub(b0, b0 + len(members), q0, q1, start, stop)
-        args = (rows(q, members)[:, :, q0:q1], rows(k, members)[:, :, start:stop],
-                rows(v, members)[:, :, start:stop])
-        out = fused(B, *args, sub, scale, dropout=dropout)
+            return B.zeros((g1 - g0, heads, q1 - q0, dv), dtype, device)
+        sub = mask.sub(g0, g1, q0, q1, start, stop)
+        args = (q[g0:g1, :, q0:q1], k[g0:g1, :, start:stop], v[g0:g1, :, start:stop])
+        out = fused(B, *args, sub, scale, dropout=dropout, guarded=True)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
-            out = softmax_product(B, *args, sub, scale, tile_drop)
+            out = softmax_product(B, *args, sub, scale, tile_drop, guarded=True)
         return out
 
     scores = batch * heads * num_q * mask.num_keys
-    indices = range(len(tasks))
+    indices = range(len(plan.tasks))
     outs = (B.parallel_map(tile, indices) if scores >= PARALLEL_MIN_SCORES
             else [tile(i) for i in indices])
-    columns = []      # per block of queries: the groups' rows, back in batch order
-    for q0, q1 in blocks:
-        done = [(task[0], out) for task, out in zip(tasks, outs) if task[1] == q0]
-        order = [b for members, _ in done for b in members]
-        column = done[0][1] if len(done) == 1 else B.concatenate([o for _, o in done], 0)
-        if order != list(range(batch)):
-            column = B.take(column, B.asarray(np.argsort(order).astype(np.int32),
-                                              device=device), 0)
-        columns.append(column)
-    return columns[0] if len(columns) == 1 else B.concatenate(columns, 2)
+    n = len(plan.blocks)      # tasks: per group, its blocks of queries in order
+    rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
+            for i in range(0, len(outs), n)]
+    out = rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
+    if reorder:
+        inverse = np.argsort(plan.order).astype(np.int32)
+        out = B.take(out, B.asarray(inverse, device=device), 0)
+    return out
 
 
-def softmax_product(B, q, k, v, mask, scale, dropout=None):
+def softmax_product(B, q, k, v, mask, scale, dropout=None, guarded=False):
     """``softmax(scale q k^T) v`` of one tile.
 
     Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
     (Cauchy-Schwarz) bounds every score well inside exp's range (checked on
     the host when the values are concrete), the scores are exponentiated as
     they are, without the pass for the row maxima.
-    ``dropout`` (a function of the probabilities) applies to the product only.
+    ``dropout`` (a function of the probabilities) applies to the product only;
+    ``guarded``: the caller zeroed the unused key and value rows.
     """
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     k, v = expand_kv(B, k, v, q.shape[1])
-    k, v = mask.guard_unused(B, k, v)
+    if not guarded:
+        k, v = mask.guard_unused(B, k, v)
     if B.dtype_name(k) != work:
         k, v = B.astype(k, work), B.astype(v, work)
     qs = _scaled(B, q, scale, work)
