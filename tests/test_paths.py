@@ -377,7 +377,10 @@ def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
     four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
     plan = plan_tiles(backend, four[0], make_mask(
         backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
-    assert len(plan.tasks) == 4      # (40, 39, 38), (25, 26), (12, 13, 12), (0)
-    assert plan.order == [0, 2, 6, 8, 5, 4, 1, 7, 3]
+    if backend.tile_merge_waste >= 0.1:
+        assert len(plan.tasks) == 4      # (40, 39, 38), (25, 26), (12, 13, 12), (0)
+        assert plan.order == [0, 2, 6, 8, 5, 4, 1, 7, 3]
+    else:      # every element its own tile, in place
+        assert len(plan.tasks) == batch and plan.order is None
     assert plan.fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
                                    else lens).sum() / (batch * nk)

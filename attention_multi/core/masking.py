@@ -209,6 +209,24 @@ class Mask:
             return 0, 0
         return int(lo[rows].min()), int(hi[rows].max())
 
+    def element_ranges(self, q0=0, q1=None):
+        """Host ``(start, stop, whole)`` int64/bool arrays (batch,): the keys
+        that the rows ``[q0, q1)`` of each batch element may see lie in
+        ``[start, stop)`` (``(0, 0)``: none), and ``whole`` tells whether
+        every one of those rows sees all of them. None while traced."""
+        known = self._bounds_known(0, None, q0, q1)
+        if known is None:
+            return None
+        shape = (self.batch, (q1 or self.num_queries) - q0)
+        lo, hi = (np.broadcast_to(x, shape) for x in known)
+        rows = hi > lo
+        start = np.where(rows, lo, self.num_keys).min(axis=1)
+        stop = np.where(rows, hi, 0).max(axis=1)
+        empty = stop <= start
+        start[empty], stop[empty] = 0, 0
+        whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
+        return start, stop, whole & (self.allowed is None) & (self.bias is None)
+
     def sub(self, b0, b1, q0, q1, k0, k1):
         """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
         and keys ``[k0, k1)``, with positions counted from the block's start.

@@ -18,7 +18,7 @@ float rounding; ``attend`` (attend.py) picks one.
 """
 import numpy as np
 
-from .masking import compute_dtype, fill, masked_softmax
+from .masking import Mask, compute_dtype, fill, masked_softmax
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
@@ -81,14 +81,12 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     return B.matmul(w4 if drop is None else drop(w4), v), w
 
 
-def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0, guarded=False):
+def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
-    around it: unused key/value rows zeroed before (unless ``guarded``: the
-    caller did), empty rows zeroed after."""
+    around it: unused key/value rows zeroed before, empty rows zeroed after."""
     if not B.has_fused_attention:
         return None
-    if not guarded:
-        k, v = mask.guard_unused(B, k, v)
+    k, v = mask.guard_unused(B, k, v)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else mask.zero_empty_rows(B, out)
 
@@ -184,11 +182,12 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 # -- tiles over the keys each batch element may see ----------------------------------------
 
 class TilePlan:
-    """The tiles of one call: batch elements reordered (``order``) so that
-    those whose rows see alike ranges of keys sit together in ``groups`` of
-    consecutive positions, and ``tasks`` ``(g0, g1, q0, q1, key start, key
-    stop)`` over those positions and blocks of queries ``blocks``.
-    ``fraction``: the share of the (batch, Q, K) scores the tiles compute."""
+    """The tiles of one call: ``tasks`` ``(g0, g1, q0, q1, key start, key
+    stop, whole)`` over batch positions ``[g0, g1)`` and the blocks of queries
+    ``blocks``, group by group (``whole``: every row sees all of its keys). ``order``: None when every group is one batch
+    element (the positions are the elements), else the batch reordered so
+    that the elements of each group sit side by side. ``fraction``: the share
+    of the (batch, Q, K) scores that the tiles compute."""
 
     def __init__(self, order, tasks, blocks, fraction):
         self.order, self.tasks, self.blocks, self.fraction = order, tasks, blocks, fraction
@@ -199,8 +198,8 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
     mask's intervals traced, or not even one query's scores within the budget).
 
     Batch elements are grouped when the group's key range computes at most
-    ``GROUP_WASTE`` more than its members need, so that a few kernel calls
-    skip most of the padding.
+    ``B.tile_merge_waste`` more than its members need, so that a few kernel
+    calls skip most of the padding.
     """
     if not mask.known_on_host():
         return None
@@ -213,42 +212,45 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
         if block_q < 1:
             return None
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    groups = _groups([mask.key_range(b, b + 1) for b in range(batch)])
+    start, stop, _ = mask.element_ranges()
+    groups = _groups(list(zip(start.tolist(), stop.tolist())), B.tile_merge_waste)
     order = [b for group in groups for b in group]
+    if len(groups) == batch:          # one element each: no reordering
+        groups, order = [[b] for b in range(batch)], None
+    per_block = {q0: mask.element_ranges(q0, q1) for q0, q1 in blocks}
     tasks, work, g0 = [], 0, 0
     for group in groups:
         g1 = g0 + len(group)
         for q0, q1 in blocks:
-            ranges = [mask.key_range(b, b + 1, q0, q1) for b in group]
-            start, stop = min(r[0] for r in ranges), max(r[1] for r in ranges)
-            tasks.append((g0, g1, q0, q1, start, stop))
-            work += (g1 - g0) * (q1 - q0) * max(0, stop - start)
+            starts, stops, whole = per_block[q0]
+            if len(group) == 1:
+                b = group[0]
+                begin, end, seen_whole = int(starts[b]), int(stops[b]), bool(whole[b])
+            else:
+                begin, end = int(starts[group].min()), int(stops[group].max())
+                seen_whole = False       # (Mask.sub finds out)
+            tasks.append((g0, g1, q0, q1, begin, end, seen_whole))
+            work += (g1 - g0) * (q1 - q0) * max(0, end - begin)
         g0 = g1
     return TilePlan(order, tasks, blocks, work / max(1, batch * num_q * mask.num_keys))
 
 
-GROUP_WASTE = 0.1
-
-
-def _groups(ranges):
+def _groups(ranges, waste):
     """Batch elements grouped by their key ranges ``[(start, stop)]``, longest
-    first; elements that see no key form one group of their own."""
+    first, a group computing at most ``waste`` (> 0) more than its members
+    need; an element that sees no key is a group of its own."""
     order = sorted(range(len(ranges)), key=lambda b: ranges[b][0] - ranges[b][1])
-    groups, empty = [], []
+    groups = []
     for b in order:
-        start, stop = ranges[b]
-        if stop <= start:
-            empty.append(b)
-            continue
-        if groups:
+        if groups and waste > 0 and ranges[b][1] > ranges[b][0]:
             members = groups[-1] + [b]
             need = sum(ranges[m][1] - ranges[m][0] for m in members)
             span = max(ranges[m][1] for m in members) - min(ranges[m][0] for m in members)
-            if len(members) * span <= (1 + GROUP_WASTE) * need:
+            if len(members) * span <= (1 + waste) * need:
                 groups[-1] = members
                 continue
         groups.append([b])
-    return groups + ([empty] if empty else [])
+    return groups
 
 
 def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
@@ -260,23 +262,22 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     dv = v.shape[-1]
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
-    k, v = mask.guard_unused(B, k, v)        # once, for every tile
-    reorder = plan.order != list(range(batch))
-    if reorder:
+    if plan.order is not None:
         index = B.asarray(np.asarray(plan.order, np.int32), device=device)
         q, k, v = (B.take(x, index, 0) for x in (q, k, v))
         mask = mask.select(B, plan.order, device)
 
     def tile(index):
-        g0, g1, q0, q1, start, stop = plan.tasks[index]
+        g0, g1, q0, q1, start, stop, whole = plan.tasks[index]
         if stop <= start:
             return B.zeros((g1 - g0, heads, q1 - q0, dv), dtype, device)
-        sub = mask.sub(g0, g1, q0, q1, start, stop)
+        sub = (Mask(g1 - g0, heads, q1 - q0, stop - start) if whole
+               else mask.sub(g0, g1, q0, q1, start, stop))
         args = (q[g0:g1, :, q0:q1], k[g0:g1, :, start:stop], v[g0:g1, :, start:stop])
-        out = fused(B, *args, sub, scale, dropout=dropout, guarded=True)
+        out = fused(B, *args, sub, scale, dropout=dropout)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
-            out = softmax_product(B, *args, sub, scale, tile_drop, guarded=True)
+            out = softmax_product(B, *args, sub, scale, tile_drop)
         return out
 
     scores = batch * heads * num_q * mask.num_keys
@@ -287,27 +288,25 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
             for i in range(0, len(outs), n)]
     out = rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
-    if reorder:
+    if plan.order is not None:
         inverse = np.argsort(plan.order).astype(np.int32)
         out = B.take(out, B.asarray(inverse, device=device), 0)
     return out
 
 
-def softmax_product(B, q, k, v, mask, scale, dropout=None, guarded=False):
+def softmax_product(B, q, k, v, mask, scale, dropout=None):
     """``softmax(scale q k^T) v`` of one tile.
 
     Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
     (Cauchy-Schwarz) bounds every score well inside exp's range (checked on
     the host when the values are concrete), the scores are exponentiated as
     they are, without the pass for the row maxima.
-    ``dropout`` (a function of the probabilities) applies to the product only;
-    ``guarded``: the caller zeroed the unused key and value rows.
+    ``dropout`` (a function of the probabilities) applies to the product only.
     """
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     k, v = expand_kv(B, k, v, q.shape[1])
-    if not guarded:
-        k, v = mask.guard_unused(B, k, v)
+    k, v = mask.guard_unused(B, k, v)
     if B.dtype_name(k) != work:
         k, v = B.astype(k, work), B.astype(v, work)
     qs = _scaled(B, q, scale, work)
