@@ -5,7 +5,7 @@ from backends import available_backends
 from . import port
 from .config import get_backend, set_backend, use_backend
 from .functional import (dot_product_attention, masked_softmax, nadaraya_watson,
-                         sequence_mask, transpose_output, transpose_qkv)
+                         ring_attention, sequence_mask, transpose_output, transpose_qkv)
 from .modules import (AdditiveAttention, DotProductAttention, Linear, Module,
                       MultiHeadAttention, NWKernelRegression, PositionalEncoding,
                       train_kernel_regression)
@@ -18,7 +18,7 @@ __all__ = [
     "AdditiveAttention", "DotProductAttention", "Linear", "Module",
     "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
     "asarray", "available_backends", "dot_product_attention", "get_backend", "get_params",
-    "masked_softmax", "nadaraya_watson", "port", "sequence_mask", "set_backend",
+    "masked_softmax", "nadaraya_watson", "port", "ring_attention", "sequence_mask", "set_backend",
     "set_params", "show_heatmaps", "train_kernel_regression",
     "transpose_output", "transpose_qkv", "use_backend",
 ]

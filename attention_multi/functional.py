@@ -164,3 +164,54 @@ def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
         weights = _masked_softmax(B, -(diff * diff) / 2, None)
         y_hat = B.matmul(weights.reshape((1, m, n)), y_train.reshape((1, n, 1))).reshape((m,))
     return (y_hat, weights) if return_weights else y_hat
+
+
+def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, window=None,
+                   scale=None, group=None, axis_name=None):
+    """Sequence-parallel (ring) scaled dot-product attention.
+
+    Each participant (a torch.distributed process, or a device of a JAX mesh
+    axis inside ``shard_map``) passes its own consecutive shard of the
+    sequence: ``queries`` (batch, [heads,] Q, d), ``keys`` and ``values``
+    (batch, [kv_heads,] K, d|dv), participant ``r`` holding queries
+    ``[r Q, (r+1) Q)`` and keys ``[r K, (r+1) K)`` of the whole sequence
+    (equal shards). It returns the attention of its queries over the keys of
+    all participants, equal to ``dot_product_attention`` on the whole
+    sequence; memory per participant is O((Q + K) d) plus one block in flight.
+
+    - ``valid_lens``: (batch,) key lengths of the whole sequence, or (batch,
+      Q) lengths of the local queries; ``causal`` and ``window`` as in
+      ``dot_product_attention``, positions counted in the whole sequence
+      (bottom-right aligned: query ``i`` of participant ``r`` sits at key
+      position ``r Q + i + P (K - Q)``).
+    - ``group``: the torch process group (None: the default one);
+      ``axis_name``: on JAX, the mesh axis the sequence is split over.
+
+    Differentiable on both (JAX through ``ppermute``, torch through a
+    point-to-point exchange whose gradient goes back round the ring); each
+    step is recomputed in the backward pass.
+    """
+    from .core.ring import ring
+    B = backend_of(queries=queries, keys=keys, values=values)
+    ndim = len(queries.shape)
+    names = ("batch", "heads", "n", "features")[4 - ndim:] if ndim in (3, 4) else ()
+    what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        check_array(B, name, x, 4 if ndim == 4 else 3, what)
+        check_float(B, name, x)
+    q, k, v = (x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+               for x in (queries, keys, values))
+    _check_shapes(B, q, k, v, ndim)
+    rank, size, shift = B.ring_exchange(axis_name if group is None else group)
+    batch, heads, num_q, _ = q.shape
+    num_k = k.shape[2]
+    offset = rank * num_q + size * (num_k - num_q)
+    m = make_mask(B, batch, heads, num_q, size * num_k, valid_lens=valid_lens,
+                  causal=causal, window=window, offset=offset, dtype=B.dtype_name(q),
+                  device=B.device_of(q))
+    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
+    if 0 in (batch, heads, num_q, num_k):
+        out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
+    else:
+        out = ring(B, q, k, v, m, scale, rank, size, shift)
+    return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))

@@ -90,6 +90,18 @@ class JaxBackend(NumpyLike):
     def fold_key(self, key, index):
         return key if key is None or index is None else jax.random.fold_in(key, index)
 
+    def ring_exchange(self, group):
+        """``jax.lax.ppermute`` over the mesh axis named ``group``, inside
+        ``shard_map`` (differentiable); the rank is ``lax.axis_index``."""
+        if not isinstance(group, str):
+            raise ValueError(f"ring attention on jax runs inside shard_map: pass "
+                             f"axis_name= (the mesh axis the sequence is split "
+                             f"over), got {group!r}")
+        size = jax.lax.psum(1, group)
+        perm = [(i, (i + 1) % size) for i in range(size)]
+        return (jax.lax.axis_index(group), size,
+                lambda x: jax.lax.ppermute(x, group, perm))
+
     def device(self, kind, index=0):
         if kind == "cpu":
             return jax.devices("cpu")[0]

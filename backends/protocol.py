@@ -13,7 +13,7 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
-``fused_attention``, and
+``fused_attention``, ``ring_exchange``, and
 ``module_base``: the class that makes a module native to the framework.
 """
 from .devices import parse_device
@@ -159,6 +159,16 @@ class Backend:
         beyond ``memory_budget`` bytes, None meaning no limit) is not supported.
         """
         return None
+
+    def ring_exchange(self, group):
+        """``(rank, size, shift)`` for ring attention over ``group`` (the
+        framework's process group or mesh axis): this participant's index
+        (an int, or traced), how many there are, and ``shift(x)``, which sends
+        ``x`` to participant ``rank + 1`` and returns the array that ``rank -
+        1`` sent, differentiably where the framework can."""
+        raise NotImplementedError(
+            f"ring attention needs a communicating framework; the {self.name} "
+            f"backend has none (use torch.distributed or a JAX mesh)")
 
     # -- modules ---------------------------------------------------------------
     def native_class(self, public_class):

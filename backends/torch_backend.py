@@ -8,6 +8,36 @@ from .numpy_like import NumpyLike
 from .torch_module import TorchModule
 
 
+def _send_recv(x, step, group):
+    """Send ``x`` to rank + step and receive from rank - step (in ``group``)."""
+    import torch.distributed as dist
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+
+    def peer(r):
+        r %= size
+        return r if group is None else dist.get_global_rank(group, r)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    requests = [dist.isend(x, peer(rank + step), group=group),
+                dist.irecv(out, peer(rank - step), group=group)]
+    for request in requests:
+        request.wait()
+    return out
+
+
+class _RingShift(torch.autograd.Function):
+    """``_send_recv`` whose gradient travels the other way round the ring."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _send_recv(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _send_recv(grad, -1, ctx.group), None
+
+
 class TorchBackend(NumpyLike):
     name = "torch"
     xp = torch
@@ -89,6 +119,17 @@ class TorchBackend(NumpyLike):
             else:
                 return None
         return F.scaled_dot_product_attention(queries, keys, values, **options)
+
+    def ring_exchange(self, group):
+        """torch.distributed point-to-point (``isend``/``irecv``) in ``group``
+        (None: the default group); differentiable (the gradient is passed back
+        round the ring)."""
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("ring attention on torch needs torch.distributed: call "
+                             "torch.distributed.init_process_group first")
+        return (dist.get_rank(group), dist.get_world_size(group),
+                lambda x: _RingShift.apply(x, group))
 
     def device(self, kind, index=0):
         if kind == "cpu":

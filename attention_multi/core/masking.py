@@ -255,6 +255,26 @@ class Mask:
             causal=self.causal, window=self.window,
             allowed=rows(self.allowed, False), bias=rows(self.bias, False))
 
+    def keys_from(self, k0, size):
+        """The Mask of the keys ``[k0, k0 + size)`` for every query, positions
+        counted from ``k0``, which may be traced (ring attention under
+        ``shard_map``); host copies are kept only when ``k0`` is an int.
+        Only for interval masks (lengths, causal, window): ``allowed`` and
+        ``bias`` are not sliced."""
+        if self.allowed is not None or self.bias is not None:
+            raise ValueError("a block of keys at a traced position takes only "
+                             "valid_lens, causal and window, not mask= or bias=")
+        host = isinstance(k0, int)
+        lens_known = offset_known = None
+        if host and self.lens_known is not None:
+            lens_known = self.lens_known - k0
+        if host and self.offset_known is not None:
+            offset_known = self.offset_known - k0
+        return Mask(self.batch, self.heads, self.num_queries, size,
+                    lens=None if self.lens is None else self.lens - k0,
+                    lens_known=lens_known, offset=self.offset - k0,
+                    offset_known=offset_known, causal=self.causal, window=self.window)
+
     def select(self, B, indices, device):
         """The Mask of the batch elements ``indices`` (host ints), in that order."""
         idx = np.asarray(indices)

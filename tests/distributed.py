@@ -1,0 +1,231 @@
+"""Workers of the distributed tests (test_distributed.py), run as processes:
+
+    python tests/distributed.py torch RANK SIZE PORT OUT_DIR JOBS
+    python tests/distributed.py jax DEVICES OUT_DIR JOBS
+
+Each writes its results as ``OUT_DIR/<job>-<rank>.npz``; the tests compare
+them with one process. Inputs are drawn from fixed NumPy seeds, so the test
+process can draw the same ones.
+"""
+import os
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# ring attention cases: name -> (keyword arguments, 2-D lengths)
+RING_CASES = {
+    "plain": ({}, False),
+    "lens": ({}, False),
+    "lens2d": ({}, True),
+    "causal": ({"causal": True}, False),
+    "causal_lens": ({"causal": True}, False),
+    "window": ({"window": (3, 1)}, False),
+}
+BATCH, HEADS, Q_SHARD, K_SHARD, D = 2, 2, 3, 4, 8
+
+
+def ring_inputs(name, size):
+    """Whole-sequence float64 inputs of a ring case: q (b, h, P Q, d), k, v
+    (b, h, P K, d), the output's cotangent, and valid_lens (None, (b,) or
+    (b, P Q))."""
+    rng = np.random.default_rng(sorted(RING_CASES).index(name) + 10 * size)
+    num_q, num_k = size * Q_SHARD, size * K_SHARD
+    q = rng.standard_normal((BATCH, HEADS, num_q, D))
+    k = rng.standard_normal((BATCH, HEADS, num_k, D))
+    v = rng.standard_normal((BATCH, HEADS, num_k, D))
+    g = rng.standard_normal((BATCH, HEADS, num_q, D))
+    lens = None
+    if name in ("lens", "causal_lens"):
+        lens = np.array([num_k - K_SHARD - 1, 2])       # whole blocks unseen too
+    elif RING_CASES[name][1]:
+        lens = rng.integers(0, num_k + 1, (BATCH, num_q))
+        lens[0, 0] = 0                                  # a query that sees nothing
+    return q, k, v, g, lens
+
+
+def local_lens(lens, rank):
+    if lens is None or lens.ndim == 1:
+        return lens
+    return lens[:, rank * Q_SHARD:(rank + 1) * Q_SHARD]
+
+
+MHA = dict(key_size=6, query_size=6, value_size=6, num_hiddens=8, num_heads=2)
+TRAIN_BATCH, TRAIN_LEN, TRAIN_STEPS, TRAIN_LR = 4, 5, 3, 0.5
+
+
+def train_data():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((TRAIN_BATCH, TRAIN_LEN, MHA["query_size"]))
+    y = rng.standard_normal((TRAIN_BATCH, TRAIN_LEN, MHA["num_hiddens"]))
+    lens = np.array([2, 5, 3, 4])
+    return x, y, lens
+
+
+def initial_params():
+    """Float64 parameters of the trained MultiHeadAttention, by name."""
+    rng = np.random.default_rng(8)
+    h = MHA["num_hiddens"]
+    return {f"W_{n}.weight": rng.uniform(-0.4, 0.4, (h, MHA[s] if n != "o" else h))
+            for n, s in (("q", "query_size"), ("k", "key_size"), ("v", "value_size"),
+                         ("o", "num_hiddens"))}
+
+
+def torch_model():
+    import attention_multi as am
+    net = am.MultiHeadAttention(**MHA, dropout=0.0, backend="torch", dtype="float64")
+    am.set_params(net, initial_params())
+    return net.eval()
+
+
+def torch_train(net, x, y, lens, steps=TRAIN_STEPS):
+    """SGD on the mean squared error; returns the losses."""
+    import torch
+    opt = torch.optim.SGD(net.parameters(), lr=TRAIN_LR)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = ((net(x, x, x, lens) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torch_worker(rank, size, port, out_dir, jobs):
+    import torch
+    import torch.distributed as dist
+
+    import attention_multi as am
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        for job in jobs:
+            result = {}
+            if job == "ring":
+                for name, (kwargs, _) in RING_CASES.items():
+                    q, k, v, g, lens = ring_inputs(name, size)
+                    qs, ks, vs, gs = (
+                        torch.tensor(x[:, :, rank * n:(rank + 1) * n], requires_grad=True)
+                        for x, n in ((q, Q_SHARD), (k, K_SHARD), (v, K_SHARD),
+                                     (g, Q_SHARD)))
+                    lens_r = local_lens(lens, rank)
+                    res = am.ring_attention(
+                        qs, ks, vs, None if lens_r is None else torch.tensor(lens_r),
+                        **kwargs)
+                    (res * gs).sum().backward()
+                    for key, x in (("out", res), ("dq", qs.grad), ("dk", ks.grad),
+                                   ("dv", vs.grad)):
+                        result[f"{name}.{key}"] = x.detach().numpy()
+            elif job in ("ddp", "fsdp"):
+                x, y, lens = train_data()
+                part = slice(rank * TRAIN_BATCH // size, (rank + 1) * TRAIN_BATCH // size)
+                net = torch_model()
+                if job == "ddp":
+                    model = torch.nn.parallel.DistributedDataParallel(net)
+                else:
+                    from torch.distributed.fsdp import fully_shard
+                    model = fully_shard(net)
+                losses = torch_train(model, torch.tensor(x[part]), torch.tensor(y[part]),
+                                     torch.tensor(lens[part]))
+                result["losses"] = np.array(losses)
+                for name, p in net.named_parameters():
+                    if hasattr(p, "full_tensor"):      # FSDP2: a sharded DTensor
+                        p = p.full_tensor()
+                    result[name] = p.detach().numpy()
+            np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **result)
+    except BaseException:       # the peers would wait for this one forever
+        import traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)     # (torch 2.13 CPU workers that ran SDPA may abort at teardown)
+
+
+def jax_worker(devices, out_dir, jobs):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}")
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    import attention_multi as am
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:       # jax < 0.7
+        from jax.experimental.shard_map import shard_map
+    assert len(jax.devices()) == devices, jax.devices()
+    for job in jobs:
+        result = {}
+        if job == "ring":
+            mesh = Mesh(np.array(jax.devices()), ("seq",))
+            for name, (kwargs, two_d) in RING_CASES.items():
+                q, k, v, g, lens = ring_inputs(name, devices)
+                lens_spec = () if lens is None else (P() if lens.ndim == 1 else P(None, "seq"),)
+
+                def attention(q, k, v, *lens, kwargs=kwargs):
+                    return am.ring_attention(q, k, v, *lens, axis_name="seq", **kwargs)
+                spec = P(None, None, "seq")
+                ring = shard_map(attention, mesh=mesh,
+                                 in_specs=(spec, spec, spec) + lens_spec, out_specs=spec)
+                extra = () if lens is None else (jnp.asarray(lens),)
+
+                def loss(q, k, v, ring=ring, extra=extra):
+                    out = ring(q, k, v, *extra)
+                    return (out * g).sum(), out
+                (_, out), grads = jax.jit(jax.value_and_grad(
+                    loss, (0, 1, 2), has_aux=True))(q, k, v)
+                result[f"{name}.out"] = np.asarray(out)
+                for key, x in zip(("dq", "dk", "dv"), grads):
+                    result[f"{name}.{key}"] = np.asarray(x)
+        elif job == "mesh":
+            # batch over "data", heads (the projections' output features) over "model"
+            mesh = Mesh(np.array(jax.devices()).reshape(2, devices // 2), ("data", "model"))
+            x, y, lens = train_data()
+            net = am.MultiHeadAttention(**MHA, dropout=0.0, backend="jax",
+                                        dtype="float64").eval()
+            am.set_params(net, initial_params())
+
+            def loss(net, x, y, lens):
+                return ((net(x, x, x, lens) - y) ** 2).mean()
+
+            @jax.jit
+            def sgd(net, x, y, lens):
+                value, grads = jax.value_and_grad(loss)(net, x, y, lens)
+                return jax.tree_util.tree_map(lambda p, g: p - TRAIN_LR * g, net, grads), value
+
+            def place(net):
+                data = NamedSharding(mesh, P("data"))
+                rows = NamedSharding(mesh, P("model", None))
+                cols = NamedSharding(mesh, P(None, "model"))
+                for name in ("W_q", "W_k", "W_v"):
+                    child = getattr(net, name)
+                    object.__setattr__(child, "weight", jax.device_put(child.weight, rows))
+                object.__setattr__(net.W_o, "weight", jax.device_put(net.W_o.weight, cols))
+                return data
+            data = place(net)
+            xs, ys, ls = (jax.device_put(jnp.asarray(a), data) for a in (x, y, lens))
+            losses = []
+            for _ in range(TRAIN_STEPS):
+                net, value = sgd(net, xs, ys, ls)
+                losses.append(float(value))
+            result["losses"] = np.array(losses)
+            result["out_sharding"] = np.array(str(net.W_q.weight.sharding.spec))
+            for name, p in am.get_params(net).items():
+                result[name] = p
+        np.savez(os.path.join(out_dir, f"{job}-jax{devices}.npz"), **result)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, REPO)
+    kind = sys.argv[1]
+    if kind == "torch":
+        rank, size, port = (int(a) for a in sys.argv[2:5])
+        torch_worker(rank, size, port, sys.argv[5], sys.argv[6].split(","))
+    else:
+        jax_worker(int(sys.argv[2]), sys.argv[3], sys.argv[4].split(","))
