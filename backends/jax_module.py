@@ -1,21 +1,44 @@
-"""Native module base for JAX: a pytree whose leaves are exactly the parameters."""
+"""Native module base for JAX: a pytree whose leaves are exactly the parameters.
+
+The module classes are also registered for ``jax.export`` serialization, under
+``"<module>.<class>"`` of the public class (e.g.
+``attention_multi.modules.attention.MultiHeadAttention``), so a function
+taking a module as an argument can be exported, serialized and called back.
+"""
+import base64
+import io
+import json
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from .plain_module import PlainModule
 
 
 class _ByIdentity:
-    """Wraps an unhashable static value (a constant table) for pytree aux data."""
+    """Wraps an unhashable static value (a constant table) for pytree aux data;
+    equal to another wrapping the same object, or (arrays, such as one read
+    back from a ``jax.export`` serialization) an equal array."""
     __slots__ = ("value",)
 
     def __init__(self, value):
         self.value = value
 
     def __eq__(self, other):
-        return isinstance(other, _ByIdentity) and other.value is self.value
+        if not isinstance(other, _ByIdentity):
+            return False
+        if other.value is self.value:
+            return True
+        a, b = self.value, other.value
+        return (hasattr(a, "shape") and hasattr(b, "shape") and a.shape == b.shape
+                and a.dtype == b.dtype and bool(np.array_equal(np.asarray(a), np.asarray(b))))
 
     def __hash__(self):
-        return id(self.value)
+        value = self.value
+        if hasattr(value, "shape"):
+            return hash((tuple(value.shape), str(value.dtype)))
+        return id(value)
 
 
 class _NameList(tuple):
@@ -33,7 +56,9 @@ class JaxModule(PlainModule):
         skip = set(self._param_names) | set(self._child_names)
         static = []
         for k, v in sorted(vars(self).items()):
-            if k in skip or k.startswith("_attention"):
+            if k in skip or k.startswith("_attention") or k == "_device":
+                # (the device is used only while building; treedefs of
+                # modules on different devices are equal)
                 continue
             if isinstance(v, list):
                 v = _NameList(v)
@@ -59,6 +84,59 @@ class JaxModule(PlainModule):
         return self
 
 
+def _encode(value):
+    """A static attribute as JSON-able data."""
+    if isinstance(value, _NameList):
+        return {"names": list(value)}
+    if isinstance(value, _ByIdentity):
+        buffer = io.BytesIO()
+        np.save(buffer, np.asarray(value.value), allow_pickle=False)
+        return {"array": base64.b64encode(buffer.getvalue()).decode("ascii")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    raise TypeError(f"cannot serialize a module attribute of type {type(value).__name__} "
+                    f"for jax.export: {value!r}")
+
+
+def _decode(data):
+    if "names" in data:
+        return _NameList(data["names"])
+    if "array" in data:
+        array = np.load(io.BytesIO(base64.b64decode(data["array"])), allow_pickle=False)
+        return _ByIdentity(jnp.asarray(array))
+    if "tuple" in data:
+        return tuple(_decode(v) for v in data["tuple"])
+    return data.get("value")
+
+
+def _serialize_aux(aux):
+    n_params, static = aux
+    return json.dumps([n_params, [[k, _encode(v)] for k, v in static]]).encode()
+
+
+def _deserialize_aux(data):
+    n_params, static = json.loads(data)
+    return n_params, tuple((k, _decode(v)) for k, v in static)
+
+
+def serialized_name(cls):
+    """The stable name of a module class in ``jax.export`` serializations."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def register(cls):
-    """Make ``cls`` (a subclass of JaxModule) a pytree node."""
+    """Make ``cls`` (a subclass of JaxModule) a pytree node, serializable by
+    ``jax.export`` where this JAX has ``register_pytree_node_serialization``
+    (0.4.32 and later)."""
     jax.tree_util.register_pytree_node(cls, cls._tree_flatten, cls._tree_unflatten)
+    try:
+        from jax import export      # (a submodule: not imported by ``import jax`` on 0.6)
+    except ImportError:             # pragma: no cover (jax < 0.4.30)
+        export = None
+    register_serialization = getattr(export, "register_pytree_node_serialization", None)
+    if register_serialization is not None:
+        register_serialization(cls, serialized_name=serialized_name(cls),
+                               serialize_auxdata=_serialize_aux,
+                               deserialize_auxdata=_deserialize_aux)

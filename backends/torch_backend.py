@@ -8,6 +8,15 @@ from .numpy_like import NumpyLike
 from .torch_module import TorchModule
 
 
+def _proxy_mode():
+    """Whether ``make_fx`` (the tracer under ``torch.export``) is recording."""
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    except ImportError:       # pragma: no cover (older torch)
+        return False
+    return get_proxy_mode() is not None
+
+
 def _send_recv(x, step, group):
     """Send ``x`` to rank + step and receive from rank - step (in ``group``)."""
     import torch.distributed as dist
@@ -79,7 +88,14 @@ class TorchBackend(NumpyLike):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
 
     def is_concrete(self, x):
-        return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+        """False while torch traces: ``torch.compile``, ``torch.export`` (and
+        so ONNX export), ``torch.jit.trace``, ``make_fx``; and for tensor
+        subclasses (FakeTensor, FunctionalTensor, DTensor), whose values are
+        not on the host."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or _proxy_mode():
+            return False
+        return not isinstance(x, torch.Tensor) or type(x) in (torch.Tensor,
+                                                              torch.nn.Parameter)
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)

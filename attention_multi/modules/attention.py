@@ -16,8 +16,7 @@ class _Attention(Module):
         for name, x in arrays:
             check_array(B, name, x, 3, "(batch, n, features)")
             check_float(B, name, x)
-        batch = {name: x.shape[0] for name, x in arrays}
-        if len(set(batch.values())) > 1:
+        if not queries.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(f"batch sizes differ: queries {tuple(queries.shape)}, "
                              f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
         if keys.shape[1] != values.shape[1]:
