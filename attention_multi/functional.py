@@ -167,7 +167,7 @@ def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
 
 
 def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, window=None,
-                   scale=None, group=None, axis_name=None):
+                   scale=None, group=None, axis_name=None, memory_budget=None):
     """Sequence-parallel (ring) scaled dot-product attention.
 
     Each participant (a torch.distributed process, or a device of a JAX mesh
@@ -186,12 +186,16 @@ def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, wind
       position ``r Q + i + P (K - Q)``).
     - ``group``: the torch process group (None: the default one);
       ``axis_name``: on JAX, the mesh axis the sequence is split over.
+    - ``memory_budget``: bytes for the scores of one step, computed a block
+      of local queries at a time (default ``DEFAULT_MEMORY_BUDGET``).
 
     Differentiable on both (JAX through ``ppermute``, torch through a
     point-to-point exchange whose gradient goes back round the ring); each
     step is recomputed in the backward pass.
     """
+    from .core import DEFAULT_MEMORY_BUDGET, check_path_options
     from .core.ring import ring
+    memory_budget = check_path_options("auto", memory_budget, None)[1]
     B = backend_of(queries=queries, keys=keys, values=values)
     ndim = len(queries.shape)
     names = ("batch", "heads", "n", "features")[4 - ndim:] if ndim in (3, 4) else ()
@@ -213,5 +217,6 @@ def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, wind
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:
-        out = ring(B, q, k, v, m, scale, rank, size, shift)
+        out = ring(B, q, k, v, m, scale, rank, size, shift,
+                   memory_budget or DEFAULT_MEMORY_BUDGET)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))

@@ -15,6 +15,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ring attention cases: name -> (keyword arguments, 2-D lengths)
+BATCH, HEADS, Q_SHARD, K_SHARD, D = 2, 2, 3, 4, 8
 RING_CASES = {
     "plain": ({}, False),
     "lens": ({}, False),
@@ -22,8 +23,9 @@ RING_CASES = {
     "causal": ({"causal": True}, False),
     "causal_lens": ({"causal": True}, False),
     "window": ({"window": (3, 1)}, False),
+    # a budget of one query's scores: the steps go a query at a time
+    "chunks": ({"causal": True, "memory_budget": 16 * BATCH * HEADS * K_SHARD * 8}, True),
 }
-BATCH, HEADS, Q_SHARD, K_SHARD, D = 2, 2, 3, 4, 8
 
 
 def ring_inputs(name, size):

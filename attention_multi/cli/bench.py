@@ -6,7 +6,10 @@ inference with modules in eval mode, and training (forward+backward, dropout
 comparison runs in one process, interleaving bursts of calls of the two
 sides, and reports their medians, the ratio of the medians and the path
 ours took. The long-sequence case and the peak-memory cases under autograd
-run in subprocesses and report their peak RSS (``ru_maxrss``).
+run in subprocesses and report their peak RSS (``ru_maxrss``). The ring case
+runs ``ring_attention`` over P torch processes (gloo, on this machine's CPU,
+each with 1/P of the threads) against ``dot_product_attention`` in one
+process, and reports each process's peak RSS and time.
 
 Baselines:
 - ``torch.nn.functional.scaled_dot_product_attention`` in its fastest form:
@@ -56,6 +59,8 @@ DOT_SHAPES = {"small": (4, 128, 64), "medium": (16, 512, 64), "large": (16, 1024
 MHA_SHAPES = {"small": (2, 64, 64, 4), "medium": (8, 256, 256, 8), "large": (8, 512, 512, 8)}
 LONG = dict(batch=1, heads=8, head_size=64, length=16384)
 RSS_LIMIT_MIB = 2048
+RING = dict(batch=1, heads=8, head_size=64, length=8192)
+RING_BUDGET = 256 * 2**20    # memory_budget of ring_attention: 16 MiB of scores per chunk
 
 
 def add_arguments(parser):
@@ -73,6 +78,12 @@ def add_arguments(parser):
     parser.add_argument("--long-length", type=int, default=None,
                         help=f"T of the long-sequence case (default {LONG['length']}; "
                              f"--quick 4096; 0 skips it)")
+    parser.add_argument("--ring-length", type=int, default=None,
+                        help=f"T of the ring-attention case (default {RING['length']}; "
+                             f"--quick 2048; 0 skips it)")
+    parser.add_argument("--ring-processes", default="1,2,4",
+                        help="comma-separated process counts of the ring case "
+                             "(default 1,2,4; T must be a multiple of 16 times each)")
     parser.add_argument("--no-memory", action="store_true",
                         help="skip the peak-memory cases under autograd")
     parser.add_argument("--json", default=None,
@@ -553,6 +564,119 @@ def run_long(backends_, length, threads):
     return results
 
 
+# -- ring attention: P torch processes against one ------------------------------------
+
+def ring_child(spec):
+    """One process of the ring case (``size`` 0: one process, the whole
+    sequence through ``dot_product_attention``); prints a JSON line."""
+    import torch
+    import torch.distributed as dist
+
+    import attention_multi as am
+    rank, size, T, threads = (spec[k] for k in ("rank", "size", "length", "threads"))
+    torch.set_num_threads(threads)
+    b, h, d = RING["batch"], RING["heads"], RING["head_size"]
+    # each process draws only its shard: pieces of T/16 steps, each from its own seed
+    piece = max(1, T // 16)
+    first, stop = (rank * (T // size), (rank + 1) * (T // size)) if size else (0, T)
+
+    def draw(which):
+        return torch.cat([torch.from_numpy(np.random.default_rng((which, j)).standard_normal(
+            (b, h, piece, d), dtype=np.float32)) for j in range(first // piece, stop // piece)], 2)
+    q, k, v = draw(0), draw(1), draw(2)
+    lens = torch.tensor([T - T // 8] * b)
+    if size:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+        dist.init_process_group("gloo", rank=rank, world_size=size)
+        dist.barrier()
+    before = _rss_now_mib() or _peak_rss_mib()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        if size:
+            out = am.ring_attention(q, k, v, lens, memory_budget=RING_BUDGET)
+        else:
+            out = am.dot_product_attention(q, k, v, lens)
+    seconds = time.perf_counter() - t0
+    np.save(spec["out"], out.numpy())
+    print(json.dumps({"size": size, "rank": rank, "length": T, "seconds": seconds,
+                      "rss_before_mib": before, "peak_rss_mib": _peak_rss_mib()}))
+    sys.stdout.flush()
+    if size:
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)      # (torch 2.13 CPU workers that ran SDPA may abort at teardown)
+
+
+_RING_CHILD = ("import json, sys\n"
+               "from attention_multi.cli.bench import ring_child\n"
+               "ring_child(json.loads(sys.argv[1]))")
+
+
+def run_ring(length, sizes, threads):
+    """One process, then P = each of ``sizes``: per configuration the
+    slowest process's time, the largest peak RSS and the max abs difference of
+    the gathered output from one process's."""
+    import socket
+    env = _child_env()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        reference = None
+        for size in [0] + list(sizes):
+            if size and length % (16 * size):
+                results.append({"size": size, "length": length,
+                                "error": f"T={length} is not a multiple of 16 * {size}"})
+                continue
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            procs = []
+            for rank in range(max(1, size)):
+                spec = {"rank": rank, "size": size, "length": length, "port": port,
+                        "threads": max(1, threads // max(1, size)),
+                        "out": os.path.join(tmp, f"{size}-{rank}.npy")}
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-c", _RING_CHILD, json.dumps(spec)], env=env,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            outputs = [p.communicate() for p in procs]
+            lines = [[ln for ln in out.splitlines() if ln.startswith("{")]
+                     for out, _ in outputs]
+            if any(p.returncode for p in procs) or not all(lines):
+                err = next((e for (_, e), p in zip(outputs, procs) if p.returncode), "?")
+                results.append({"size": size, "length": length,
+                                "error": (err.strip().splitlines() or ["?"])[-1]})
+                continue
+            ranks = [json.loads(ln[-1]) for ln in lines]
+            out = np.concatenate([np.load(os.path.join(tmp, f"{size}-{r}.npy"))
+                                  for r in range(max(1, size))], axis=2)
+            result = {"size": size, "length": length,
+                      "seconds": max(r["seconds"] for r in ranks),
+                      "peak_rss_mib": [r["peak_rss_mib"] for r in ranks],
+                      "rss_before_mib": [r["rss_before_mib"] for r in ranks]}
+            if reference is None:
+                reference = out
+            else:
+                result["max_abs_diff"] = float(np.abs(out - reference).max())
+            results.append(result)
+    return results
+
+
+def ring_table(results):
+    lines = ["| Processes | Computation | Time (s) | Peak RSS per process (MiB) | "
+             "RSS before the call (MiB) | Max abs diff vs one process |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in results:
+        what = "dot_product_attention" if r["size"] == 0 else "ring_attention"
+        procs = max(1, r["size"])
+        if "error" in r:
+            lines.append(f"| {procs} | {what} | failed: {r['error']} | | | |")
+            continue
+        diff = r.get("max_abs_diff")
+        lines.append(f"| {procs} | {what} | {r['seconds']:.2f} | "
+                     f"{max(r['peak_rss_mib']):.0f} | {max(r['rss_before_mib']):.0f} | "
+                     f"{'-' if diff is None else f'{diff:.1e}'} |")
+    return "\n".join(lines)
+
+
 # -- report -------------------------------------------------------------------------
 
 def machine():
@@ -650,6 +774,14 @@ def main(args):
         print(f"  long case T={length} ...", file=sys.stderr, flush=True)
         launcher_rss = _rss_now_mib()
         long_results = run_long([n for n in wanted if n in available], length, threads)
+    ring_length = args.ring_length if args.ring_length is not None else (
+        2048 if args.quick else RING["length"])
+    ring_results = []
+    if ring_length and "torch" in wanted and "torch" in available:
+        sizes = [int(n) for n in args.ring_processes.split(",") if n.strip()]
+        print(f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr,
+              flush=True)
+        ring_results = run_ring(ring_length, sizes, threads)
     memory_results = []
     if not args.no_memory:
         cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
@@ -701,11 +833,20 @@ def main(args):
               f"each (launched while this process had {launcher_rss or 0:.0f} MiB "
               f"resident), peak RSS from its ru_maxrss.\n")
         print(long_table(long_results))
+    if ring_results:
+        print(f"\nRing attention: B={RING['batch']}, {RING['heads']} heads, head size "
+              f"{RING['head_size']}, T={ring_length}, valid_lens=[T - T/8], float32, "
+              f"forward, memory_budget={RING_BUDGET // 2**20} MiB; torch processes "
+              f"with gloo on this machine, each with "
+              f"{threads}/P threads; time of the slowest process, peak RSS "
+              f"(ru_maxrss) of the largest.\n")
+        print(ring_table(ring_results))
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump({"machine": info, "torch_threads": threads, "rows": [
                 dict(zip(("key", "backend", "measured", "shape", "path", "against",
                           "ours_s", "theirs_s", "calls", "max_abs_diff"), r))
-                for r in rows], "long": long_results, "memory": memory_results}, f,
+                for r in rows], "long": long_results, "memory": memory_results,
+                "ring": ring_results}, f,
                 indent=1)
     return 0

@@ -10,8 +10,9 @@ its running online-softmax state (``softmax_block``/``merge_blocks``/
 (``r`` to ``r + 1``), receiving the block of ``r - 1``. After the last step it
 has attended every block (also those none of its queries sees: under autodiff
 every exchange must be in every participant's graph, so that the backward
-exchanges pair up; keys and values travel as one message). Memory per participant: its shards, one block in
-flight, and the (Q, dv) state: O(T/P d).
+exchanges pair up; keys and values travel as one message). Memory per
+participant: its shards, one block in flight, the (Q, dv) state, and the
+scores of a block of queries within the memory budget: O(T/P d).
 
 The communication is the backend's ``ring_exchange(group)`` capability:
 ``(rank, size, shift)``, ``shift(x)`` sending ``x`` to the next participant
@@ -20,34 +21,46 @@ and returning what the previous one sent (torch.distributed point-to-point,
 the mask of each block is computed from a possibly traced key position.
 """
 from .masking import compute_dtype
-from .paths import _scaled, expand_kv, finish_blocks, merge_blocks, softmax_block
+from .paths import (_scaled, expand_kv, finish_blocks, merge_blocks, softmax_block,
+                    work_itemsize)
 
 
-def ring(B, q, k, v, mask, scale, rank, size, shift):
+def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
     """Attention of the local queries ``q`` (batch, heads, Q, d) over the
     keys and values of every participant; ``k``, ``v`` (batch, kv_heads, K,
     d|dv) are the local blocks. ``mask`` is the local queries' ``Mask`` over
-    all ``size * K`` keys (positions of the whole sequence). Returns (batch,
-    heads, Q, dv) in the dtype of ``q``."""
+    all ``size * K`` keys (positions of the whole sequence). The scores of a
+    step are computed a block of queries at a time, within ``memory_budget``
+    bytes as on the chunked path. Returns (batch, heads, Q, dv) in the dtype
+    of ``q``."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
+    batch, heads, num_q = q.shape[:3]
     block, d = k.shape[2], k.shape[-1]
-    qs = _scaled(B, q, scale, work)
+    per_query = batch * heads * block * work_itemsize(B, q)
+    block_q = max(1, memory_budget // 16 // per_query)   # (backward: ~8 such arrays)
+    rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
+    qs = [_scaled(B, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
     kv = B.concatenate([k, v], -1)          # one message per step
-    state = None
+    states = [None] * len(rows)
     for step in range(size):
         owner = (rank - step) % size          # whose block this participant holds now
-        sub = mask.keys_from(owner * block, block)
+        keys_mask = mask.keys_from(owner * block, block)
 
-        def attend_block(state, qs, kv, sub=sub):
-            kb, vb = expand_kv(B, kv[..., :d], kv[..., d:], q.shape[1])
-            kb, vb = sub.guard_unused(B, kb, vb)
-            return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work))
-        # (every block is attended, even one no local query sees: under
-        # autodiff each exchange must be part of every participant's graph,
-        # or the backward exchanges would not pair up)
-        state = B.checkpoint(attend_block, state, qs, kv)
+        kb, vb = expand_kv(B, kv[..., :d], kv[..., d:], heads)
+        kb, vb = keys_mask.guard_unused(B, kb, vb)   # (once per step, as on the chunked path)
+        for i, (q0, q1) in enumerate(rows):
+            sub = keys_mask if len(rows) == 1 else keys_mask.sub(0, batch, q0, q1, 0, block)
+
+            def attend_block(state, q_rows, kb, vb, sub=sub):
+                return merge_blocks(B, state, softmax_block(B, q_rows, kb, vb, sub, work))
+            # (every block is attended, even one no local query sees: under
+            # autodiff each exchange must be part of every participant's graph,
+            # or the backward exchanges would not pair up; each block of
+            # queries is recomputed in the backward pass)
+            states[i] = B.checkpoint(attend_block, states[i], qs[i], kb, vb)
         if step + 1 < size:
             kv = shift(kv)
-    out = finish_blocks(B, state)
+    outs = [finish_blocks(B, state) for state in states]
+    out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
     return B.astype(out, dtype) if work != dtype else out
