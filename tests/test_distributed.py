@@ -175,3 +175,20 @@ def test_jax_mesh_sharding_equals_one_device(jax_runs):
     for name, value in params.items():
         assert_close(got[name], value, **TOL)
     del torch
+
+
+def test_ring_attention_needs_a_communicating_backend():
+    import attention_multi as am
+    x = np.ones((1, 4, 2))
+    with pytest.raises(NotImplementedError, match="numpy backend has none"):
+        am.ring_attention(x, x, x)
+    torch = pytest.importorskip("torch")
+    t = torch.ones(1, 4, 2)
+    with pytest.raises(ValueError, match="init_process_group"):
+        am.ring_attention(t, t, t)
+    jnp = pytest.importorskip("jax.numpy")
+    j = jnp.ones((1, 4, 2))
+    with pytest.raises(ValueError, match="pass axis_name="):
+        am.ring_attention(j, j, j)
+    with pytest.raises(ValueError, match="batch sizes differ"):     # shapes checked first
+        am.ring_attention(t, t[:0], t)

@@ -60,7 +60,10 @@ MHA_SHAPES = {"small": (2, 64, 64, 4), "medium": (8, 256, 256, 8), "large": (8, 
 LONG = dict(batch=1, heads=8, head_size=64, length=16384)
 RSS_LIMIT_MIB = 2048
 RING = dict(batch=1, heads=8, head_size=64, length=8192)
-RING_BUDGET = 256 * 2**20    # memory_budget of ring_attention: 16 MiB of scores per chunk
+RING_BUDGET = 512 * 2**20    # memory_budget of ring_attention (the default): 32 MiB
+# of scores per block of queries. (Smaller blocks, below glibc's 32 MiB
+# ceiling for its dynamic mmap threshold, come from the heap, which then
+# fragments: 4 MiB blocks at T=8192 in one process peaked at 6 GiB RSS.)
 
 
 def add_arguments(parser):
