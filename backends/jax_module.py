@@ -132,7 +132,7 @@ def register(cls):
     (0.4.32 and later)."""
     jax.tree_util.register_pytree_node(cls, cls._tree_flatten, cls._tree_unflatten)
     try:
-        from jax import export      # (a submodule: not imported by ``import jax`` on 0.6)
+        from jax import export  # (a submodule: not imported by ``import jax`` on 0.6)
     except ImportError:             # pragma: no cover (jax < 0.4.30)
         export = None
     register_serialization = getattr(export, "register_pytree_node_serialization", None)

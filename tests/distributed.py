@@ -155,7 +155,8 @@ def jax_worker(devices, out_dir, jobs):
     import jax
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import attention_multi as am
     shard_map = getattr(jax, "shard_map", None)
@@ -166,7 +167,7 @@ def jax_worker(devices, out_dir, jobs):
         result = {}
         if job == "ring":
             mesh = Mesh(np.array(jax.devices()), ("seq",))
-            for name, (kwargs, two_d) in RING_CASES.items():
+            for name, (kwargs, _) in RING_CASES.items():
                 q, k, v, g, lens = ring_inputs(name, devices)
                 lens_spec = () if lens is None else (P() if lens.ndim == 1 else P(None, "seq"),)
 
@@ -177,7 +178,7 @@ def jax_worker(devices, out_dir, jobs):
                                  in_specs=(spec, spec, spec) + lens_spec, out_specs=spec)
                 extra = () if lens is None else (jnp.asarray(lens),)
 
-                def loss(q, k, v, ring=ring, extra=extra):
+                def loss(q, k, v, ring=ring, extra=extra, g=g):
                     out = ring(q, k, v, *extra)
                     return (out * g).sum(), out
                 (_, out), grads = jax.jit(jax.value_and_grad(
@@ -199,9 +200,10 @@ def jax_worker(devices, out_dir, jobs):
             @jax.jit
             def sgd(net, x, y, lens):
                 value, grads = jax.value_and_grad(loss)(net, x, y, lens)
-                return jax.tree_util.tree_map(lambda p, g: p - TRAIN_LR * g, net, grads), value
+                return jax.tree_util.tree_map(lambda w, dw: w - TRAIN_LR * dw, net,
+                                              grads), value
 
-            def place(net):
+            def place(net, mesh=mesh):
                 data = NamedSharding(mesh, P("data"))
                 rows = NamedSharding(mesh, P("model", None))
                 cols = NamedSharding(mesh, P(None, "model"))

@@ -220,15 +220,15 @@ def _jax_modules():
 def test_jax_jit_and_vmap_of_modules(dim):
     import jax.numpy as jnp
     x = jnp.asarray(X)
-    for name, module in _jax_modules().items():
+    for module in _jax_modules().values():
         def f(m, x, lens):
             return m(x, x, x, lens)
         for lens in LENS[dim][1:]:
             lens = jnp.asarray(lens)
             assert_close(jax.jit(f)(module, x, lens), f(module, x, lens), **TOL)
             # vmap over the batch: one element at a time, the module shared
-            per_row = jax.vmap(lambda x, l, m=module: m(x[None], x[None], x[None],
-                                                        l[None])[0])
+            per_row = jax.vmap(lambda x, n, m=module: m(x[None], x[None], x[None],
+                                                        n[None])[0])
             assert_close(per_row(x, lens), f(module, x, lens), **TOL)
 
 

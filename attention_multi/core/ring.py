@@ -21,8 +21,7 @@ and returning what the previous one sent (torch.distributed point-to-point,
 the mask of each block is computed from a possibly traced key position.
 """
 from .masking import compute_dtype
-from .paths import (_scaled, expand_kv, finish_blocks, merge_blocks, softmax_block,
-                    work_itemsize)
+from .paths import _scaled, expand_kv, finish_blocks, merge_blocks, softmax_block, work_itemsize
 
 
 def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
