@@ -358,10 +358,10 @@ def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
 
 
 @pytest.mark.parametrize("mask", ["1d", "2d"])
-def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
-    """The tiled path groups batch elements whose key ranges are alike (one
-    kernel call per group), computes little padding, and puts every row back
-    in batch order."""
+def test_tiles_skip_padding_per_batch_element(backend, mask):
+    """The tiled path computes each batch element over the keys its rows may
+    see (one tile each, in batch order), and its cost counts every kernel
+    call at ``Backend.kernel_call_cost``."""
     from attention_multi.core.paths import plan_tiles
     rng = np.random.default_rng(14)
     batch, nq, nk = 9, 4, 40
@@ -377,10 +377,8 @@ def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
     four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
     plan = plan_tiles(backend, four[0], make_mask(
         backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
-    if backend.tile_merge_waste >= 0.1:
-        assert len(plan.tasks) == 4      # (40, 39, 38), (25, 26), (12, 13, 12), (0)
-        assert plan.order == [0, 2, 6, 8, 5, 4, 1, 7, 3]
-    else:      # every element its own tile, in place
-        assert len(plan.tasks) == batch and plan.order is None
-    assert plan.fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
-                                   else lens).sum() / (batch * nk)
+    seen = np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2 else lens
+    assert [(t[0], t[3], t[4]) for t in plan.tasks] == [(b, 0, seen[b]) for b in range(batch)]
+    call = backend.kernel_call_cost
+    assert plan.cost == pytest.approx((nq * seen.sum() + call * batch) /
+                                      (batch * nq * nk + call))
