@@ -194,7 +194,7 @@ def test_auto_path_choice(backend):
     m = am.DotProductAttention(0.5, backend=backend)
     key = backend.dropout_key(0)
     m(q, k, v, lens, **({} if key is None else {"key": key}))
-    assert m.last_path == ("fused" if backend.name == "torch" else
+    assert m.last_path == ("fused" if backend.fused_dropout else
                            "full" if key is not None else "tiled")
     np.testing.assert_allclose(backend.to_numpy(m.attention_weights),
                                oracle.dot_product_attention(*_inputs(7), MASKS["2d"])[1],
@@ -302,7 +302,7 @@ def test_gradients_agree_across_paths(backend):
     grads = {}
     # (JAX: jitted, where eager autodiff through the block loops would take
     # seconds; the tiled path under jit is checked in test_under_jax_jit)
-    paths = ("full", "fused", "chunked") if backend.name == "jax" else PATHS
+    paths = ("full", "fused", "chunked") if backend.compiles_per_shape else PATHS
     for path in paths:
         m = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias=True, backend=backend,
                                   path=path, chunk_size=3)
@@ -314,13 +314,13 @@ def test_gradients_agree_across_paths(backend):
             out = module(q, k, v, lens)
             return backend.sum((out * out).reshape((-1,)), 0)
 
-        if backend.name == "jax":     # jitted: eager autodiff compiles op by op
+        if backend.compiles_per_shape:     # jitted: eager autodiff compiles op by op
             import jax
             g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
         else:
             g = backend.value_and_grad(m, loss_fn)[1]
         grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
-        if backend.name != "jax":      # (under jax the call ran on a traced copy)
+        if not backend.compiles_per_shape:   # (jitted, the call ran on a traced copy)
             assert m.last_path == path
     for path in paths[1:]:
         for name, g in grads["full"].items():
