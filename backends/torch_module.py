@@ -12,6 +12,21 @@ class TorchModule(torch.nn.Module):
     def _add_param(self, name, value):
         self.register_parameter(name, torch.nn.Parameter(value))
 
+    def _add_lazy_param(self, name, shape):
+        # as nn.LazyLinear: in state_dict and parameters() before its first call
+        self.register_parameter(name, torch.nn.UninitializedParameter(
+            device=self._device, dtype=getattr(torch, self._dtype)))
+
+    def _fill_lazy_param(self, name, value):
+        param = getattr(self, name)
+        if torch.nn.parameter.is_lazy(param):
+            param.materialize(tuple(value.shape))
+        with torch.no_grad():
+            param.copy_(value)
+
+    def _unsized(self):
+        return [n for n, p in self.named_parameters() if torch.nn.parameter.is_lazy(p)]
+
     def _add_buffer(self, name, value):
         self.register_buffer(name, value, persistent=False)
 
