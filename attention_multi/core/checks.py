@@ -186,10 +186,10 @@ def check_dropout(name, value):
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number in [0, 1], got {value!r} "
                         f"(type {type(value).__name__})")
-    value = float(value)
-    if not 0.0 <= value <= 1.0:      # NaN fails both comparisons
+    rate = float(value)
+    if not 0.0 <= rate <= 1.0:      # NaN fails both comparisons
         raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
-    return value
+    return rate
 
 
 def check_bool(name, value):

@@ -10,16 +10,17 @@ from .base import Linear, Module
 
 def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults):
     """The constructor arguments of a module with two signatures: the seeds'
-    (``seeds``, names in order, input sizes first) and d2l 1.0's (``d2l10``,
-    the same without the input sizes). They are told apart by the number of
-    positional arguments alone: as many as the seeds' required ones or more
-    is the seeds' form; at most ``len(d2l10)`` is d2l 1.0's (then the input
-    sizes are keywords or come from the first call). Keywords fill the rest
-    of either. Returns ``({name: value}, options)``, where ``options`` are the
-    keywords that are not arguments of either form (``backend=``...)."""
+    (``seeds``, names in order, input sizes first, the first ``seeds_required``
+    of them required) and d2l 1.0's (``d2l10``, the same without the input
+    sizes). The number of positional arguments tells them apart: more than
+    d2l 1.0's form has is the seeds' form; at most that many is d2l 1.0's
+    form (the input sizes are then keywords, or come from the first call).
+    Keywords fill the rest of either. Returns ``({name: value}, options)``,
+    where ``options`` are the keywords that are not arguments of either form
+    (``backend=``...)."""
     required = [n for n in seeds if n not in defaults]
     defaults_shown = {n: v for n, v in defaults.items() if n in d2l10}
-    if seeds_required <= len(args) <= len(seeds):
+    if len(d2l10) < len(args) <= len(seeds):
         names, form = seeds, "the seeds' form"
     elif len(args) <= len(d2l10):
         names, form = d2l10, "d2l 1.0's form"
@@ -27,9 +28,10 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
         raise TypeError(
             f"{cls_name}() takes {_count(seeds_required, len(seeds))} positional "
             f"arguments ({_sig(seeds, defaults_shown)}: the seeds' form) or at most "
-            f"{len(d2l10)} ({_sig(d2l10, defaults_shown)}: d2l 1.0's form, input sizes from "
-            f"the first call or as keywords {', '.join(n + '=' for n in seeds if n not in d2l10)}"
-            f"), got {len(args)}: {', '.join(map(repr, args))}")
+            f"{len(d2l10)} ({_sig(d2l10, defaults_shown)}: d2l 1.0's form, input sizes "
+            f"from the first call or as keywords "
+            f"{', '.join(n + '=' for n in seeds if n not in d2l10)}), got {len(args)}: "
+            f"{', '.join(map(repr, args))}")
     bound = dict(zip(names, args))
     options = {}
     for name, value in kwargs.items():
@@ -50,7 +52,7 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
     return bound, options
 
 
-def _sig(names, defaults_shown):
+def _sig(names, defaults):
     return ", ".join(f"{n}={defaults[n]!r}" if n in defaults else n for n in names)
 
 

@@ -131,6 +131,9 @@ class Linear(Module):
     def forward(self, x):
         if self.in_features is None:
             self._size_from(x)
+        elif x.shape[-1] != self.in_features:
+            raise ValueError(f"x has feature size {x.shape[-1]} (shape {tuple(x.shape)}) "
+                             f"but in_features={self.in_features}")
         bias = self._param("bias") if self.has_bias else None
         return self._backend.linear(x, self._param("weight"), bias)
 
@@ -144,16 +147,28 @@ class Linear(Module):
                 f"its parameters cannot be created; call the module once eagerly on "
                 f"an example input, or give the input sizes to the constructor "
                 f"(key_size=, query_size=, value_size= for the attention modules)")
-        n = x.shape[-1]
-        if n < 1:
+        if x.shape[-1] < 1:
             raise ValueError(f"a lazily sized Linear takes its input size from the last "
                              f"axis of its first input, which is empty (shape "
                              f"{tuple(x.shape)})")
-        device = self.__dict__.get("_device") or B.device_of(x)
-        self.in_features = int(n)
+        self._create(int(x.shape[-1]), self.__dict__.get("_device") or B.device_of(x))
+
+    def _create(self, in_features, device):
+        B = self._backend
+        self.in_features = in_features
         low, high = self._bounds()
-        self._fill_lazy_param("weight", B.uniform((self.out_features, self.in_features),
+        self._fill_lazy_param("weight", B.uniform((self.out_features, in_features),
                                                   low, high, self._dtype, device))
         if self.has_bias:
             self._fill_lazy_param("bias", B.uniform((self.out_features,), low, high,
                                                     self._dtype, device))
+
+    def _size_lazy_params(self, name, shape):
+        """Loading a parameter of ``shape`` into this unsized layer (torch's
+        ``load_state_dict``, as for ``nn.LazyLinear``) sizes it first."""
+        if name != "weight" or len(shape) != 2 or shape[0] != self.out_features \
+                or shape[1] < 1:
+            raise ValueError(f"cannot size Linear(None, {self.out_features}) from a "
+                             f"{name!r} of shape {shape}; expected weight "
+                             f"({self.out_features}, in_features)")
+        self._create(shape[1], self.__dict__.get("_device"))
