@@ -195,6 +195,18 @@ def test_lazy_modules_refuse_get_set_and_port_until_sized(backend):
         np.testing.assert_array_equal(value, am.get_params(seeds)[name])
 
 
+def test_copies_of_a_lazy_module_size_on_their_own(backend):
+    import copy
+    import pickle
+    _, (Q, K, V, L) = inputs(backend)
+    m = am.MultiHeadAttention(8, 2, 0.0, backend=backend).eval()
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert not c.sized
+        c(Q, K, V, L)
+        assert c.sized and c.key_size == 6
+    assert not m.sized
+
+
 def test_a_lazy_call_under_a_trace_is_refused():
     """Under jax.jit/grad the leaves of the pytree would change inside the
     trace; the module says to call it once eagerly or pass the sizes."""
@@ -249,9 +261,14 @@ def test_torch_lazy_native():
     unsized = am.MultiHeadAttention(8, 2, 0.0, backend=backend)
     unsized.load_state_dict(am.MultiHeadAttention(8, 2, 0.0, backend=backend).state_dict())
     assert not unsized.sized
-    # torch.jit.trace refuses uninitialized parameters itself
+    # torch.jit.trace refuses uninitialized parameters itself; a first call
+    # under torch.compile is refused here
     with pytest.raises(RuntimeError, match="uninitialized parameters"):
         torch.jit.trace(unsized, (Q, K, V))
+    with pytest.raises(TypeError, match=r"called under a trace \(torch: .*call the "
+                                        r"module once eagerly"):
+        torch.compile(unsized, backend="eager")(Q, K, V)
+    assert not unsized.sized
 
 
 def test_mxnet_lazy_native(tmp_path):
