@@ -2,8 +2,8 @@
 backend (the backend comes from the arrays)."""
 from .core import attend, make_mask, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
-from .core.checks import (backend_of, check_array, check_divides, check_float,
-                          check_positive_int, valid_lens_array)
+from .core.checks import (backend_of, check_array, check_divides, check_dropout,
+                          check_float, check_positive_int, valid_lens_array)
 
 
 def sequence_mask(X, valid_len, value=0):
@@ -78,8 +78,7 @@ def dot_product_attention(queries, keys, values, valid_lens=None, *, mask=None,
     m = make_mask(B, batch, heads, num_q, k.shape[2], valid_lens=valid_lens, mask=mask,
                   bias=bias, causal=causal, window=window, dtype=B.dtype_name(q),
                   heads_axis=ndim == 4, device=B.device_of(q))
-    if dropout and not 0 <= dropout < 1:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    dropout = check_dropout("dropout", dropout)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 

@@ -161,9 +161,16 @@ def test_dropout_one_drops_everything(backend):
     pe = am.PositionalEncoding(4, 1.0, backend=backend)
     out = backend.to_numpy(pe(x, key=key))
     np.testing.assert_array_equal(out, np.zeros((2, 3, 4), np.float32))
-    dot = am.DotProductAttention(1.0, path="full", backend=backend)
-    out = backend.to_numpy(dot(x, x, x, key=key))
-    np.testing.assert_array_equal(out, np.zeros((2, 3, 4), np.float32))
+    for path in ("fused", "tiled", "chunked", "full"):
+        dot = am.DotProductAttention(1.0, path=path, backend=backend)
+        out = backend.to_numpy(dot(x, x, x, np.array([2, 3]), key=key))
+        np.testing.assert_array_equal(out, np.zeros((2, 3, 4), np.float32), path)
+    x4 = x.reshape((2, 1, 3, 4))
+    out = am.dot_product_attention(x4, x4, x4, dropout=1.0, key=key)
+    np.testing.assert_array_equal(backend.to_numpy(out), np.zeros((2, 1, 3, 4)))
+    with pytest.raises(ValueError, match=r"dropout must be a real number in \[0, 1\], "
+                                         r"got 1.5"):
+        am.dot_product_attention(x4, x4, x4, dropout=1.5)
 
 
 @pytest.mark.parametrize("helper, good, bad", [

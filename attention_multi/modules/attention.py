@@ -125,6 +125,12 @@ class _Attention(Module):
 class AdditiveAttention(_Attention):
     """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score.
 
+    Two signatures (see ``bind_editions``): the seeds'
+    ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (3 or 4
+    positional arguments) and d2l 1.0's ``AdditiveAttention(num_hiddens,
+    dropout)`` (at most 2), whose ``W_k`` and ``W_q`` are lazily sized unless
+    ``key_size=`` and ``query_size=`` are given.
+
     The (batch, queries, keys, num_hiddens) features are computed a block of
     queries at a time so that they stay within ``memory_budget`` bytes
     (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB; also a module attribute);
@@ -255,6 +261,14 @@ class DotProductAttention(_Attention):
 
 class MultiHeadAttention(_Attention):
     """Multi-head attention over ``num_heads`` scaled dot-product heads.
+
+    Two signatures (see ``bind_editions``): the seeds'
+    ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens,
+    num_heads, dropout, bias=False)`` (5 to 7 positional arguments) and d2l
+    1.0's ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``
+    (at most 4), whose ``W_q``, ``W_k``, ``W_v`` are lazily sized
+    (``Linear(None, num_hiddens)``: the first call gives their input sizes)
+    unless ``key_size=``, ``query_size=``, ``value_size=`` are given.
 
     The heads reach the attention as (batch, heads, n, head_size) views of the
     projections, so a fused kernel takes them without copies. ``path``,
