@@ -46,7 +46,8 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
         raise TypeError(f"{cls_name}() missing required argument"
                         f"{'s' if len(missing) > 1 else ''} "
                         f"{', '.join(map(repr, missing))} (the seeds' form: "
-                        f"{_sig(seeds, defaults_shown)}; d2l 1.0's: {_sig(d2l10, defaults_shown)})")
+                        f"{_sig(seeds, defaults_shown)}; d2l 1.0's: "
+                        f"{_sig(d2l10, defaults_shown)})")
     for name in seeds:
         bound.setdefault(name, defaults.get(name))
     return bound, options
