@@ -1,0 +1,32 @@
+"""Type aliases of the public API.
+
+Arrays are typed loosely (``Array`` is ``Any``: a NumPy, PyTorch, JAX or
+MXNet array); names, options and choices are exact ``Literal`` types.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from backends import Backend
+from backends.types import Array, DeviceKind, DType, FloatDType, Shape
+
+__all__ = ["Array", "AttentionPath", "BackendLike", "DType", "DeviceKind", "DeviceLike",
+           "FloatDType", "Shape", "TakenPath", "Window"]
+
+AttentionPath = Literal["auto", "fused", "tiled", "chunked", "full"]
+"""The ``path=`` of ``DotProductAttention``, ``MultiHeadAttention`` and ``attend``."""
+
+TakenPath = Literal["fused", "tiled", "chunked", "full", "empty"]
+"""What ``module.last_path`` reports after a call (``"empty"``: an axis was
+empty and no kernel ran)."""
+
+BackendLike = Union[str, Backend, None]
+"""``backend=``: a name (``"torch"``, alias ``"pytorch"``), a ``Backend``, or
+None for the current default."""
+
+DeviceLike = Union[str, Any, None]
+"""``device=``: a name (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"gpu"``), a
+framework's own device object, or None for ``ATTENTION_MULTI_DEVICE``."""
+
+Window = Union[int, tuple[int, int], None]
+"""``window=``: ``w`` (``w`` keys either side) or ``(left, right)``."""
