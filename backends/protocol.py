@@ -34,6 +34,14 @@ HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
 class Backend:
+    """One framework, as the attention core sees it: arrays, devices,
+    randomness, capabilities, and the class that makes modules native.
+
+    The class attributes describe the framework; the methods are grouped as
+    in the module's docstring (required, math from ``xp``, capabilities with
+    defaults here).
+    """
+
     name: str = ""                           # canonical name, e.g. "torch"
     module_base: type | None = None          # base class that makes a module native
     float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
@@ -64,9 +72,11 @@ class Backend:
         raise NotImplementedError
 
     def dtype_name(self, x: Array) -> str:
+        """The NumPy name of ``x``'s dtype (``"float32"``, ``"bfloat16"``...)."""
         raise NotImplementedError
 
     def astype(self, x: Array, dtype: DType) -> Array:
+        """``x`` cast to the dtype named ``dtype``."""
         raise NotImplementedError
 
     # -- devices (required) -----------------------------------------------------
@@ -75,9 +85,11 @@ class Backend:
         raise NotImplementedError
 
     def device_of(self, x: Array) -> Any:
+        """The native device ``x`` lives on."""
         raise NotImplementedError
 
     def to_device(self, x: Array, device: Any) -> Array:
+        """``x`` on the native ``device`` (``x`` itself when ``device`` is None)."""
         raise NotImplementedError
 
     def native_device(self, device: Any) -> Any:

@@ -29,6 +29,7 @@ _PARAM = "am_backend_name"   # what this plugin parametrizes
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """Adds ``--am-backends=NAMES``."""
     group = parser.getgroup("attention-multi")
     group.addoption("--am-backends", metavar="NAMES", default=None,
                     help="comma-separated backends for the `backend` fixture of "
@@ -37,6 +38,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Resolves the chosen backends (a UsageError names an unknown one)."""
     text = config.getoption("am_backends")
     if text is None:
         config.stash[_CHOSEN] = (backends.available_backends(), False)
@@ -63,6 +65,7 @@ def _parametrized_by_test(metafunc: pytest.Metafunc, name: str) -> bool:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrizes the tests that use the ``backend`` fixture, one case per backend."""
     # _PARAM is in the closure only where this plugin's `backend` fixture is used.
     if _PARAM in metafunc.fixturenames and not (
             _parametrized_by_test(metafunc, "backend")
