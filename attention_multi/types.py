@@ -5,13 +5,13 @@ MXNet array); names, options and choices are exact ``Literal`` types.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypedDict, Union
 
 from backends import Backend
 from backends.types import Array, DeviceKind, DType, FloatDType, Shape
 
 __all__ = ["Array", "AttentionPath", "BackendLike", "DType", "DeviceKind", "DeviceLike",
-           "FloatDType", "Shape", "TakenPath", "Window"]
+           "FloatDType", "ModuleOptions", "Shape", "TakenPath", "Window"]
 
 AttentionPath = Literal["auto", "fused", "tiled", "chunked", "full"]
 """The ``path=`` of ``DotProductAttention``, ``MultiHeadAttention`` and ``attend``."""
@@ -30,3 +30,15 @@ framework's own device object, or None for ``ATTENTION_MULTI_DEVICE``."""
 
 Window = Union[int, tuple[int, int], None]
 """``window=``: ``w`` (``w`` keys either side) or ``(left, right)``."""
+
+
+class ModuleOptions(TypedDict, total=False):
+    """The keywords every module takes (``**options: Unpack[ModuleOptions]``)."""
+
+    backend: BackendLike
+    """Default: the current backend (``use_backend`` > ``set_backend`` >
+    ``ATTENTION_MULTI_BACKEND`` > ``"numpy"``)."""
+    device: DeviceLike
+    """Default: ``ATTENTION_MULTI_DEVICE``, else ``"cpu"``."""
+    dtype: FloatDType
+    """Default ``"float32"``; bfloat16 on torch and JAX only."""
