@@ -3,7 +3,7 @@ namespace (``numpy``, ``jax.numpy``, ``mxnet.numpy``, and ``torch``, which
 takes NumPy's keywords): a subclass sets ``xp`` and overrides its quirks."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -28,25 +28,9 @@ class NumpyLike(Backend):
     xp: Any = None              # the framework's NumPy-like namespace
     array_type: Any = ()        # what ``is_array`` accepts (a type or a tuple of types)
 
-    # Bound from ``xp`` by ``__init__`` (``SAME_SPELLING``) unless a subclass
-    # defines them: NumPy's functions of the same names.
-    exp: Callable[..., Array]
-    tanh: Callable[..., Array]
-    sqrt: Callable[..., Array]
-    where: Callable[..., Array]
-    max: Callable[..., Array]
-    sum: Callable[..., Array]
-    any: Callable[..., Array]
-    repeat: Callable[..., Array]
-    transpose: Callable[..., Array]
-    concatenate: Callable[..., Array]
-    broadcast_to: Callable[..., Array]
-    minimum: Callable[..., Array]
-    maximum: Callable[..., Array]
-    take: Callable[..., Array]
-
     def __init__(self) -> None:
         super().__init__()
+        # NumPy's functions of the same names, unless a subclass defines them.
         for name in SAME_SPELLING:
             if not hasattr(type(self), name):
                 setattr(self, name, getattr(self.xp, name))

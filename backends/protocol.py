@@ -52,6 +52,29 @@ class Backend:
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False        # whether it takes ``dropout`` (its own generator)
 
+    # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
+    # Declared, not defined, here: a subclass supplies them.
+    matmul: Callable[..., Array]        # (a, b, transpose_b=False): over the last two axes
+    linear: Callable[..., Array]        # (x, weight, bias=None): x @ weight.T + bias
+    softmax: Callable[..., Array]       # (x, axis=-1)
+    exp_inplace: Callable[..., Array]   # (x): exp, reusing x's memory where it can
+    arange: Callable[..., Array]        # (n, device=None): int32 [0, n)
+    zeros: Callable[..., Array]         # (shape, dtype, device=None)
+    exp: Callable[..., Array]
+    tanh: Callable[..., Array]
+    sqrt: Callable[..., Array]
+    where: Callable[..., Array]
+    max: Callable[..., Array]
+    sum: Callable[..., Array]
+    any: Callable[..., Array]
+    repeat: Callable[..., Array]
+    transpose: Callable[..., Array]
+    concatenate: Callable[..., Array]
+    broadcast_to: Callable[..., Array]
+    minimum: Callable[..., Array]
+    maximum: Callable[..., Array]
+    take: Callable[..., Array]
+
     def __init__(self) -> None:
         self._native_classes: dict[type, type] = {}
 
