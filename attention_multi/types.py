@@ -28,8 +28,9 @@ DeviceLike = Union[str, Any, None]
 """``device=``: a name (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"gpu"``), a
 framework's own device object, or None for ``ATTENTION_MULTI_DEVICE``."""
 
-Window = Union[int, tuple[int, int], None]
-"""``window=``: ``w`` (``w`` keys either side) or ``(left, right)``."""
+Window = Union[int, tuple[Union[int, None], Union[int, None]], None]
+"""``window=``: ``w`` (``w`` keys either side) or ``(left, right)``, a side
+None meaning unbounded."""
 
 
 class ModuleOptions(TypedDict, total=False):
