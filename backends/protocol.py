@@ -48,7 +48,7 @@ class Backend:
     autodiff: bool = False             # whether ``gradients`` works
     runtime_cond: bool = False         # whether ``cond`` decides at run time while traced
     compiles_per_shape: bool = False   # whether each new array shape costs a compilation
-    tile_merge_waste: float = 0.1      # extra work the tiled path accepts to save a kernel call
+    kernel_call_cost: int = 16384      # one more kernel call costs as much as this many scores
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False        # whether it takes ``dropout`` (its own generator)
 

@@ -16,7 +16,7 @@ class TorchBackend(NumpyLike):
     autodiff = True
     has_fused_attention = True
     fused_dropout = True
-    tile_merge_waste = 0.0       # (SDPA with a mask is much slower than without)
+    kernel_call_cost = 8192
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
