@@ -15,6 +15,7 @@ class PlainModule:
     _param_names: list[str]
     _buffer_names: list[str]
     _child_names: list[str]
+    _lazy_names: list[str]
     training: bool
     forward: Callable[..., Any]   # the public class's
 

@@ -43,7 +43,7 @@ class _Target:
         self.module, self.label = module, type(module).__name__
         torch = sys.modules.get("torch")
         if isinstance(module, Module):
-            module._check_sized("loading parameters")  # type: ignore[attr-defined]
+            module._check_sized("loading parameters")
             self.torch: Any = None
             self.arrays: dict[str, Any] = module.named_arrays()  # type: ignore[attr-defined]
         elif torch is not None and isinstance(module, torch.nn.Module):
