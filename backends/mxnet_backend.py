@@ -11,9 +11,8 @@ MXNet 1.9.1 quirks handled here:
 - ``np.where`` with a scalar operand sends gradients to the wrong positions,
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
-import numpy as np
-
 import mxnet as mx  # (backends/__init__.py restored numpy.bool)
+import numpy as np
 from mxnet import autograd, npx
 from mxnet import np as mnp
 
@@ -52,6 +51,7 @@ class MXNetBackend(NumpyLike):
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
     has_fused_attention = True
+    kernel_call_cost = 32768     # (each operator call goes through MXNet's engine)
 
     def asarray(self, x, dtype=None, device=None):
         if isinstance(x, mnp.ndarray):
@@ -86,7 +86,8 @@ class MXNetBackend(NumpyLike):
             out = out + mnp.sum(x.reshape((0,)))       # (0: keeps autograd's graph)
             return out if bias is None else out + bias
         if _cpu_half(x):
-            weight, bias = weight.astype("float32"), bias if bias is None else bias.astype("float32")
+            weight = weight.astype("float32")
+            bias = bias if bias is None else bias.astype("float32")
             return self.linear(x.astype("float32"), weight, bias).astype(x.dtype)
         return npx.fully_connected(x, weight, bias, num_hidden=weight.shape[0],
                                    no_bias=bias is None, flatten=False)
@@ -169,7 +170,8 @@ class MXNetBackend(NumpyLike):
 
     def _dropout(self, x, p):
         keep = mnp.random.uniform(0, 1, size=x.shape, ctx=x.ctx) >= p
-        return mnp.where(keep, x / (1 - p), mnp.zeros((), dtype=x.dtype, ctx=x.ctx))
+        scale = 1.0 / (1 - p) if p < 1 else 0.0       # p = 1: every element dropped
+        return mnp.where(keep, x * scale, mnp.zeros((), dtype=x.dtype, ctx=x.ctx))
 
     def gradients(self, loss_fn, module, *inputs):
         params = module._collect_params_with_prefix()

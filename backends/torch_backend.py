@@ -55,7 +55,7 @@ class TorchBackend(NumpyLike):
     autodiff = True
     has_fused_attention = True
     fused_dropout = True
-    tile_merge_waste = 0.0       # (SDPA with a mask is much slower than without)
+    kernel_call_cost = 8192
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
@@ -88,14 +88,18 @@ class TorchBackend(NumpyLike):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
 
     def is_concrete(self, x):
-        """False while torch traces: ``torch.compile``, ``torch.export`` (and
-        so ONNX export), ``torch.jit.trace``, ``make_fx``; and for tensor
+        """False while torch traces (``is_tracing``) and for tensor
         subclasses (FakeTensor, FunctionalTensor, DTensor), whose values are
         not on the host."""
-        if torch.compiler.is_compiling() or torch.jit.is_tracing() or _proxy_mode():
+        if self.is_tracing():
             return False
         return not isinstance(x, torch.Tensor) or type(x) in (torch.Tensor,
                                                               torch.nn.Parameter)
+
+    def is_tracing(self):
+        """``torch.compile``, ``torch.export`` (and so ONNX export),
+        ``torch.jit.trace``, ``make_fx``."""
+        return torch.compiler.is_compiling() or torch.jit.is_tracing() or _proxy_mode()
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)

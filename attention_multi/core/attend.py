@@ -1,8 +1,8 @@
 """``attend``: scaled dot-product attention on checked arrays, on the path it picks."""
 import math
-import numbers
 
 from . import paths
+from .checks import check_choice, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 """Default extra memory (bytes) one attention call may use for its score-sized
@@ -13,18 +13,9 @@ PATHS = ("auto", "fused", "tiled", "chunked", "full")
 
 def check_path_options(path, memory_budget, chunk_size):
     """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, "
-                         f"got {path!r}")
-    checked = []
-    for name, value in (("memory_budget", memory_budget), ("chunk_size", chunk_size)):
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-                    or value < 1:
-                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
-            value = int(value)
-        checked.append(value)
-    return (path, *checked)
+    return (check_choice("path", path, PATHS),
+            check_positive_int("memory_budget", memory_budget, allow_none=True),
+            check_positive_int("chunk_size", chunk_size, allow_none=True))
 
 
 def zeros_for_empty(B, shape, like, *inputs):
@@ -41,8 +32,9 @@ def zeros_for_empty(B, shape, like, *inputs):
 
 
 TILED_WORK_MAX = 0.9
-"""``"auto"`` takes the tiled path first when its tiles skip at least a tenth
-of the scores (padding, causal or window blocks no query sees)."""
+"""``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
+one kernel call over all the scores: they skip padding, causal or window
+blocks no query sees, and each tile costs ``Backend.kernel_call_cost`` more."""
 
 
 def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
@@ -69,7 +61,8 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
       blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
     - ``"auto"`` (default): ``"tiled"`` when the lengths are known and its
-      tiles skip at least a tenth of the scores, or when they are traced and
+      tiles, each call counted, cost at most ``TILED_WORK_MAX`` of one
+      kernel call over all the scores, or when the lengths are traced and
       the backend skips blocks at run time; else ``"fused"`` if the backend's
       kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
       lengths are known; else ``"chunked"`` if the float32 scores would
@@ -112,7 +105,7 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
             path == "tiled" or not B.compiles_per_shape):
         plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
     if plan is not None and (path == "tiled" or (path == "auto" and
-                                                 plan.fraction <= TILED_WORK_MAX)):
+                                                 plan.cost <= TILED_WORK_MAX)):
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
             kept, "tiled"
     if (path in ("auto", "tiled") and not dropout and mask.intervals
