@@ -48,7 +48,10 @@ class TorchModule(torch.nn.Module):
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _unsized(self):
-        return [n for n, p in self.named_parameters() if torch.nn.parameter.is_lazy(p)]
+        # (isinstance, not torch.nn.parameter.is_lazy: torch.compile traces
+        # isinstance without a graph break)
+        lazy = torch.nn.parameter.UninitializedTensorMixin
+        return [n for n, p in self.named_parameters() if isinstance(p, lazy)]
 
     def _add_buffer(self, name, value):
         self.register_buffer(name, value, persistent=False)
