@@ -54,6 +54,10 @@ class NumpyLike(Backend):
         return self.to_device(self.xp.zeros(shape, dtype=np_dtype(dtype)), device)
 
     # -- math -------------------------------------------------------------------
+    def logical_and(self, a, b):
+        """Elementwise AND of two boolean arrays (broadcasting)."""
+        return a & b
+
     def matmul(self, a, b, transpose_b=False):
         """Batched matrix product over the last two axes."""
         return self.xp.matmul(a, self.xp.swapaxes(b, -1, -2) if transpose_b else b)

@@ -7,7 +7,7 @@ NumPy's spelling then comes from ``xp``, and it overrides only its quirks.
 Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``astype``, ``device``, ``device_of``, ``to_device``, ``uniform``,
 ``dropout``, ``seed``. Math (NumPy spelling, from ``xp`` unless overridden):
-``matmul``, ``linear``, ``softmax``, ``where``, ``exp``, ``tanh``, ``sqrt``,
+``matmul``, ``linear``, ``softmax``, ``where``, ``logical_and``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
 ``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,

@@ -360,7 +360,7 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
                  B.zeros((1, heads, num_q, dv), work, device))
         for k0 in range(0, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
-            seen = B.any(rows_b & (hi_b > k0) & (lo_b < k1))
+            seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 
             def block(state, qs, k, v, b=b, k0=k0, k1=k1):
                 sub = mask.sub(b, b + 1, 0, num_q, k0, k1)
