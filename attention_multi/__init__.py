@@ -6,7 +6,7 @@ from . import port
 from .config import get_backend, set_backend, use_backend
 from .functional import (dot_product_attention, masked_softmax, nadaraya_watson,
                          sequence_mask, transpose_output, transpose_qkv)
-from .modules import (AdditiveAttention, DotProductAttention, Linear, Module,
+from .modules import (AdditiveAttention, DotProductAttention, KVCache, Linear, Module,
                       MultiHeadAttention, NWKernelRegression, PositionalEncoding,
                       train_kernel_regression)
 from .params import get_params, set_params
@@ -15,7 +15,7 @@ from .plotting import show_heatmaps
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdditiveAttention", "DotProductAttention", "Linear", "Module",
+    "AdditiveAttention", "DotProductAttention", "KVCache", "Linear", "Module",
     "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
     "asarray", "available_backends", "dot_product_attention", "get_backend", "get_params",
     "masked_softmax", "nadaraya_watson", "port", "sequence_mask", "set_backend",

@@ -140,6 +140,17 @@ def check_heads(num_hiddens, num_heads):
                          f"num_heads={num_heads}")
 
 
+def check_kv_heads(num_heads, num_kv_heads):
+    """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
+    if num_kv_heads is None:
+        return num_heads
+    if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) or \
+            num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"num_kv_heads must be a positive int dividing "
+                         f"num_heads={num_heads}, got num_kv_heads={num_kv_heads!r}")
+    return num_kv_heads
+
+
 def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
     """Nadaraya-Watson regression with a Gaussian kernel (no parameters).
 

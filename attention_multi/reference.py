@@ -74,21 +74,28 @@ def additive_attention(params, queries, keys, values, valid_lens=None):
     return out, weights
 
 
-def multi_head_attention(params, queries, keys, values, valid_lens, num_heads):
+def multi_head_attention(params, queries, keys, values, valid_lens, num_heads,
+                         num_kv_heads=None, **forms):
     """W_o concat_h(attention_h(W_q q, W_k k, W_v v)), heads on contiguous feature
-    blocks. Returns (output, weights) with weights (B * num_heads, Q, K) as d2l."""
+    blocks; with ``num_kv_heads`` W_k and W_v give that many heads, each serving
+    ``num_heads // num_kv_heads`` consecutive query heads. ``forms``: ``mask``,
+    ``bias`` (broadcast to (B, heads, Q, K); a 3-D one is (B, Q, K)), ``causal``,
+    ``window`` as in ``attention``. Returns (output, weights) with weights
+    (B * num_heads, Q, K) as d2l."""
     def proj(name, x):
         return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
 
-    def heads(x):   # (B, n, H) -> (B, n, heads, H / heads)
-        return x.reshape(x.shape[0], x.shape[1], num_heads, -1)
+    def heads(x, n):   # (B, n, H) -> (B, heads, n, H / heads)
+        return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
-    q, k, v = heads(proj("W_q", queries)), heads(proj("W_k", keys)), heads(proj("W_v", values))
-    B, Q, _, d = q.shape
-    K = k.shape[1]
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-    weights = softmax_where(scores, key_mask(valid_lens, B, Q, K)[:, None])
-    concat = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, Q, -1)
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    forms = {n: (np.asarray(x)[:, None] if n in ("mask", "bias") and np.ndim(x) == 3
+                 else x) for n, x in forms.items()}
+    q = heads(proj("W_q", queries), num_heads)
+    out, weights = attention(q, heads(proj("W_k", keys), kv), heads(proj("W_v", values), kv),
+                             valid_lens, **forms)
+    B, _, Q, K = weights.shape
+    concat = out.transpose(0, 2, 1, 3).reshape(B, Q, -1)
     return proj("W_o", concat), weights.reshape(B * num_heads, Q, K)
 
 

@@ -13,6 +13,7 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
+``write_slice`` (KV caches), ``register_tree`` (containers traced through),
 ``fused_attention``, and
 ``module_base``: the class that makes a module native to the framework.
 """
@@ -139,6 +140,23 @@ class Backend:
         """``fn(*args)``; under the framework's autodiff, recomputed in the
         backward pass instead of keeping its intermediates (where it can)."""
         return fn(*args)
+
+    def write_slice(self, buffer, update, start, axis):
+        """A copy of ``buffer`` with ``update`` written at ``start`` along
+        ``axis`` (the other axes whole): out of place, so autodiff sees it.
+        ``start`` is an int, or a 0-d int array that may be traced where the
+        framework compiles (JAX: then the write is clamped to the buffer)."""
+        out = buffer.copy()
+        index = [slice(None)] * len(buffer.shape)
+        index[axis] = slice(start, start + update.shape[axis])
+        out[tuple(index)] = update
+        return out
+
+    def register_tree(self, cls, flatten, unflatten):
+        """Let the framework trace through instances of ``cls`` (JAX: a
+        pytree node, so that ``jax.jit`` takes and returns them); elsewhere
+        nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
+        children) -> obj``. Registering a class twice is harmless."""
 
     def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
                         dropout=0.0):

@@ -57,6 +57,10 @@ class TorchBackend(NumpyLike):
     def softmax(self, x, axis=-1):
         return torch.softmax(x, dim=axis)
 
+    def write_slice(self, buffer, update, start, axis):
+        index = torch.arange(update.shape[axis], device=buffer.device) + start
+        return buffer.index_copy(axis, index, update)     # out of place: autograd sees it
+
     def checkpoint(self, fn, *args):
         if not torch.is_grad_enabled() or not any(
                 isinstance(x, torch.Tensor) and x.requires_grad for x in args):

@@ -6,13 +6,14 @@ Each takes the keywords ``backend=`` (default: the current backend),
 ``nn.Linear`` does, with weights laid out (out, in).
 
 Files: ``base.py`` (``Module``, ``Linear``), ``attention.py``,
-``encoding.py``, ``regression.py``.
+``encoding.py``, ``regression.py``, ``cache.py`` (``KVCache``).
 """
 from .attention import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from .base import Linear, Module
+from .cache import KVCache
 from .encoding import PositionalEncoding, sinusoid_table
 from .regression import NWKernelRegression, train_kernel_regression
 
-__all__ = ["AdditiveAttention", "DotProductAttention", "Linear", "Module",
+__all__ = ["AdditiveAttention", "DotProductAttention", "KVCache", "Linear", "Module",
            "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
            "sinusoid_table", "train_kernel_regression"]

@@ -1,10 +1,15 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
+import numbers
+
+import numpy as np
+
 from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
                     masked_softmax, zeros_for_empty)
-from ..core.checks import check_array, check_float
+from ..core.checks import _backend_name, check_array, check_float
 from ..core.paths import work_itemsize
-from ..functional import check_heads
+from ..functional import check_heads, check_kv_heads
 from .base import Linear, Module
+from .cache import KVCache
 
 
 class _Attention(Module):
@@ -191,37 +196,114 @@ class MultiHeadAttention(_Attention):
     """
 
     def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads,
-                 dropout, bias=False, *, path="auto", memory_budget=None,
-                 chunk_size=None, **options):
+                 dropout, bias=False, *, num_kv_heads=None, path="auto",
+                 memory_budget=None, chunk_size=None, **options):
         self._start(**options)
         check_heads(num_hiddens, num_heads)
+        self.num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
         self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.attention = DotProductAttention(
             dropout, path=path, memory_budget=memory_budget, chunk_size=chunk_size,
             **self._child_options())
+        kv_hiddens = self.num_kv_heads * (num_hiddens // num_heads)
         self.W_q = Linear(query_size, num_hiddens, bias=bias, **self._child_options())
-        self.W_k = Linear(key_size, num_hiddens, bias=bias, **self._child_options())
-        self.W_v = Linear(value_size, num_hiddens, bias=bias, **self._child_options())
+        self.W_k = Linear(key_size, kv_hiddens, bias=bias, **self._child_options())
+        self.W_v = Linear(value_size, kv_hiddens, bias=bias, **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+                causal=False, window=None, key=None, cache=None):
+        """Multi-head attention of ``queries`` (batch, Q, query_size) over
+        ``keys`` and ``values`` (batch, K, key_size|value_size); the masking
+        forms are those of ``am.dot_product_attention`` (``mask``/``bias``
+        may carry a heads axis: (batch, heads, Q, K)).
+
+        With ``cache`` (from ``init_cache``): this step's keys and values are
+        projected and written at the cache's length, and the queries attend
+        causally (bottom-right) over every cached position so far; the keys
+        axis of ``valid_lens``, ``mask``, ``bias`` is then the cache's
+        (``max_len``). Returns ``(output, new cache)``.
+        """
         self._check_inputs(queries, keys, values,
                            (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
-        m = self._mask(queries, keys, h, valid_lens=valid_lens, mask=mask, bias=bias,
-                       causal=causal, window=window)
 
-        def heads(x):   # (b, n, h * s) -> (b, h, n, s), a view where possible
+        def heads(x, h):   # (b, n, h * s) -> (b, h, n, s), a view where possible
             b, n, hidden = x.shape
             return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
-        out = self.attention._attend(heads(self.W_q(queries)), heads(self.W_k(keys)),
-                                     heads(self.W_v(values)), m, key)
+        q = heads(self.W_q(queries), h)
+        k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
+        num_keys, offset = keys.shape[1], None
+        if cache is not None:
+            start = self._check_cache(cache, queries, keys)
+            k = B.write_slice(cache.keys, k, start, 2)
+            v = B.write_slice(cache.values, v, start, 2)
+            end = start + keys.shape[1]           # an int, or traced (jax.jit)
+            num_keys, offset, causal = cache.max_len, end - queries.shape[1], True
+            length = end if B.is_array(end) else B.asarray(
+                np.asarray(end, np.int32), device=B.device_of(cache.keys))
+            cache = KVCache(k, v, length)
+        m = make_mask(B, queries.shape[0], h, queries.shape[1], num_keys,
+                      valid_lens=valid_lens, mask=mask, bias=bias, causal=causal,
+                      window=window, offset=offset, dtype=B.dtype_name(queries),
+                      heads_axis=False, device=B.device_of(queries))
+        out = self.attention._attend(q, k, v, m, key)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
-        return self.W_o(out.reshape((b, n, self.num_hiddens)))
+        out = self.W_o(out.reshape((b, n, self.num_hiddens)))
+        return out if cache is None else (out, cache)
+
+    def init_cache(self, batch_size, max_len):
+        """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to
+        ``max_len`` positions: zeros (batch_size, num_kv_heads, max_len,
+        head_size) in the dtype and on the device of the parameters, length 0."""
+        for name, n in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        B = self._backend
+        weight = self.W_k.named_arrays()["weight"]
+        dtype, device = B.dtype_name(weight), B.device_of(weight)
+        shape = (int(batch_size), self.num_kv_heads, int(max_len),
+                 self.num_hiddens // self.num_heads)
+        B.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
+        return KVCache(B.zeros(shape, dtype, device), B.zeros(shape, dtype, device),
+                       B.asarray(np.asarray(0, np.int32), device=device))
+
+    def _check_cache(self, cache, queries, keys):
+        """The cache's length (an int, or a traced 0-d array under jax.jit),
+        after checking that ``cache`` belongs to this module and the call."""
+        B = self._backend
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from this module's init_cache(), "
+                            f"got {type(cache).__name__}")
+        if not all(B.is_array(x) for x in (cache.keys, cache.values, cache.length)):
+            raise TypeError(f"cache holds {_backend_name(cache.keys)} but this module runs on "
+                            f"the {B.name} backend; make the cache with its init_cache()")
+        size = self.num_hiddens // self.num_heads
+        shape = tuple(cache.keys.shape)
+        if len(shape) != 4 or shape[1] != self.num_kv_heads or shape[3] != size or \
+                tuple(cache.values.shape) != shape:
+            raise ValueError(f"cache of another module: its keys {shape} and values "
+                             f"{tuple(cache.values.shape)} are not (batch, num_kv_heads="
+                             f"{self.num_kv_heads}, max_len, head_size={size}); make it "
+                             f"with this module's init_cache()")
+        if shape[0] != queries.shape[0]:
+            raise ValueError(f"cache was made for batch_size={shape[0]} but the queries "
+                             f"{tuple(queries.shape)} have batch size {queries.shape[0]}")
+        dtype, want = B.dtype_name(cache.keys), B.dtype_name(queries)
+        if dtype != want:
+            raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
+        if not B.is_concrete(cache.length):
+            return cache.length
+        start = int(B.to_numpy(cache.length))
+        if start + keys.shape[1] > shape[2]:
+            raise ValueError(f"decoding past max_len: the cache holds {start} of "
+                             f"max_len={shape[2]} positions and this step adds "
+                             f"{keys.shape[1]} (keys {tuple(keys.shape)}); make a "
+                             f"larger cache with init_cache(batch_size, max_len)")
+        return start
 
     @property
     def attention_weights(self):
@@ -238,3 +320,4 @@ class MultiHeadAttention(_Attention):
                              lambda self, v: setattr(self.attention, "memory_budget", v))
     chunk_size = property(lambda self: self.attention.chunk_size,
                           lambda self, v: setattr(self.attention, "chunk_size", v))
+
