@@ -14,7 +14,7 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
 ``write_slice`` (KV caches), ``register_tree`` (containers traced through),
-``fused_attention``, and
+``fused_attention`` (with ``fused_causal``), and
 ``module_base``: the class that makes a module native to the framework.
 """
 from .devices import parse_device
@@ -33,6 +33,7 @@ class Backend:
     tile_merge_waste = 0.1       # extra work the tiled path accepts to save a kernel call
     has_fused_attention = False  # whether ``fused_attention`` is implemented
     fused_dropout = False        # whether it takes ``dropout`` (its own generator)
+    fused_causal = False         # whether it skips the masked half of top-left causal
 
     def __init__(self):
         self._native_classes = {}

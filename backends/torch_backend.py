@@ -16,6 +16,7 @@ class TorchBackend(NumpyLike):
     autodiff = True
     has_fused_attention = True
     fused_dropout = True
+    fused_causal = True          # (SDPA's is_causal kernels skip blocks above the diagonal)
     tile_merge_waste = 0.0       # (SDPA with a mask is much slower than without)
 
     # torch spells these differently from NumPy
