@@ -94,7 +94,21 @@ def test_decoding_with_a_padding_mask(backend):
     np.testing.assert_allclose(np.concatenate(outs, 1), want, rtol=2e-5, atol=2e-5)
 
 
-def test_jit_step_compiles_once():
+def test_decoding_with_a_window(backend):
+    mha, params = build(backend)
+    x, xb = sequence(backend, "float32")
+    want, _ = oracle.multi_head_attention(params, x, x, x, None, HEADS, KV_HEADS,
+                                          causal=True, window=(2, 0))
+    cache, outs = mha.init_cache(BATCH, MAX_LEN), []
+    for t in range(T):
+        out, cache = mha(xb[:, t:t + 1], xb[:, t:t + 1], xb[:, t:t + 1], window=(2, 0),
+                         cache=cache)
+        outs.append(backend.to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(outs, 1), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_jit_step_compiles_once(window):
     jax = pytest.importorskip("jax")
     mha, params = build("jax")
     x, xb = sequence(mha.backend, "float32")
@@ -103,7 +117,7 @@ def test_jit_step_compiles_once():
     @jax.jit
     def step(module, cache, token):
         traces.append(1)
-        return module(token, token, token, cache=cache)
+        return module(token, token, token, window=window, cache=cache)
 
     cache = mha.init_cache(BATCH, MAX_LEN)
     outs = []
@@ -113,7 +127,7 @@ def test_jit_step_compiles_once():
     assert len(traces) == 1
     assert int(cache.length) == T
     want, _ = oracle.multi_head_attention(params, x, x, x, None, HEADS, KV_HEADS,
-                                          causal=True)
+                                          causal=True, window=window)
     np.testing.assert_allclose(np.concatenate(outs, 1), want, rtol=2e-5, atol=2e-5)
     leaves = jax.tree_util.tree_leaves(cache)
     assert len(leaves) == 3                                   # keys, values, length
