@@ -151,7 +151,7 @@ def test_jax_dot_product_attention():
     _every_path("jax bias", *a, _jax_layout(np.asarray(want)), 2e-6, bias=jnp.asarray(bias))
     lens = np.array([7, 3])
     _report("jax key_value_seq_lengths", ours(*a, jnp.asarray(lens)),
-            peer(*p, key_value_seq_lengths=jnp.asarray(lens)), 2e-6)
+            peer(*p, key_value_seq_lengths=jnp.asarray(lens, jnp.int32)), 2e-6)
     sq = [x[:, :, :Q] for x in a]
     _report("jax is_causal (Q == K)", ours(*sq, causal=True),
             peer(*[x[:, :Q] for x in p], is_causal=True), 2e-6)
