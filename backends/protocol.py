@@ -30,7 +30,7 @@ class Backend:
     autodiff = False             # whether ``gradients`` works
     runtime_cond = False         # whether ``cond`` decides at run time while traced
     compiles_per_shape = False   # whether each new array shape costs a compilation
-    tile_merge_waste = 0.1       # extra work the tiled path accepts to save a kernel call
+    kernel_call_cost = 16384     # one more kernel call costs as much as this many scores
     has_fused_attention = False  # whether ``fused_attention`` is implemented
     fused_dropout = False        # whether it takes ``dropout`` (its own generator)
     fused_causal = False         # whether it skips the masked half of top-left causal

@@ -17,7 +17,7 @@ class TorchBackend(NumpyLike):
     has_fused_attention = True
     fused_dropout = True
     fused_causal = True          # (SDPA's is_causal kernels skip blocks above the diagonal)
-    tile_merge_waste = 0.0       # (SDPA with a mask is much slower than without)
+    kernel_call_cost = 8192
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)

@@ -194,7 +194,7 @@ def test_auto_path_choice(backend):
     m = am.DotProductAttention(0.5, backend=backend)
     key = backend.dropout_key(0)
     m(q, k, v, lens, **({} if key is None else {"key": key}))
-    assert m.last_path == ("fused" if backend.name == "torch" else
+    assert m.last_path == ("fused" if backend.fused_dropout else
                            "full" if key is not None else "tiled")
     np.testing.assert_allclose(backend.to_numpy(m.attention_weights),
                                oracle.dot_product_attention(*_inputs(7), MASKS["2d"])[1],
@@ -302,7 +302,7 @@ def test_gradients_agree_across_paths(backend):
     grads = {}
     # (JAX: jitted, where eager autodiff through the block loops would take
     # seconds; the tiled path under jit is checked in test_under_jax_jit)
-    paths = ("full", "fused", "chunked") if backend.name == "jax" else PATHS
+    paths = ("full", "fused", "chunked") if backend.compiles_per_shape else PATHS
     for path in paths:
         m = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias=True, backend=backend,
                                   path=path, chunk_size=3)
@@ -314,13 +314,13 @@ def test_gradients_agree_across_paths(backend):
             out = module(q, k, v, lens)
             return backend.sum((out * out).reshape((-1,)), 0)
 
-        if backend.name == "jax":     # jitted: eager autodiff compiles op by op
+        if backend.compiles_per_shape:     # jitted: eager autodiff compiles op by op
             import jax
             g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
         else:
             g = backend.value_and_grad(m, loss_fn)[1]
         grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
-        if backend.name != "jax":      # (under jax the call ran on a traced copy)
+        if not backend.compiles_per_shape:   # (jitted, the call ran on a traced copy)
             assert m.last_path == path
     for path in paths[1:]:
         for name, g in grads["full"].items():
@@ -358,10 +358,10 @@ def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
 
 
 @pytest.mark.parametrize("mask", ["1d", "2d"])
-def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
-    """The tiled path groups batch elements whose key ranges are alike (one
-    kernel call per group), computes little padding, and puts every row back
-    in batch order."""
+def test_tiles_skip_padding_per_batch_element(backend, mask):
+    """The tiled path computes each batch element over the keys its rows may
+    see (one tile each, in batch order), and its cost counts every kernel
+    call at ``Backend.kernel_call_cost``."""
     from attention_multi.core.paths import plan_tiles
     rng = np.random.default_rng(14)
     batch, nq, nk = 9, 4, 40
@@ -377,10 +377,8 @@ def test_tiles_group_batch_elements_of_similar_lengths(backend, mask):
     four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
     plan = plan_tiles(backend, four[0], make_mask(
         backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
-    if backend.tile_merge_waste >= 0.1:
-        assert len(plan.tasks) == 4      # (40, 39, 38), (25, 26), (12, 13, 12), (0)
-        assert plan.order == [0, 2, 6, 8, 5, 4, 1, 7, 3]
-    else:      # every element its own tile, in place
-        assert len(plan.tasks) == batch and plan.order is None
-    assert plan.fraction <= 1.1 * (np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2
-                                   else lens).sum() / (batch * nk)
+    seen = np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2 else lens
+    assert [(t[0], t[3], t[4]) for t in plan.tasks] == [(b, 0, seen[b]) for b in range(batch)]
+    call = backend.kernel_call_cost
+    assert plan.cost == pytest.approx((nq * seen.sum() + call * batch) /
+                                      (batch * nq * nk + call))

@@ -41,8 +41,9 @@ def zeros_for_empty(B, shape, like, *inputs):
 
 
 TILED_WORK_MAX = 0.9
-"""``"auto"`` takes the tiled path first when its tiles skip at least a tenth
-of the scores (padding, causal or window blocks no query sees)."""
+"""``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
+one kernel call over all the scores: they skip padding, causal or window
+blocks no query sees, and each tile costs ``Backend.kernel_call_cost`` more."""
 
 
 def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
@@ -69,9 +70,10 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
       blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
     - ``"auto"`` (default): ``"tiled"`` when the lengths are known and its
-      tiles skip at least a tenth of the scores (unless the mask is top-left
-      causal and the backend's kernel skips that work itself,
-      ``Backend.fused_causal``), or when they are traced and
+      tiles, each call counted, cost at most ``TILED_WORK_MAX`` of one
+      kernel call over all the scores (unless the mask is top-left causal
+      and the backend's kernel skips that work itself,
+      ``Backend.fused_causal``), or when the lengths are traced and
       the backend skips blocks at run time; else ``"fused"`` if the backend's
       kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
       lengths are known; else ``"chunked"`` if the float32 scores would
@@ -117,7 +119,7 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     # itself beats tiles that each carry a mask)
     kernel_causal = mask.top_left_causal and B.fused_causal and num_q == num_k
     if plan is not None and (path == "tiled" or (path == "auto" and not kernel_causal
-                                                 and plan.fraction <= TILED_WORK_MAX)):
+                                                 and plan.cost <= TILED_WORK_MAX)):
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
             kept, "tiled"
     if (path in ("auto", "tiled") and not dropout and mask.intervals

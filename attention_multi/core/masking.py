@@ -255,22 +255,6 @@ class Mask:
             causal=self.causal, window=self.window,
             allowed=rows(self.allowed, False), bias=rows(self.bias, False))
 
-    def select(self, B, indices, device):
-        """The Mask of the batch elements ``indices`` (host ints), in that order."""
-        idx = np.asarray(indices)
-        index = B.asarray(idx.astype(np.int32), device=device)
-
-        def rows(x):
-            return x if x is None or x.shape[0] == 1 else B.take(x, index, 0)
-        known = self.lens_known
-        if known is not None and known.shape[0] > 1:
-            known = known[idx]
-        mask = Mask(len(idx), self.heads, self.num_queries, self.num_keys,
-                    lens=rows(self.lens), lens_known=known, offset=self.offset,
-                    offset_known=self.offset_known, causal=self.causal,
-                    window=self.window, allowed=rows(self.allowed), bias=rows(self.bias))
-        return mask
-
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
@@ -317,7 +301,7 @@ class Mask:
         """Zero key and value rows that no query may see (NaN there must not
         leak into the product); ``keys``/``values`` (batch, heads, K, d)."""
         used = self.used_keys(B, B.device_of(keys))
-        if used is None:
+        if used is None or all_finite(B, keys, values):
             return keys, values
         return B.where(used, keys, 0.0), B.where(used, values, 0.0)
 
@@ -325,6 +309,16 @@ class Mask:
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
         return out if rows is None else B.where(rows, out, 0.0)
+
+
+def all_finite(B, *arrays):
+    """Whether every entry of ``arrays`` is known to be finite: one sum each,
+    read on the host (False while traced, or when a sum overflows). A pass
+    over the keys and values to zero their unused rows then costs a read
+    instead of a write (torch's ``where`` broadcast over the last axis is slow)."""
+    if not all(B.is_concrete(x) for x in arrays):
+        return False
+    return all(np.isfinite(float(B.to_numpy(B.sum(x.reshape((-1,)), 0)))) for x in arrays)
 
 
 def masked_softmax(B, scores, visible):

@@ -190,25 +190,19 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 # -- tiles over the keys each batch element may see ----------------------------------------
 
 class TilePlan:
-    """The tiles of one call: ``tasks`` ``(g0, g1, q0, q1, key start, key
-    stop, whole)`` over batch positions ``[g0, g1)`` and the blocks of queries
-    ``blocks``, group by group (``whole``: every row sees all of its keys). ``order``: None when every group is one batch
-    element (the positions are the elements), else the batch reordered so
-    that the elements of each group sit side by side. ``fraction``: the share
-    of the (batch, Q, K) scores that the tiles compute."""
+    """The tiles of one call: ``tasks`` ``(b, q0, q1, key start, key stop,
+    whole)``, one per batch element and block of queries ``blocks``, element
+    by element (``whole``: every row sees all of its keys). ``cost``: the
+    share of a single kernel call over all the (batch, Q, K) scores that the
+    tiles cost, counting ``Backend.kernel_call_cost`` per call."""
 
-    def __init__(self, order, tasks, blocks, fraction):
-        self.order, self.tasks, self.blocks, self.fraction = order, tasks, blocks, fraction
+    def __init__(self, tasks, blocks, cost):
+        self.tasks, self.blocks, self.cost = tasks, blocks, cost
 
 
 def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
     """The ``TilePlan`` of the tiled path, or None when it cannot run (the
-    mask's intervals traced, or not even one query's scores within the budget).
-
-    Batch elements are grouped when the group's key range computes at most
-    ``B.tile_merge_waste`` more than its members need, so that a few kernel
-    calls skip most of the padding.
-    """
+    mask's intervals traced, or not even one query's scores within the budget)."""
     if not mask.known_on_host():
         return None
     batch, heads, num_q = q.shape[:3]
@@ -220,68 +214,35 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
         if block_q < 1:
             return None
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    start, stop, _ = mask.element_ranges()
-    groups = _groups(list(zip(start.tolist(), stop.tolist())), B.tile_merge_waste)
-    order = [b for group in groups for b in group]
-    if len(groups) == batch:          # one element each: no reordering
-        groups, order = [[b] for b in range(batch)], None
-    per_block = {q0: mask.element_ranges(q0, q1) for q0, q1 in blocks}
-    tasks, work, g0 = [], 0, 0
-    for group in groups:
-        g1 = g0 + len(group)
-        for q0, q1 in blocks:
-            starts, stops, whole = per_block[q0]
-            if len(group) == 1:
-                b = group[0]
-                begin, end, seen_whole = int(starts[b]), int(stops[b]), bool(whole[b])
-            else:
-                begin, end = int(starts[group].min()), int(stops[group].max())
-                seen_whole = False       # (Mask.sub finds out)
-            tasks.append((g0, g1, q0, q1, begin, end, seen_whole))
-            work += (g1 - g0) * (q1 - q0) * max(0, end - begin)
-        g0 = g1
-    return TilePlan(order, tasks, blocks, work / max(1, batch * num_q * mask.num_keys))
-
-
-def _groups(ranges, waste):
-    """Batch elements grouped by their key ranges ``[(start, stop)]``, longest
-    first, a group computing at most ``waste`` (> 0) more than its members
-    need; an element that sees no key is a group of its own."""
-    order = sorted(range(len(ranges)), key=lambda b: ranges[b][0] - ranges[b][1])
-    groups = []
-    for b in order:
-        if groups and waste > 0 and ranges[b][1] > ranges[b][0]:
-            members = groups[-1] + [b]
-            need = sum(ranges[m][1] - ranges[m][0] for m in members)
-            span = max(ranges[m][1] for m in members) - min(ranges[m][0] for m in members)
-            if len(members) * span <= (1 + waste) * need:
-                groups[-1] = members
-                continue
-        groups.append([b])
-    return groups
+    per_block = [mask.element_ranges(q0, q1) for q0, q1 in blocks]
+    tasks, work = [], 0
+    for b in range(batch):
+        for (q0, q1), (starts, stops, whole) in zip(blocks, per_block):
+            begin, end = int(starts[b]), int(stops[b])
+            tasks.append((b, q0, q1, begin, end, bool(whole[b])))
+            work += heads * (q1 - q0) * max(0, end - begin)
+    call = B.kernel_call_cost
+    return TilePlan(tasks, blocks, (work + call * len(tasks)) /
+                    (heads * batch * num_q * mask.num_keys + call))
 
 
 def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
-    """The tiles of ``plan`` (a ``TilePlan``): each group of batch elements and
-    block of queries over the keys its rows may see, through the backend's
-    kernel or ``softmax_product``, on ``B.parallel_map``."""
+    """The tiles of ``plan`` (a ``TilePlan``): each batch element and block of
+    queries over the keys its rows may see, through the backend's kernel or
+    ``softmax_product``, on ``B.parallel_map``."""
     dtype = B.dtype_name(q)
     batch, heads, num_q = q.shape[:3]
     dv = v.shape[-1]
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
-    if plan.order is not None:
-        index = B.asarray(np.asarray(plan.order, np.int32), device=device)
-        q, k, v = (B.take(x, index, 0) for x in (q, k, v))
-        mask = mask.select(B, plan.order, device)
 
     def tile(index):
-        g0, g1, q0, q1, start, stop, whole = plan.tasks[index]
+        b, q0, q1, start, stop, whole = plan.tasks[index]
         if stop <= start:
-            return B.zeros((g1 - g0, heads, q1 - q0, dv), dtype, device)
-        sub = (Mask(g1 - g0, heads, q1 - q0, stop - start) if whole
-               else mask.sub(g0, g1, q0, q1, start, stop))
-        args = (q[g0:g1, :, q0:q1], k[g0:g1, :, start:stop], v[g0:g1, :, start:stop])
+            return B.zeros((1, heads, q1 - q0, dv), dtype, device)
+        sub = (Mask(1, heads, q1 - q0, stop - start) if whole
+               else mask.sub(b, b + 1, q0, q1, start, stop))
+        args = (q[b:b + 1, :, q0:q1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop])
         out = fused(B, *args, sub, scale, dropout=dropout)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
@@ -292,14 +253,10 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     indices = range(len(plan.tasks))
     outs = (B.parallel_map(tile, indices) if scores >= PARALLEL_MIN_SCORES
             else [tile(i) for i in indices])
-    n = len(plan.blocks)      # tasks: per group, its blocks of queries in order
+    n = len(plan.blocks)      # tasks: per element, its blocks of queries in order
     rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
             for i in range(0, len(outs), n)]
-    out = rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
-    if plan.order is not None:
-        inverse = np.argsort(plan.order).astype(np.int32)
-        out = B.take(out, B.asarray(inverse, device=device), 0)
-    return out
+    return rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
 
 
 def softmax_product(B, q, k, v, mask, scale, dropout=None):
