@@ -2,7 +2,8 @@
 backend (the backend comes from the arrays)."""
 from .core import attend, make_mask, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
-from .core.checks import backend_of, check_array, check_float, valid_lens_array
+from .core.checks import (backend_of, check_array, check_divides, check_dropout,
+                          check_float, check_positive_int, valid_lens_array)
 
 
 def sequence_mask(X, valid_len, value=0):
@@ -77,8 +78,7 @@ def dot_product_attention(queries, keys, values, valid_lens=None, *, mask=None,
     m = make_mask(B, batch, heads, num_q, k.shape[2], valid_lens=valid_lens, mask=mask,
                   bias=bias, causal=causal, window=window, dtype=B.dtype_name(q),
                   heads_axis=ndim == 4, device=B.device_of(q))
-    if dropout and not 0 <= dropout < 1:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    dropout = check_dropout("dropout", dropout)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
@@ -112,7 +112,7 @@ def transpose_qkv(X, num_heads):
     """(batch, n, num_hiddens) -> (batch * num_heads, n, num_hiddens / num_heads)."""
     B = backend_of(X=X)
     check_array(B, "X", X, 3, "(batch, n, num_hiddens)")
-    check_heads(X.shape[2], num_heads)
+    num_heads = check_heads(X.shape[2], num_heads)
     b, n, hidden = X.shape
     X = B.transpose(X.reshape((b, n, num_heads, hidden // num_heads)), (0, 2, 1, 3))
     return X.reshape((b * num_heads, n, hidden // num_heads))
@@ -122,8 +122,7 @@ def transpose_output(X, num_heads):
     """Inverse of ``transpose_qkv``."""
     B = backend_of(X=X)
     check_array(B, "X", X, 3, "(batch * num_heads, n, head_size)")
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = check_positive_int("num_heads", num_heads)
     if X.shape[0] % num_heads:
         raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of "
                          f"num_heads={num_heads}")
@@ -133,11 +132,10 @@ def transpose_output(X, num_heads):
 
 
 def check_heads(num_hiddens, num_heads):
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    if num_hiddens % num_heads:
-        raise ValueError(f"num_hiddens={num_hiddens} is not divisible by "
-                         f"num_heads={num_heads}")
+    """``num_heads`` (a positive int) dividing ``num_hiddens``, as an int."""
+    num_heads = check_positive_int("num_heads", num_heads)
+    check_divides("num_heads", num_heads, "num_hiddens", num_hiddens)
+    return num_heads
 
 
 def check_kv_heads(num_heads, num_kv_heads):

@@ -6,6 +6,7 @@ import backends
 
 def get_params(module):
     """``{name: numpy array}`` of a module of any backend (``W_q.weight``...)."""
+    module._check_sized("get_params")
     B = module.backend
     return {name: B.to_numpy(value) for name, value in module.named_arrays().items()}
 
@@ -16,6 +17,7 @@ def set_params(module, params):
     Values are cast to the dtype of the module's parameters. Raises
     ValueError listing missing or unknown names, or the mismatched shapes.
     """
+    module._check_sized("set_params")
     B = module.backend
     current = module.named_arrays()
     missing = sorted(set(current) - set(params))

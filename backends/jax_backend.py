@@ -8,6 +8,12 @@ import numpy as np
 from . import jax_module
 from .numpy_like import NumpyLike, np_dtype
 
+try:    # no public spelling of "is anything being traced"
+    from jax._src.core import trace_state_clean as _trace_state_clean
+except ImportError:   # pragma: no cover - a JAX without it: inputs' tracers still tell
+    def _trace_state_clean():
+        return True
+
 
 @functools.partial(jax.jit, static_argnames=("scale", "is_causal"))
 def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
@@ -40,6 +46,9 @@ class JaxBackend(NumpyLike):
 
     def is_concrete(self, x):
         return not isinstance(x, jax.core.Tracer)
+
+    def is_tracing(self):
+        return not _trace_state_clean()
 
     def asarray(self, x, dtype=None, device=None):
         if dtype == "float64" and not jax.config.jax_enable_x64:
@@ -128,7 +137,8 @@ class JaxBackend(NumpyLike):
                 "PRNG key: call module(..., key=jax.random.PRNGKey(0)), or "
                 "module.eval() to turn dropout off")
         keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
-        return jnp.where(keep, x / (1.0 - p), jnp.zeros((), x.dtype))
+        scale = 1.0 / (1.0 - p) if p < 1 else 0.0     # p = 1: every element dropped
+        return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
     def gradients(self, loss_fn, module, *inputs):
         argnums = tuple(range(len(inputs) + 1))

@@ -174,7 +174,8 @@ class MXNetBackend(NumpyLike):
 
     def _dropout(self, x, p):
         keep = mnp.random.uniform(0, 1, size=x.shape, ctx=x.ctx) >= p
-        return mnp.where(keep, x / (1 - p), mnp.zeros((), dtype=x.dtype, ctx=x.ctx))
+        scale = 1.0 / (1 - p) if p < 1 else 0.0       # p = 1: every element dropped
+        return mnp.where(keep, x * scale, mnp.zeros((), dtype=x.dtype, ctx=x.ctx))
 
     def gradients(self, loss_fn, module, *inputs):
         params = module._collect_params_with_prefix()

@@ -20,6 +20,26 @@ class GluonModule(gluon.Block):
         param.set_data(value)
         setattr(self, name, param)
 
+    def _add_lazy_param(self, name, shape):
+        # Gluon's deferred initialization: an unknown axis is 0 (-1 under NumPy
+        # shape semantics); the data exists once the first call sets the shape
+        known = all(n is not None for n in shape)
+        param = self.params.get(name, shape=tuple(n or 0 for n in shape),
+                                dtype=self._dtype, allow_deferred_init=not known)
+        param.initialize(init=mx.init.Zero(), ctx=self._device)
+        setattr(self, name, param)
+
+    def _fill_lazy_param(self, name, value):
+        param = getattr(self, name)
+        if param._deferred_init:
+            param.shape = tuple(value.shape)
+            param._finish_deferred_init()
+        param.set_data(value)
+
+    def _unsized(self):
+        return [n for n, p in self._collect_params_with_prefix().items()
+                if p._data is None]
+
     def _add_buffer(self, name, value):
         setattr(self, name, value)
 
@@ -42,6 +62,11 @@ class GluonModule(gluon.Block):
 
     def load_parameters(self, filename, ctx=None, allow_missing=False,
                         ignore_extra=False, cast_dtype=False, dtype_source="current"):
+        unsized = self._unsized()
+        if unsized:
+            raise ValueError(f"{type(self).__name__} has parameters whose sizes are not "
+                             f"known yet: {', '.join(unsized)} (lazily sized layers); "
+                             f"call the block once on an example input, then load")
         # Names without a dot (NWKernelRegression's "w") send MXNet 1.9.1 down its
         # legacy loader, which fails in NumPy mode; load them as the normal path does.
         try:

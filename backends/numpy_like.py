@@ -111,4 +111,6 @@ class NumpyLike(Backend):
         """Dropout with the framework's global random generator."""
         keep = self.asarray(np.random.random_sample(tuple(x.shape)) >= p,
                             device=self.device_of(x))
-        return self.where(keep, x / (1 - p), self.zeros((), self.dtype_name(x), self.device_of(x)))
+        scale = 1.0 / (1 - p) if p < 1 else 0.0       # p = 1: every element dropped
+        return self.where(keep, x * scale,
+                          self.zeros((), self.dtype_name(x), self.device_of(x)))

@@ -10,6 +10,7 @@ class PlainModule:
         object.__setattr__(self, "_param_names", [])
         object.__setattr__(self, "_buffer_names", [])
         object.__setattr__(self, "_child_names", [])
+        object.__setattr__(self, "_lazy_names", [])
         self.training = True
 
     def __setattr__(self, name, value):
@@ -23,6 +24,21 @@ class PlainModule:
     def _add_param(self, name, value):
         self._param_names.append(name)
         object.__setattr__(self, name, value)
+
+    def _add_lazy_param(self, name, shape):
+        # nothing to allocate: the parameter appears at the first call (under
+        # JAX the pytree's leaves change then)
+        self._lazy_names.append(name)
+
+    def _fill_lazy_param(self, name, value):
+        self._lazy_names.remove(name)
+        self._add_param(name, value)
+
+    def _unsized(self, prefix=""):
+        out = [prefix + n for n in self._lazy_names]
+        for c in self._child_names:
+            out += getattr(self, c)._unsized(f"{prefix}{c}.")
+        return out
 
     def _add_buffer(self, name, value):
         self._buffer_names.append(name)

@@ -10,7 +10,7 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``matmul``, ``linear``, ``softmax``, ``where``, ``logical_and``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
-``autodiff``/``gradients``/``checkpoint``, ``is_concrete``, ``runtime_cond``/``cond``,
+``autodiff``/``gradients``/``checkpoint``, ``is_concrete``/``is_tracing``, ``runtime_cond``/``cond``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
 ``write_slice`` (KV caches), ``register_tree`` (containers traced through),
@@ -97,6 +97,12 @@ class Backend:
         """False while ``x`` is traced (values unknown: ``jax.jit``,
         ``torch.compile``...); value checks and host-side decisions then wait."""
         return True
+
+    def is_tracing(self):
+        """True while the framework traces a function (``jax.jit``,
+        ``jax.grad``, ``torch.compile``...), whatever the arrays at hand:
+        lazily sized modules cannot create their parameters then."""
+        return False
 
     def enable_float64(self):
         """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""

@@ -50,7 +50,10 @@ class TorchBackend(NumpyLike):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
 
     def is_concrete(self, x):
-        return not (torch.compiler.is_compiling() or torch.jit.is_tracing())
+        return not self.is_tracing()
+
+    def is_tracing(self):
+        return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)

@@ -12,6 +12,44 @@ class TorchModule(torch.nn.Module):
     def _add_param(self, name, value):
         self.register_parameter(name, torch.nn.Parameter(value))
 
+    def _add_lazy_param(self, name, shape):
+        # as nn.LazyLinear: in state_dict and parameters() before its first call
+        self.register_parameter(name, torch.nn.UninitializedParameter(
+            device=self._device, dtype=getattr(torch, self._dtype)))
+
+    def _fill_lazy_param(self, name, value):
+        param = getattr(self, name)
+        if torch.nn.parameter.is_lazy(param):
+            param.materialize(tuple(value.shape))
+        with torch.no_grad():
+            param.copy_(value)
+
+    # state_dict and load_state_dict as nn.LazyLinear's (LazyModuleMixin): an
+    # unsized parameter is saved as it is, and loading a sized one sizes it
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        lazy = torch.nn.parameter.is_lazy
+        if not any(lazy(p) for p in self._parameters.values() if p is not None):
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, param in self._parameters.items():
+            if param is not None:
+                destination[prefix + name] = param if lazy(param) or keep_vars \
+                    else param.detach()
+        for name, buf in self._buffers.items():
+            if buf is not None and name not in self._non_persistent_buffers_set:
+                destination[prefix + name] = buf if keep_vars else buf.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        lazy = torch.nn.parameter.is_lazy
+        for name, param in list(self._parameters.items()):
+            given = state_dict.get(prefix + name)
+            if param is not None and lazy(param) and given is not None \
+                    and not lazy(given):
+                self._size_lazy_params(name, tuple(given.shape))
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _unsized(self):
+        return [n for n, p in self.named_parameters() if torch.nn.parameter.is_lazy(p)]
+
     def _add_buffer(self, name, value):
         self.register_buffer(name, value, persistent=False)
 

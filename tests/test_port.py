@@ -284,7 +284,8 @@ def test_cli_corrupt_and_missing_files_exit_2(tmp_path):
 
 @pytest.mark.parametrize("module,args,message", [
     ("Transformer", "", "unknown module 'Transformer'; choose one of AdditiveAttention"),
-    ("MultiHeadAttention", "key_size=5", "missing 5 required positional arguments"),
+    ("MultiHeadAttention", "key_size=5",
+     "missing required arguments 'num_hiddens', 'num_heads', 'dropout'"),
     ("MultiHeadAttention", "key_size", "--args: expected KEY=VALUE, got 'key_size'"),
     ("MultiHeadAttention", MHA_SPEC + ",num_heads=3", "num_heads"),
     ("MultiHeadAttention", MHA_SPEC + ",backend=torch", "backend and device"),

@@ -1,9 +1,15 @@
 """The attention core: the masking contract (``masking.py``), the paths
 (``paths.py``) and the one function that picks a path (``attend.py``), written
-once against the backend protocol. Argument checks are in ``checks.py``."""
+once against the backend protocol. Argument checks are in ``checks.py``
+(constructor arguments: ``check_positive_int``, ``check_dropout``,
+``check_bool``, ``check_choice``...)."""
 from .attend import (DEFAULT_MEMORY_BUDGET, PATHS, attend, check_path_options,
                      zeros_for_empty)
+from .checks import (check_bool, check_choice, check_divides, check_dropout,
+                     check_nonnegative_int, check_positive_int)
 from .masking import Mask, compute_dtype, fill_value, make_mask, masked_softmax
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "PATHS", "Mask", "attend", "check_path_options",
+__all__ = ["DEFAULT_MEMORY_BUDGET", "PATHS", "Mask", "attend", "check_bool",
+           "check_choice", "check_divides", "check_dropout", "check_nonnegative_int",
+           "check_path_options", "check_positive_int",
            "compute_dtype", "fill_value", "make_mask", "masked_softmax", "zeros_for_empty"]

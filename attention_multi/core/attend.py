@@ -1,8 +1,8 @@
 """``attend``: scaled dot-product attention on checked arrays, on the path it picks."""
 import math
-import numbers
 
 from . import paths
+from .checks import check_choice, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 """Default extra memory (bytes) one attention call may use for its score-sized
@@ -13,18 +13,9 @@ PATHS = ("auto", "fused", "tiled", "chunked", "full")
 
 def check_path_options(path, memory_budget, chunk_size):
     """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {', '.join(map(repr, PATHS))}, "
-                         f"got {path!r}")
-    checked = []
-    for name, value in (("memory_budget", memory_budget), ("chunk_size", chunk_size)):
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-                    or value < 1:
-                raise ValueError(f"{name} must be None or a positive int, got {value!r}")
-            value = int(value)
-        checked.append(value)
-    return (path, *checked)
+    return (check_choice("path", path, PATHS),
+            check_positive_int("memory_budget", memory_budget, allow_none=True),
+            check_positive_int("chunk_size", chunk_size, allow_none=True))
 
 
 def zeros_for_empty(B, shape, like, *inputs):

@@ -142,3 +142,77 @@ def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
     if len(full) == 3:
         full = (full[0], 1) + full[1:]
     return x.reshape(full)
+
+
+# -- constructor arguments ------------------------------------------------------
+# Every module checks its constructor arguments with these, before it builds
+# anything: TypeError for a value of the wrong type, ValueError for a value out
+# of range; the message names the argument and shows the value (repr).
+
+def _is_bool(value):
+    return isinstance(value, (bool, np.bool_))
+
+
+def check_positive_int(name, value, *, allow_none=False):
+    """``value`` as a Python int >= 1 (NumPy integers accepted; bools, floats
+    and strings refused). With ``allow_none``, None passes through (a size
+    still to be learned, or no limit)."""
+    if value is None and allow_none:
+        return None
+    what = "None or a positive int" if allow_none else "a positive int"
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}, got {value!r} "
+                        f"(type {type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_nonnegative_int(name, value, *, allow_none=False):
+    """``value`` as a Python int >= 0 (as ``check_positive_int`` otherwise)."""
+    if value is None and allow_none:
+        return None
+    what = "None or an int >= 0" if allow_none else "an int >= 0"
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}, got {value!r} "
+                        f"(type {type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
+def check_dropout(name, value):
+    """``value`` as a float in [0, 1] (a rate: bools, strings and NaN refused)."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number in [0, 1], got {value!r} "
+                        f"(type {type(value).__name__})")
+    rate = float(value)
+    if not 0.0 <= rate <= 1.0:      # NaN fails both comparisons
+        raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
+    return rate
+
+
+def check_bool(name, value):
+    """``value`` as a Python bool (NumPy bools accepted; 0/1 and strings refused)."""
+    if not _is_bool(value):
+        raise TypeError(f"{name} must be True or False, got {value!r} "
+                        f"(type {type(value).__name__})")
+    return bool(value)
+
+
+def check_choice(name, value, choices):
+    """``value``, one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))}, "
+                        f"got {value!r} (type {type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, "
+                         f"got {value!r}")
+    return value
+
+
+def check_divides(name, value, of_name, of_value):
+    """ValueError unless ``value`` divides ``of_value`` (e.g. num_heads and
+    num_hiddens); both already checked positive ints."""
+    if of_value % value:
+        raise ValueError(f"{of_name}={of_value!r} is not divisible by {name}={value!r}")

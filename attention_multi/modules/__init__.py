@@ -3,7 +3,11 @@
 Each takes the keywords ``backend=`` (default: the current backend),
 ``device=`` (default: ATTENTION_MULTI_DEVICE or cpu) and ``dtype=``
 (default ``"float32"``). Parameters are initialized as PyTorch's
-``nn.Linear`` does, with weights laid out (out, in).
+``nn.Linear`` does, with weights laid out (out, in). Constructor arguments
+are checked before anything is built (``core/checks.py``).
+``MultiHeadAttention`` and ``AdditiveAttention`` also take d2l 1.0's
+signatures, whose input projections are lazily sized (``Linear(None, out)``:
+the first call gives the input size).
 
 Files: ``base.py`` (``Module``, ``Linear``), ``attention.py``,
 ``encoding.py``, ``regression.py``, ``cache.py`` (``KVCache``).

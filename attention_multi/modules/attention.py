@@ -5,11 +5,66 @@ import numpy as np
 
 from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
                     masked_softmax, zeros_for_empty)
-from ..core.checks import _backend_name, check_array, check_float
+from ..core.checks import (_backend_name, check_array, check_bool, check_dropout,
+                           check_float, check_positive_int)
 from ..core.paths import work_itemsize
 from ..functional import check_heads, check_kv_heads
 from .base import Linear, Module
 from .cache import KVCache
+
+
+def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults):
+    """The constructor arguments of a module with two signatures: the seeds'
+    (``seeds``, names in order, input sizes first, the first ``seeds_required``
+    of them required) and d2l 1.0's (``d2l10``, the same without the input
+    sizes). The number of positional arguments tells them apart: more than
+    d2l 1.0's form has is the seeds' form; at most that many is d2l 1.0's
+    form (the input sizes are then keywords, or come from the first call).
+    Keywords fill the rest of either. Returns ``({name: value}, options)``,
+    where ``options`` are the keywords that are not arguments of either form
+    (``backend=``...)."""
+    required = [n for n in seeds if n not in defaults]
+    defaults_shown = {n: v for n, v in defaults.items() if n in d2l10}
+    if len(d2l10) < len(args) <= len(seeds):
+        names, form = seeds, "the seeds' form"
+    elif len(args) <= len(d2l10):
+        names, form = d2l10, "d2l 1.0's form"
+    else:
+        raise TypeError(
+            f"{cls_name}() takes {_count(seeds_required, len(seeds))} positional "
+            f"arguments ({_sig(seeds, defaults_shown)}: the seeds' form) or at most "
+            f"{len(d2l10)} ({_sig(d2l10, defaults_shown)}: d2l 1.0's form, input sizes "
+            f"from the first call or as keywords "
+            f"{', '.join(n + '=' for n in seeds if n not in d2l10)}), got {len(args)}: "
+            f"{', '.join(map(repr, args))}")
+    bound = dict(zip(names, args))
+    options = {}
+    for name, value in kwargs.items():
+        if name in bound:
+            raise TypeError(f"{cls_name}() got multiple values for argument {name!r}: "
+                            f"{len(args)} positional arguments are {form} "
+                            f"({_sig(names, defaults_shown)}), where {name} is positional "
+                            f"number {names.index(name) + 1}")
+        (bound if name in seeds else options)[name] = value
+    missing = [n for n in required if n not in bound and n in d2l10]
+    if missing:
+        raise TypeError(f"{cls_name}() missing required argument"
+                        f"{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(repr, missing))} (the seeds' form: "
+                        f"{_sig(seeds, defaults_shown)}; d2l 1.0's: "
+                        f"{_sig(d2l10, defaults_shown)})")
+    for name in seeds:
+        bound.setdefault(name, defaults.get(name))
+    return bound, options
+
+
+def _sig(names, defaults):
+    return ", ".join(f"{n}={defaults[n]!r}" if n in defaults else n for n in names)
+
+
+def _count(low, high):
+    return str(low) if low == high else f"{low} or {high}" if high == low + 1 \
+        else f"{low} to {high}"
 
 
 class _Attention(Module):
@@ -42,7 +97,10 @@ class _Attention(Module):
                             f"dtype= or cast the inputs")
 
     def _dtype_of_params(self):
-        return self._backend.dtype_name(next(iter(self.named_arrays().values())))
+        arrays = self.named_arrays() if self.sized else {}
+        if not arrays:     # lazily sized: the dtype the parameters will have
+            return self._dtype
+        return self._backend.dtype_name(next(iter(arrays.values())))
 
     def _mask(self, queries, keys, heads=1, valid_lens=None, **forms):
         """The normalized mask of a call: ``valid_lens`` and ``forms``
@@ -73,21 +131,41 @@ class _Attention(Module):
 class AdditiveAttention(_Attention):
     """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score.
 
+    Two signatures (see ``bind_editions``): the seeds'
+    ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (3 or 4
+    positional arguments) and d2l 1.0's ``AdditiveAttention(num_hiddens,
+    dropout)`` (at most 2), whose ``W_k`` and ``W_q`` are lazily sized unless
+    ``key_size=`` and ``query_size=`` are given.
+
     The (batch, queries, keys, num_hiddens) features are computed a block of
     queries at a time so that they stay within ``memory_budget`` bytes
     (default ``DEFAULT_MEMORY_BUDGET``, 512 MiB; also a module attribute);
     results do not depend on the block size.
     """
 
-    def __init__(self, key_size, query_size, num_hiddens, dropout, *,
-                 memory_budget=None, **options):
+    _SEEDS = ("key_size", "query_size", "num_hiddens", "dropout")
+    _D2L10 = ("num_hiddens", "dropout")
+
+    def __init__(self, *args, memory_budget=None, **kwargs):
+        a, options = bind_editions("AdditiveAttention", args, kwargs, self._SEEDS, 4,
+                                   self._D2L10, {"key_size": None, "query_size": None})
+        key_size = check_positive_int("key_size", a["key_size"], allow_none=True)
+        query_size = check_positive_int("query_size", a["query_size"], allow_none=True)
+        num_hiddens = check_positive_int("num_hiddens", a["num_hiddens"])
+        dropout = check_dropout("dropout", a["dropout"])
+        memory_budget = check_path_options("auto", memory_budget, None)[1]
         self._start(**options)
-        self.key_size, self.query_size, self.num_hiddens = key_size, query_size, num_hiddens
-        self.dropout = float(dropout)
-        self.memory_budget = check_path_options("auto", memory_budget, None)[1]
+        self.num_hiddens, self.dropout = num_hiddens, dropout
+        self.memory_budget = memory_budget
         self.W_k = Linear(key_size, num_hiddens, bias=False, **self._child_options())
         self.W_q = Linear(query_size, num_hiddens, bias=False, **self._child_options())
         self.w_v = Linear(num_hiddens, 1, bias=False, **self._child_options())
+
+    key_size = property(lambda self: self.W_k.in_features,
+                        doc="Feature size of the keys (None until the first call "
+                            "when lazily sized).")
+    query_size = property(lambda self: self.W_q.in_features,
+                          doc="Feature size of the queries (None until known).")
 
     def forward(self, queries, keys, values, valid_lens=None, *, key=None):
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
@@ -156,10 +234,11 @@ class DotProductAttention(_Attention):
 
     def __init__(self, dropout, *, path="auto", memory_budget=None, chunk_size=None,
                  **options):
+        dropout = check_dropout("dropout", dropout)
+        checked = check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
-        self.dropout = float(dropout)
-        self.path, self.memory_budget, self.chunk_size = check_path_options(
-            path, memory_budget, chunk_size)
+        self.dropout = dropout
+        self.path, self.memory_budget, self.chunk_size = checked
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
                 causal=False, window=None, key=None):
@@ -189,28 +268,59 @@ class DotProductAttention(_Attention):
 class MultiHeadAttention(_Attention):
     """Multi-head attention over ``num_heads`` scaled dot-product heads.
 
+    Two signatures (see ``bind_editions``): the seeds'
+    ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens,
+    num_heads, dropout, bias=False)`` (5 to 7 positional arguments) and d2l
+    1.0's ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``
+    (at most 4), whose ``W_q``, ``W_k``, ``W_v`` are lazily sized
+    (``Linear(None, num_hiddens)``: the first call gives their input sizes)
+    unless ``key_size=``, ``query_size=``, ``value_size=`` are given.
+
     The heads reach the attention as (batch, heads, n, head_size) views of the
     projections, so a fused kernel takes them without copies. ``path``,
     ``memory_budget`` and ``chunk_size`` are those of ``DotProductAttention``
     (the ``attention`` child; also readable and settable here).
     """
 
-    def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads,
-                 dropout, bias=False, *, num_kv_heads=None, path="auto",
-                 memory_budget=None, chunk_size=None, **options):
+    _SEEDS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads",
+              "dropout", "bias")
+    _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
+
+    def __init__(self, *args, num_kv_heads=None, path="auto", memory_budget=None,
+                 chunk_size=None, **kwargs):
+        a, options = bind_editions(
+            "MultiHeadAttention", args, kwargs, self._SEEDS, 6, self._D2L10,
+            {"key_size": None, "query_size": None, "value_size": None, "bias": False})
+        sizes = {n: check_positive_int(n, a[n], allow_none=True)
+                 for n in ("key_size", "query_size", "value_size")}
+        num_hiddens = check_positive_int("num_hiddens", a["num_hiddens"])
+        num_heads = check_heads(num_hiddens, a["num_heads"])
+        num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
+        dropout = check_dropout("dropout", a["dropout"])
+        bias = check_bool("bias", a["bias"])
+        check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
-        check_heads(num_hiddens, num_heads)
-        self.num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
-        self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
+        self.num_kv_heads = num_kv_heads
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.attention = DotProductAttention(
             dropout, path=path, memory_budget=memory_budget, chunk_size=chunk_size,
             **self._child_options())
         kv_hiddens = self.num_kv_heads * (num_hiddens // num_heads)
-        self.W_q = Linear(query_size, num_hiddens, bias=bias, **self._child_options())
-        self.W_k = Linear(key_size, kv_hiddens, bias=bias, **self._child_options())
-        self.W_v = Linear(value_size, kv_hiddens, bias=bias, **self._child_options())
+        self.W_q = Linear(sizes["query_size"], num_hiddens, bias=bias,
+                          **self._child_options())
+        self.W_k = Linear(sizes["key_size"], kv_hiddens, bias=bias,
+                          **self._child_options())
+        self.W_v = Linear(sizes["value_size"], kv_hiddens, bias=bias,
+                          **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
+
+    key_size = property(lambda self: self.W_k.in_features,
+                        doc="Feature size of the keys (None until the first call "
+                            "when lazily sized).")
+    query_size = property(lambda self: self.W_q.in_features,
+                          doc="Feature size of the queries (None until known).")
+    value_size = property(lambda self: self.W_v.in_features,
+                          doc="Feature size of the values (None until known).")
 
     def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
                 causal=False, window=None, key=None, cache=None):
@@ -263,7 +373,7 @@ class MultiHeadAttention(_Attention):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         B = self._backend
-        weight = self.W_k.named_arrays()["weight"]
+        weight = self.W_o.named_arrays()["weight"]     # (never lazily sized)
         dtype, device = B.dtype_name(weight), B.device_of(weight)
         shape = (int(batch_size), self.num_kv_heads, int(max_len),
                  self.num_hiddens // self.num_heads)

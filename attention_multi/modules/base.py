@@ -8,6 +8,7 @@ The mechanism itself is written once, in the public class.
 import math
 
 from ..config import native_device, resolve_backend
+from ..core.checks import check_bool, check_positive_int
 
 
 class Module:
@@ -40,6 +41,21 @@ class Module:
     def _new_param(self, name, shape, low, high):
         self._add_param(name, self._backend.uniform(shape, low, high, self._dtype,
                                                     self._device))
+
+    @property
+    def sized(self):
+        """False while a lazily sized layer has not yet seen its first call."""
+        return not self._unsized()
+
+    def _check_sized(self, what):
+        """ValueError naming the parameters that are not sized yet."""
+        unsized = self._unsized()
+        if unsized:
+            raise ValueError(
+                f"{type(self).__name__} has parameters whose sizes are not known yet: "
+                f"{', '.join(unsized)} (lazily sized layers); {what} needs them. Call "
+                f"the module once on an example input, or give the input sizes to the "
+                f"constructor (key_size=, query_size=, value_size=)")
 
     def _dropout(self, x, p, key):
         if not self.training or p == 0:
@@ -81,16 +97,78 @@ def _rebuild(public_class, backend_name):
 
 
 class Linear(Module):
-    """``y = x W^T + b``, with ``weight`` (out_features, in_features)."""
+    """``y = x W^T + b``, with ``weight`` (out_features, in_features).
+
+    ``Linear(None, out_features)`` is lazily sized (as ``nn.LazyLinear``):
+    ``in_features`` comes from the first call, which creates the parameters,
+    initialized as when the size is given. Until then the parameters are the
+    framework's own "not yet sized" kind (torch ``UninitializedParameter``,
+    a Gluon parameter with deferred initialization) or absent (NumPy, JAX),
+    and ``get_params``/``set_params``/``port.load_into`` refuse the module.
+    The first call must run eagerly: under a trace (``jax.jit``,
+    ``jax.grad``, ``torch.compile``) it raises TypeError.
+    """
 
     def __init__(self, in_features, out_features, bias=True, **options):
+        in_features = check_positive_int("in_features", in_features, allow_none=True)
+        out_features = check_positive_int("out_features", out_features)
+        bias = check_bool("bias", bias)
         self._start(**options)
         self.in_features, self.out_features, self.has_bias = in_features, out_features, bias
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        self._new_param("weight", (out_features, in_features), -bound, bound)
-        if bias:
-            self._new_param("bias", (out_features,), -bound, bound)
+        if in_features is None:
+            self._add_lazy_param("weight", (out_features, None))
+            if bias:
+                self._add_lazy_param("bias", (out_features,))
+        else:
+            self._new_param("weight", (out_features, in_features), *self._bounds())
+            if bias:
+                self._new_param("bias", (out_features,), *self._bounds())
+
+    def _bounds(self):
+        bound = 1.0 / math.sqrt(self.in_features)
+        return -bound, bound
 
     def forward(self, x):
+        if self.in_features is None:
+            self._size_from(x)
+        elif x.shape[-1] != self.in_features:
+            raise ValueError(f"x has feature size {x.shape[-1]} (shape {tuple(x.shape)}) "
+                             f"but in_features={self.in_features}")
         bias = self._param("bias") if self.has_bias else None
         return self._backend.linear(x, self._param("weight"), bias)
+
+    def _size_from(self, x):
+        """Create the parameters of a lazily sized layer for input ``x``."""
+        B = self._backend
+        if B.is_tracing() or not B.is_concrete(x):
+            raise TypeError(
+                f"this {type(self).__name__}'s input size is not known yet and it is "
+                f"called under a trace ({B.name}: jit, grad, vmap or compile), where "
+                f"its parameters cannot be created; call the module once eagerly on "
+                f"an example input, or give the input sizes to the constructor "
+                f"(key_size=, query_size=, value_size= for the attention modules)")
+        if x.shape[-1] < 1:
+            raise ValueError(f"a lazily sized Linear takes its input size from the last "
+                             f"axis of its first input, which is empty (shape "
+                             f"{tuple(x.shape)})")
+        self._create(int(x.shape[-1]), self.__dict__.get("_device") or B.device_of(x))
+
+    def _create(self, in_features, device):
+        B = self._backend
+        self.in_features = in_features
+        low, high = self._bounds()
+        self._fill_lazy_param("weight", B.uniform((self.out_features, in_features),
+                                                  low, high, self._dtype, device))
+        if self.has_bias:
+            self._fill_lazy_param("bias", B.uniform((self.out_features,), low, high,
+                                                    self._dtype, device))
+
+    def _size_lazy_params(self, name, shape):
+        """Loading a parameter of ``shape`` into this unsized layer (torch's
+        ``load_state_dict``, as for ``nn.LazyLinear``) sizes it first."""
+        if name != "weight" or len(shape) != 2 or shape[0] != self.out_features \
+                or shape[1] < 1:
+            raise ValueError(f"cannot size Linear(None, {self.out_features}) from a "
+                             f"{name!r} of shape {shape}; expected weight "
+                             f"({self.out_features}, in_features)")
+        self._create(shape[1], self.__dict__.get("_device"))

@@ -2,7 +2,7 @@
 import numpy as np
 
 from ..core import zeros_for_empty
-from ..core.checks import check_array
+from ..core.checks import check_array, check_dropout, check_positive_int
 from .base import Module
 
 
@@ -10,8 +10,11 @@ class PositionalEncoding(Module):
     """Sinusoidal positional encoding added to ``X`` (batch, steps, num_hiddens)."""
 
     def __init__(self, num_hiddens, dropout, max_len=1000, **options):
+        num_hiddens = check_positive_int("num_hiddens", num_hiddens)
+        dropout = check_dropout("dropout", dropout)
+        max_len = check_positive_int("max_len", max_len)
         self._start(**options)
-        self.num_hiddens, self.max_len, self.dropout = num_hiddens, max_len, float(dropout)
+        self.num_hiddens, self.max_len, self.dropout = num_hiddens, max_len, dropout
         self._add_buffer("P", self._backend.asarray(
             sinusoid_table(max_len, num_hiddens), self._dtype, self._device))
 

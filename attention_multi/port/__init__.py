@@ -35,6 +35,7 @@ class _Target:
         self.module, self.label = module, type(module).__name__
         torch = sys.modules.get("torch")
         if isinstance(module, Module):
+            module._check_sized("loading parameters")
             self.torch, self.arrays = None, module.named_arrays()
         elif torch is not None and isinstance(module, torch.nn.Module):
             self.torch = torch
