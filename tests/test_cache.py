@@ -171,3 +171,18 @@ def test_num_kv_heads_must_divide_num_heads(backend, kv):
                                          rf"num_heads=4, got num_kv_heads={kv}"):
         am.MultiHeadAttention(SIZE, SIZE, SIZE, HIDDEN, HEADS, 0.0, num_kv_heads=kv,
                               backend=backend)
+
+
+def test_lazily_sized_module_with_gqa_and_a_cache(backend):
+    """d2l 1.0's form (sizes from the first call) with num_kv_heads and a cache."""
+    mha = am.MultiHeadAttention(HIDDEN, HEADS, 0.0, num_kv_heads=KV_HEADS,
+                                backend=backend).eval()
+    cache = mha.init_cache(BATCH, MAX_LEN)                 # before any call
+    x, xb = sequence(backend, "float32")
+    out, cache = mha(xb[:, :1], xb[:, :1], xb[:, :1], cache=cache)
+    assert tuple(out.shape) == (BATCH, 1, HIDDEN)
+    assert tuple(mha.W_k.named_arrays()["weight"].shape) == (HIDDEN // HEADS * KV_HEADS, SIZE)
+    params = am.get_params(mha)
+    want, _ = oracle.multi_head_attention(params, x[:, :1], x[:, :1], x[:, :1], None, HEADS,
+                                          KV_HEADS, causal=True)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=2e-5, atol=2e-5)
