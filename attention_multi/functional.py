@@ -140,12 +140,10 @@ def check_heads(num_hiddens, num_heads):
 
 def check_kv_heads(num_heads, num_kv_heads):
     """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
+    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
     if num_kv_heads is None:
         return num_heads
-    if not isinstance(num_kv_heads, int) or isinstance(num_kv_heads, bool) or \
-            num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"num_kv_heads must be a positive int dividing "
-                         f"num_heads={num_heads}, got num_kv_heads={num_kv_heads!r}")
+    check_divides("num_kv_heads", num_kv_heads, "num_heads", num_heads)
     return num_kv_heads
 
 

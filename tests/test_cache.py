@@ -165,10 +165,13 @@ def test_cache_errors(backend):
         mha.init_cache(0, 4)
 
 
-@pytest.mark.parametrize("kv", [3, 0, -2, 2.0])
-def test_num_kv_heads_must_divide_num_heads(backend, kv):
-    with pytest.raises(ValueError, match=rf"num_kv_heads must be a positive int dividing "
-                                         rf"num_heads=4, got num_kv_heads={kv}"):
+@pytest.mark.parametrize("kv, error, pattern", [
+    (3, ValueError, "num_heads=4 is not divisible by num_kv_heads=3"),
+    (0, ValueError, "num_kv_heads must be None or a positive int, got 0"),
+    (-2, ValueError, "num_kv_heads must be None or a positive int, got -2"),
+    (2.0, TypeError, r"num_kv_heads must be None or a positive int, got 2.0 \(type float\)")])
+def test_num_kv_heads_must_divide_num_heads(backend, kv, error, pattern):
+    with pytest.raises(error, match=pattern):
         am.MultiHeadAttention(SIZE, SIZE, SIZE, HIDDEN, HEADS, 0.0, num_kv_heads=kv,
                               backend=backend)
 
