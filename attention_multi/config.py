@@ -4,20 +4,26 @@ Precedence: ``use_backend`` (thread-local, nestable) > ``set_backend`` >
 ``ATTENTION_MULTI_BACKEND`` > ``"numpy"``. Devices: ``ATTENTION_MULTI_DEVICE``
 (``cpu``, ``cuda``, ``cuda:N`` or ``gpu``), default ``cpu``.
 """
+from __future__ import annotations
+
 import contextlib
 import os
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import backends
+from backends import Backend
+from backends.types import DeviceKind
 
 BACKEND_ENV = "ATTENTION_MULTI_BACKEND"
 DEVICE_ENV = "ATTENTION_MULTI_DEVICE"
 
-_state = {"backend": None}      # set_backend's choice, process-wide
+_state: dict[str, Backend | None] = {"backend": None}      # set_backend's choice, process-wide
 _local = threading.local()      # .stack: use_backend's choices, per thread
 
 
-def get_backend(backend=None):
+def get_backend(backend: str | Backend | Any = None) -> Backend:
     """A Backend (an object with ``.name``): with no argument the current
     default (``use_backend`` > ``set_backend`` > ATTENTION_MULTI_BACKEND >
     ``"numpy"``); else the backend of a name (``"torch"``), a Backend, or an
@@ -27,8 +33,9 @@ def get_backend(backend=None):
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
-    if _state["backend"] is not None:
-        return _state["backend"]
+    chosen = _state["backend"]
+    if chosen is not None:
+        return chosen
     name = os.environ.get(BACKEND_ENV, "").strip()
     if not name:
         return backends.get_backend("numpy")
@@ -38,14 +45,14 @@ def get_backend(backend=None):
         raise ValueError(f"{BACKEND_ENV}={name!r}: {exc}") from None
 
 
-def set_backend(name):
+def set_backend(name: str | Backend) -> Backend:
     """Make ``name`` the default backend for the whole process."""
-    _state["backend"] = backends.get_backend(name)
-    return _state["backend"]
+    backend = _state["backend"] = backends.get_backend(name)
+    return backend
 
 
 @contextlib.contextmanager
-def use_backend(name):
+def use_backend(name: str | Backend) -> Iterator[Backend]:
     """Use ``name`` as the default backend inside a ``with`` block (this thread)."""
     backend = backends.get_backend(name)
     stack = _local.__dict__.setdefault("stack", [])
@@ -56,19 +63,19 @@ def use_backend(name):
         stack.pop()
 
 
-def resolve_backend(backend=None):
+def resolve_backend(backend: str | Backend | None = None) -> Backend:
     """A Backend from ``backend=`` (name, Backend or None for the default)."""
     return get_backend(backend)
 
 
-def parse_device(name=None):
+def parse_device(name: str | None = None) -> tuple[DeviceKind, int]:
     """``"gpu"`` -> ``("cuda", 0)``; ``None`` reads ATTENTION_MULTI_DEVICE."""
     if name is None:
         name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
     return backends.parse_device(name)
 
 
-def native_device(backend, name=None):
+def native_device(backend: Backend, name: Any = None) -> Any:
     """The framework's device object for a device name (ValueError if absent);
     ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
     if name is None:

@@ -11,11 +11,17 @@ loss) can leave the temporary file behind: it is hidden and named
 Failures raise ``WriteError``, an ``OSError`` (same ``errno``) whose message is
 one line naming the file and the reason.
 """
+from __future__ import annotations
+
 import contextlib
 import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterator
+from typing import IO, Any, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = ["WriteError", "atomic_write", "check_writable", "make_directory"]
 
@@ -26,25 +32,25 @@ class WriteError(OSError):
     ``str()`` is one line: ``cannot write PATH: REASON``.
     """
 
-    def __init__(self, path, cause, action="write"):
+    def __init__(self, path: PathLike, cause: OSError, action: str = "write") -> None:
         super().__init__(cause.errno, cause.strerror or str(cause), os.fspath(path))
         self.path, self.action = os.fspath(path), action
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (self.path, OSError(self.errno, self.strerror), self.action)
 
-    def __str__(self):
+    def __str__(self) -> str:
         parent = os.path.dirname(os.path.abspath(self.path))
         if self.errno == errno.ENOENT and not os.path.isdir(parent):
             reason = f"directory {parent} does not exist"
         elif self.errno == errno.ENOTDIR:
             reason = f"{_first_file(parent)} is not a directory"
         else:
-            reason = self.strerror
+            reason = self.strerror or f"error {self.errno}"
         return f"cannot {self.action} {self.path}: {reason}"
 
 
-def _first_file(directory):
+def _first_file(directory: str) -> str:
     """The first component of ``directory`` that exists and is not a directory."""
     parts = os.path.abspath(directory).split(os.sep)
     for i in range(2, len(parts) + 1):
@@ -54,7 +60,7 @@ def _first_file(directory):
     return directory
 
 
-def _create_temp(target):
+def _create_temp(target: str) -> tuple[int, str]:
     """(fd, name) of a new, empty file beside ``target``, mode 0o666 less the umask."""
     head, tail = os.path.split(target)
     while True:
@@ -65,7 +71,7 @@ def _create_temp(target):
             continue
 
 
-def _fsync_directory(directory):
+def _fsync_directory(directory: str) -> None:
     """Make the rename durable; not every system can open a directory."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -80,7 +86,8 @@ def _fsync_directory(directory):
 
 
 @contextlib.contextmanager
-def atomic_write(path, mode="wb", encoding=None):
+def atomic_write(path: PathLike, mode: str = "wb",
+                 encoding: str | None = None) -> Iterator[IO[Any]]:
     """Yield a file (opened with ``mode``, "wb" or "w") whose content replaces
     ``path`` only when the block completes; see the module's docstring.
 
@@ -111,7 +118,7 @@ def atomic_write(path, mode="wb", encoding=None):
     _fsync_directory(os.path.dirname(target))
 
 
-def check_writable(path):
+def check_writable(path: PathLike) -> None:
     """Raise ``WriteError`` now, unless a file can be created beside ``path``
     (for a command that would otherwise find out only after its work)."""
     try:
@@ -122,7 +129,7 @@ def check_writable(path):
     os.unlink(temp)
 
 
-def make_directory(path):
+def make_directory(path: PathLike) -> None:
     """Create the directory ``path`` unless it exists; its parent must exist."""
     try:
         os.mkdir(path)

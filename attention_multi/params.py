@@ -1,17 +1,25 @@
 """Parameters as ``{d2l name: NumPy array}``, in PyTorch's (out, in) layout."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
 import numpy as np
 
 import backends
+from backends.types import Array
+
+_M = TypeVar("_M", bound=Any)   # an attention_multi module of any backend
 
 
-def get_params(module):
+def get_params(module: Any) -> dict[str, np.ndarray]:
     """``{name: numpy array}`` of a module of any backend (``W_q.weight``...)."""
     module._check_sized("get_params")
     B = module.backend
     return {name: B.to_numpy(value) for name, value in module.named_arrays().items()}
 
 
-def set_params(module, params):
+def set_params(module: _M, params: Mapping[str, Any]) -> _M:
     """Load ``{name: array}`` into ``module``; strict about names and shapes.
 
     Values are cast to the dtype of the module's parameters. Raises
@@ -41,7 +49,7 @@ def set_params(module, params):
 
 
 
-def _to_numpy(value):
+def _to_numpy(value: Array) -> np.ndarray:
     if isinstance(value, (np.ndarray, np.generic, list, tuple, int, float)):
         return np.asarray(value)
     return backends.backend_of_array(value).to_numpy(value)

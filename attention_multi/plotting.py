@@ -1,11 +1,17 @@
 """Heatmaps of attention weights (needs the ``plot`` extra: matplotlib)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 import backends
 
 
-def show_heatmaps(matrices, xlabel, ylabel, titles=None, figsize=(2.5, 2.5),
-                  cmap="Reds"):
+def show_heatmaps(matrices: Any, xlabel: str, ylabel: str,
+                  titles: Sequence[str] | None = None,
+                  figsize: tuple[float, float] = (2.5, 2.5), cmap: str = "Reds") -> Any:
     """d2l's heatmap grid for ``matrices`` (rows, cols, height, width).
 
     Accepts any backend's array (or a NumPy array) and returns the matplotlib

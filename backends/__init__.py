@@ -3,14 +3,17 @@
 ``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
 the backend of an array, looking only at frameworks that are already imported.
 """
+from __future__ import annotations
+
 import importlib
 import importlib.util
 import sys
+from typing import Any
 
 import numpy
 
-from .protocol import Backend
 from .devices import parse_device
+from .protocol import Backend
 
 BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")
 ALIASES = {"pytorch": "torch", "np": "numpy", "mx": "mxnet"}
@@ -22,15 +25,15 @@ _SPECS = {
     "jax": ("jax_backend", "JaxBackend", "jax", "jax"),
     "mxnet": ("mxnet_backend", "MXNetBackend", "mxnet", "mxnet"),
 }
-_loaded = {}
+_loaded: dict[str, Backend] = {}
 
 
-def _restore_numpy_bool():
+def _restore_numpy_bool() -> None:
     """MXNet 1.9.1 uses ``numpy.bool``, which numpy 1.24-1.26 removed (numpy 2
     has it again): restore the alias where MXNet is installed, so that
     ``import mxnet`` works after ``import attention_multi`` too."""
     if "bool" not in vars(numpy) and importlib.util.find_spec("mxnet") is not None:
-        numpy.bool = bool
+        numpy.bool = bool  # type: ignore[assignment,attr-defined,misc,unused-ignore]
 
 
 _restore_numpy_bool()
@@ -39,7 +42,7 @@ __all__ = ["Backend", "BACKEND_NAMES", "available_backends", "backend_of_array",
            "canonical_name", "get_backend", "parse_device"]
 
 
-def canonical_name(name):
+def canonical_name(name: str) -> str:
     """``"pytorch"`` -> ``"torch"``; ValueError naming the valid choices."""
     if not isinstance(name, str):
         raise TypeError(f"backend must be a name or a Backend, got {type(name).__name__}")
@@ -51,13 +54,13 @@ def canonical_name(name):
     return key
 
 
-def available_backends():
+def available_backends() -> list[str]:
     """Names of the backends whose framework is installed (nothing is imported)."""
     return [n for n in BACKEND_NAMES
             if importlib.util.find_spec(_SPECS[n][2]) is not None]
 
 
-def get_backend(name_or_array):
+def get_backend(name_or_array: str | Backend | Any) -> Backend:
     """The backend for a name (``"torch"``), a Backend, or an array."""
     if isinstance(name_or_array, Backend):
         return name_or_array
@@ -66,7 +69,7 @@ def get_backend(name_or_array):
     return backend_of_array(name_or_array)
 
 
-def _load(name):
+def _load(name: str) -> Backend:
     backend = _loaded.get(name)
     if backend is None:
         module_name, class_name, framework, extra = _SPECS[name]
@@ -82,7 +85,7 @@ def _load(name):
     return backend
 
 
-def backend_of_array(x):
+def backend_of_array(x: Any) -> Backend:
     """The backend an array belongs to (TypeError if none)."""
     for name in ("torch", "jax", "mxnet"):
         if _SPECS[name][2] in sys.modules:   # never import a framework to look

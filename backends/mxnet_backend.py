@@ -11,9 +11,8 @@ MXNet 1.9.1 quirks handled here:
 - ``np.where`` with a scalar operand sends gradients to the wrong positions,
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
-import numpy as np
-
 import mxnet as mx  # (backends/__init__.py restored numpy.bool)
+import numpy as np
 from mxnet import autograd, npx
 from mxnet import np as mnp
 
@@ -87,7 +86,8 @@ class MXNetBackend(NumpyLike):
             out = out + mnp.sum(x.reshape((0,)))       # (0: keeps autograd's graph)
             return out if bias is None else out + bias
         if _cpu_half(x):
-            weight, bias = weight.astype("float32"), bias if bias is None else bias.astype("float32")
+            weight = weight.astype("float32")
+            bias = bias if bias is None else bias.astype("float32")
             return self.linear(x.astype("float32"), weight, bias).astype(x.dtype)
         return npx.fully_connected(x, weight, bias, num_hidden=weight.shape[0],
                                    no_bias=bias is None, flatten=False)

@@ -1,9 +1,18 @@
 """NumPy backend: CPU only, plain-object modules, no autodiff."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Callable, TypeVar
+
 import numpy as np
 
 from . import numpy_threads
 from .numpy_like import NumpyLike, np_dtype
 from .plain_module import PlainModule
+from .types import Array, DType
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class NumpyBackend(NumpyLike):
@@ -12,24 +21,24 @@ class NumpyBackend(NumpyLike):
     array_type = (np.ndarray, np.generic)
     module_base = PlainModule
     float_dtypes = ("float16", "float32", "float64")
-    threads = None   # workers of parallel_map (None: one per core; 1: none)
+    threads: int | None = None   # workers of parallel_map (None: one per core; 1: none)
 
-    def astype(self, x, dtype):
+    def astype(self, x: Array, dtype: DType) -> Array:
         return x.astype(np_dtype(dtype), copy=False)
 
-    def exp_inplace(self, x):
+    def exp_inplace(self, x: Array) -> Array:
         return np.exp(x, out=x)
 
-    def softmax(self, x, axis=-1):
+    def softmax(self, x: Array, axis: int = -1) -> Array:
         out = x - x.max(axis=axis, keepdims=True)    # in place on a fresh array
         np.exp(out, out=out)
         out /= out.sum(axis=axis, keepdims=True)
         return out
 
-    def parallel_map(self, fn, tasks):
+    def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
         """On ``threads`` worker threads (default: one per core), each with
         single-threaded BLAS: NumPy runs one operation on one core."""
         return numpy_threads.parallel_map(fn, tasks, self.threads)
 
-    def concurrency(self):
+    def concurrency(self) -> int:
         return self.threads or numpy_threads.cores()

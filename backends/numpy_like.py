@@ -1,9 +1,14 @@
 """One implementation of the protocol for every framework with a NumPy-like
 namespace (``numpy``, ``jax.numpy``, ``mxnet.numpy``, and ``torch``, which
 takes NumPy's keywords): a subclass sets ``xp`` and overrides its quirks."""
+from __future__ import annotations
+
+from typing import Any
+
 import numpy as np
 
 from .protocol import Backend
+from .types import Array, DType, Shape
 
 # Functions whose name and arguments are NumPy's in every ``xp``; a subclass
 # that spells one differently defines a method of that name.
@@ -11,7 +16,7 @@ SAME_SPELLING = ("exp", "tanh", "sqrt", "where", "max", "sum", "any", "repeat",
                  "transpose", "concatenate", "broadcast_to", "minimum", "maximum", "take")
 
 
-def np_dtype(name):
+def np_dtype(name: DType) -> np.dtype:
     """NumPy dtype for a dtype name (bfloat16 needs ml_dtypes)."""
     if name == "bfloat16":
         import ml_dtypes
@@ -20,94 +25,96 @@ def np_dtype(name):
 
 
 class NumpyLike(Backend):
-    xp = None           # the framework's NumPy-like namespace
-    array_type = ()     # what ``is_array`` accepts
+    xp: Any = None              # the framework's NumPy-like namespace
+    array_type: Any = ()        # what ``is_array`` accepts (a type or a tuple of types)
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
+        # NumPy's functions of the same names, unless a subclass defines them.
         for name in SAME_SPELLING:
             if not hasattr(type(self), name):
                 setattr(self, name, getattr(self.xp, name))
 
     # -- arrays -----------------------------------------------------------------
-    def is_array(self, x):
+    def is_array(self, x: Any) -> bool:
         return isinstance(x, self.array_type)
 
-    def asarray(self, x, dtype=None, device=None):
+    def asarray(self, x: Any, dtype: DType | None = None, device: Any = None) -> Array:
         x = self.xp.asarray(x, dtype=None if dtype is None else np_dtype(dtype))
         return x if device is None else self.to_device(x, device)
 
-    def to_numpy(self, x):
+    def to_numpy(self, x: Array) -> np.ndarray:
         return np.asarray(x)
 
-    def dtype_name(self, x):
+    def dtype_name(self, x: Array) -> str:
         return np.dtype(x.dtype).name
 
-    def astype(self, x, dtype):
+    def astype(self, x: Array, dtype: DType) -> Array:
         return x.astype(np_dtype(dtype))
 
-    def arange(self, n, device=None):
+    def arange(self, n: int, device: Any = None) -> Array:
         """int32 ``[0, n)``."""
         return self.to_device(self.xp.arange(n, dtype=np.int32), device)
 
-    def zeros(self, shape, dtype, device=None):
+    def zeros(self, shape: Shape, dtype: DType, device: Any = None) -> Array:
         return self.to_device(self.xp.zeros(shape, dtype=np_dtype(dtype)), device)
 
     # -- math -------------------------------------------------------------------
-    def logical_and(self, a, b):
+    def logical_and(self, a: Array, b: Array) -> Array:
         """Elementwise AND of two boolean arrays (broadcasting)."""
         return a & b
 
-    def matmul(self, a, b, transpose_b=False):
+    def matmul(self, a: Array, b: Array, transpose_b: bool = False) -> Array:
         """Batched matrix product over the last two axes."""
         return self.xp.matmul(a, self.xp.swapaxes(b, -1, -2) if transpose_b else b)
 
-    def linear(self, x, weight, bias=None):
+    def linear(self, x: Array, weight: Array, bias: Array | None = None) -> Array:
         """``x @ weight.T + bias`` with ``weight`` laid out (out, in)."""
         out = self.xp.matmul(x, weight.T)
         return out if bias is None else out + bias
 
-    def exp_inplace(self, x):
+    def exp_inplace(self, x: Array) -> Array:
         """``exp(x)``, reusing ``x``'s memory where the framework can (``x`` is
         a temporary the caller owns)."""
         return self.exp(x)
 
-    def softmax(self, x, axis=-1):
+    def softmax(self, x: Array, axis: int = -1) -> Array:
         e = self.exp(x - self.max(x, axis, keepdims=True))
         return e / self.sum(e, axis, keepdims=True)
 
     # -- devices ------------------------------------------------------------------
-    def device(self, kind, index=0):
+    def device(self, kind: str, index: int = 0) -> Any:
         if kind == "cpu":
             return "cpu"
         raise ValueError(f"device {kind}:{index} is not available to the "
                          f"{self.name} backend")
 
-    def device_of(self, x):
+    def device_of(self, x: Array) -> Any:
         return "cpu"
 
-    def to_device(self, x, device):
+    def to_device(self, x: Array, device: Any) -> Array:
         if device not in (None, "cpu"):
             raise ValueError(f"the {self.name} backend runs on the CPU only, "
                              f"not on {device!r}")
         return x
 
     # -- randomness -----------------------------------------------------------------
-    def uniform(self, shape, low, high, dtype="float32", device=None):
+    def uniform(self, shape: Shape, low: float, high: float, dtype: DType = "float32",
+                device: Any = None) -> Array:
         """Drawn by NumPy's global generator (``np.random.seed`` applies)."""
         return self.asarray(np.random.uniform(low, high, size=shape), dtype, device)
 
-    def seed(self, n):
+    def seed(self, n: int) -> None:
         np.random.seed(n)
 
-    def dropout(self, x, p, key=None):
+    def dropout(self, x: Array, p: float, key: Any = None) -> Array:
         if key is not None:
             raise ValueError(
                 f"key= is only used by the jax backend; the {self.name} backend "
                 f"draws dropout masks from its own random generator")
         return self._dropout(x, p)
 
-    def _dropout(self, x, p):
+    def _dropout(self, x: Array, p: float) -> Array:
         """Dropout with the framework's global random generator."""
         keep = self.asarray(np.random.random_sample(tuple(x.shape)) >= p,
                             device=self.device_of(x))

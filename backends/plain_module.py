@@ -3,74 +3,87 @@
 Parameters, buffers and child modules are plain attributes whose names are
 tracked so that they can be listed, loaded and (for JAX) flattened.
 """
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .types import Array
 
 
 class PlainModule:
-    def _native_init(self):
+    _backend: Any              # set on the native subclasses by Backend.native_class
+    _param_names: list[str]
+    _buffer_names: list[str]
+    _child_names: list[str]
+    _lazy_names: list[str]
+    training: bool
+    forward: Callable[..., Any]   # the public class's
+
+    def _native_init(self) -> None:
         object.__setattr__(self, "_param_names", [])
         object.__setattr__(self, "_buffer_names", [])
         object.__setattr__(self, "_child_names", [])
         object.__setattr__(self, "_lazy_names", [])
         self.training = True
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, PlainModule) and name not in self._child_names:
             self._child_names.append(name)
         object.__setattr__(self, name, value)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    def _add_param(self, name, value):
+    def _add_param(self, name: str, value: Array) -> None:
         self._param_names.append(name)
         object.__setattr__(self, name, value)
 
-    def _add_lazy_param(self, name, shape):
+    def _add_lazy_param(self, name: str, shape: tuple) -> None:
         # nothing to allocate: the parameter appears at the first call (under
         # JAX the pytree's leaves change then)
         self._lazy_names.append(name)
 
-    def _fill_lazy_param(self, name, value):
+    def _fill_lazy_param(self, name: str, value: Array) -> None:
         self._lazy_names.remove(name)
         self._add_param(name, value)
 
-    def _unsized(self, prefix=""):
+    def _unsized(self, prefix: str = "") -> list[str]:
         out = [prefix + n for n in self._lazy_names]
         for c in self._child_names:
             out += getattr(self, c)._unsized(f"{prefix}{c}.")
         return out
 
-    def _add_buffer(self, name, value):
+    def _add_buffer(self, name: str, value: Array) -> None:
         self._buffer_names.append(name)
         object.__setattr__(self, name, value)
 
-    def _param(self, name):
+    def _param(self, name: str) -> Array:
         return getattr(self, name)
 
-    def named_arrays(self, prefix=""):
+    def named_arrays(self, prefix: str = "") -> dict[str, Array]:
         """``{dotted name: parameter}`` over this module and its children."""
         out = {prefix + n: getattr(self, n) for n in self._param_names}
         for c in self._child_names:
             out.update(getattr(self, c).named_arrays(f"{prefix}{c}."))
         return out
 
-    def _assign_param(self, dotted_name, value):
+    def _assign_param(self, dotted_name: str, value: Array) -> None:
         *path, name = dotted_name.split(".")
         owner = self
         for part in path:
             owner = getattr(owner, part)
         object.__setattr__(owner, name, value)
 
-    def train(self, mode=True):
+    def train(self, mode: bool = True) -> PlainModule:
         self.training = mode
         for c in self._child_names:
             getattr(self, c).train(mode)
         return self
 
-    def eval(self):
+    def eval(self) -> PlainModule:
         return self.train(False)
 
-    def to_device(self, device):
+    def to_device(self, device: Any) -> PlainModule:
         """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
         dev = self._backend.native_device(device)
         for n in self._param_names + self._buffer_names:

@@ -17,61 +17,108 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``fused_attention`` (with ``fused_causal``), and
 ``module_base``: the class that makes a module native to the framework.
 """
-from .devices import parse_device
+from __future__ import annotations
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-HALF_DTYPES = ("float16", "bfloat16")
+from collections.abc import Sequence
+from typing import Any, Callable, TypeVar
+
+import numpy
+
+from .devices import parse_device
+from .types import Array, DeviceKind, DType, Shape
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
+HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
 class Backend:
-    name = ""                    # canonical name, e.g. "torch"
-    module_base = None           # base class that makes a module native
-    float_dtypes = FLOAT_DTYPES  # float dtypes this framework supports
-    autodiff = False             # whether ``gradients`` works
-    runtime_cond = False         # whether ``cond`` decides at run time while traced
-    compiles_per_shape = False   # whether each new array shape costs a compilation
-    kernel_call_cost = 16384     # one more kernel call costs as much as this many scores
-    has_fused_attention = False  # whether ``fused_attention`` is implemented
-    fused_dropout = False        # whether it takes ``dropout`` (its own generator)
-    fused_causal = False         # whether it skips the masked half of top-left causal
+    """One framework, as the attention core sees it: arrays, devices,
+    randomness, capabilities, and the class that makes modules native.
 
-    def __init__(self):
-        self._native_classes = {}
+    The class attributes describe the framework; the methods are grouped as
+    in the module's docstring (required, math from ``xp``, capabilities with
+    defaults here).
+    """
 
-    def __repr__(self):
+    name: str = ""                           # canonical name, e.g. "torch"
+    module_base: type | None = None          # base class that makes a module native
+    float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
+    autodiff: bool = False             # whether ``gradients`` works
+    runtime_cond: bool = False         # whether ``cond`` decides at run time while traced
+    compiles_per_shape: bool = False   # whether each new array shape costs a compilation
+    kernel_call_cost: int = 16384      # one more kernel call costs as much as this many scores
+    has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
+    fused_dropout: bool = False        # whether it takes ``dropout`` (its own generator)
+    fused_causal: bool = False         # whether it skips the masked half of top-left causal
+
+    # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
+    # Declared, not defined, here: a subclass supplies them.
+    matmul: Callable[..., Array]        # (a, b, transpose_b=False): over the last two axes
+    linear: Callable[..., Array]        # (x, weight, bias=None): x @ weight.T + bias
+    softmax: Callable[..., Array]       # (x, axis=-1)
+    exp_inplace: Callable[..., Array]   # (x): exp, reusing x's memory where it can
+    arange: Callable[..., Array]        # (n, device=None): int32 [0, n)
+    zeros: Callable[..., Array]         # (shape, dtype, device=None)
+    exp: Callable[..., Array]
+    tanh: Callable[..., Array]
+    sqrt: Callable[..., Array]
+    where: Callable[..., Array]
+    logical_and: Callable[..., Array]   # (a, b): elementwise AND of booleans
+    max: Callable[..., Array]
+    sum: Callable[..., Array]
+    any: Callable[..., Array]
+    repeat: Callable[..., Array]
+    transpose: Callable[..., Array]
+    concatenate: Callable[..., Array]
+    broadcast_to: Callable[..., Array]
+    minimum: Callable[..., Array]
+    maximum: Callable[..., Array]
+    take: Callable[..., Array]
+
+    def __init__(self) -> None:
+        self._native_classes: dict[type, type] = {}
+
+    def __repr__(self) -> str:
         return f"<attention_multi backend {self.name!r}>"
 
     # -- arrays (required) ----------------------------------------------------
-    def is_array(self, x):
+    def is_array(self, x: Any) -> bool:
         """True if ``x`` is an array (or tracer) of this framework."""
         raise NotImplementedError
 
-    def asarray(self, x, dtype=None, device=None):
+    def asarray(self, x: Any, dtype: DType | None = None, device: Any = None) -> Array:
         """Array of this framework from array-like ``x``; dtype is a name."""
         raise NotImplementedError
 
-    def to_numpy(self, x):
+    def to_numpy(self, x: Array) -> numpy.ndarray:
         """NumPy copy of ``x`` (bfloat16 becomes float32)."""
         raise NotImplementedError
 
-    def dtype_name(self, x):
+    def dtype_name(self, x: Array) -> str:
+        """The NumPy name of ``x``'s dtype (``"float32"``, ``"bfloat16"``...)."""
         raise NotImplementedError
 
-    def astype(self, x, dtype):
+    def astype(self, x: Array, dtype: DType) -> Array:
+        """``x`` cast to the dtype named ``dtype``."""
         raise NotImplementedError
 
     # -- devices (required) -----------------------------------------------------
-    def device(self, kind, index=0):
+    def device(self, kind: DeviceKind, index: int = 0) -> Any:
         """Native device for ``("cpu"|"cuda", index)``; ValueError if absent."""
         raise NotImplementedError
 
-    def device_of(self, x):
+    def device_of(self, x: Array) -> Any:
+        """The native device ``x`` lives on."""
         raise NotImplementedError
 
-    def to_device(self, x, device):
+    def to_device(self, x: Array, device: Any) -> Array:
+        """``x`` on the native ``device`` (``x`` itself when ``device`` is None)."""
         raise NotImplementedError
 
-    def native_device(self, device):
+    def native_device(self, device: Any) -> Any:
         """The framework's device for a name (``"cuda:0"``); a native device
         object passes through. ValueError if it is absent."""
         if device is not None and not isinstance(device, str):
@@ -79,94 +126,100 @@ class Backend:
         return self.device(*parse_device("cpu" if device is None else device))
 
     # -- randomness (required) --------------------------------------------------
-    def uniform(self, shape, low, high, dtype="float32", device=None):
+    def uniform(self, shape: Shape, low: float, high: float, dtype: DType = "float32",
+                device: Any = None) -> Array:
         """Samples from U(low, high), drawn from the framework's own RNG."""
         raise NotImplementedError
 
-    def dropout(self, x, p, key=None):
+    def dropout(self, x: Array, p: float, key: Any = None) -> Array:
         """Zero each element with probability p, scale survivors by 1/(1-p)."""
         raise NotImplementedError
 
-    def seed(self, n):
+    def seed(self, n: int) -> None:
         """Seed the global generators that ``uniform`` and ``dropout`` draw
         from (frameworks with explicit keys: only the initialization's)."""
         raise NotImplementedError
 
     # -- capabilities -------------------------------------------------------------
-    def is_concrete(self, x):
+    def is_concrete(self, x: Array) -> bool:
         """False while ``x`` is traced (values unknown: ``jax.jit``,
         ``torch.compile``...); value checks and host-side decisions then wait."""
         return True
 
-    def is_tracing(self):
+    def is_tracing(self) -> bool:
         """True while the framework traces a function (``jax.jit``,
         ``jax.grad``, ``torch.compile``...), whatever the arrays at hand:
         lazily sized modules cannot create their parameters then."""
         return False
 
-    def enable_float64(self):
+    def enable_float64(self) -> None:
         """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""
 
-    def dropout_key(self, seed):
+    def dropout_key(self, seed: int) -> Any:
         """What a training-mode call passes as ``key=``: None, or a PRNG key
         for frameworks without a global random generator (JAX)."""
         return None
 
-    def fold_key(self, key, index):
+    def fold_key(self, key: Any, index: int) -> Any:
         """A key for the ``index``-th of several dropout draws within one call
         (frameworks with a global RNG ignore keys: ``key`` is returned)."""
         return key
 
-    def gradients(self, loss_fn, module, *inputs):
+    def gradients(self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
+                  ) -> tuple[float, dict[str, Array], list[Array]]:
         """``(float loss, {param name: gradient}, [gradient of each input])``
         of ``loss_fn(module, *inputs)``, by the framework's own autodiff."""
         raise NotImplementedError(
             f"the {self.name} backend has no automatic differentiation; "
             f"train with the torch, jax or mxnet backend")
 
-    def value_and_grad(self, module, loss_fn):
+    def value_and_grad(self, module: Any, loss_fn: Callable[[Any], Array]
+                       ) -> tuple[float, dict[str, Array]]:
         """``(float loss, {param name: gradient})`` of ``loss_fn(module)``."""
         loss, grads, _ = self.gradients(loss_fn, module)
         return loss, grads
 
-    def parallel_map(self, fn, tasks):
+    def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
         """``[fn(t) for t in tasks]``, in parallel where the framework does not
         parallelize each operation itself."""
         return [fn(t) for t in tasks]
 
-    def concurrency(self):
+    def concurrency(self) -> int:
         """How many tasks ``parallel_map`` runs at once."""
         return 1
 
-    def cond(self, pred, true_fn, false_fn, operand):
+    def cond(self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R],
+             operand: T) -> R:
         """``true_fn(operand)`` if ``pred`` else ``false_fn(operand)``; with
         ``runtime_cond``, also while traced (decided when the program runs)."""
         return true_fn(operand) if bool(pred) else false_fn(operand)
 
-    def checkpoint(self, fn, *args):
+    def checkpoint(self, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``; under the framework's autodiff, recomputed in the
         backward pass instead of keeping its intermediates (where it can)."""
         return fn(*args)
 
-    def write_slice(self, buffer, update, start, axis):
+    def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
         """A copy of ``buffer`` with ``update`` written at ``start`` along
         ``axis`` (the other axes whole): out of place, so autodiff sees it.
         ``start`` is an int, or a 0-d int array that may be traced where the
         framework compiles (JAX: then the write is clamped to the buffer)."""
         out = buffer.copy()
-        index = [slice(None)] * len(buffer.shape)
+        index: list[Any] = [slice(None)] * len(buffer.shape)
         index[axis] = slice(start, start + update.shape[axis])
         out[tuple(index)] = update
         return out
 
-    def register_tree(self, cls, flatten, unflatten):
+    def register_tree(self, cls: type, flatten: Callable[..., Any],
+                      unflatten: Callable[..., Any]) -> None:
         """Let the framework trace through instances of ``cls`` (JAX: a
         pytree node, so that ``jax.jit`` takes and returns them); elsewhere
         nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
         children) -> obj``. Registering a class twice is harmless."""
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
-                        dropout=0.0):
+    def fused_attention(self, queries: Array, keys: Array, values: Array, mask: Any,
+                        scale: float, memory_budget: int | None = None,
+                        dropout: float = 0.0) -> Array | None:
         """The framework's own attention kernel (with ``has_fused_attention``
         True), or None to let the core's generic paths run.
 
@@ -186,10 +239,12 @@ class Backend:
         return None
 
     # -- modules ---------------------------------------------------------------
-    def native_class(self, public_class):
+    def native_class(self, public_class: type) -> type:
         """The subclass of ``public_class`` that is native to this framework."""
         cls = self._native_classes.get(public_class)
         if cls is None:
+            if self.module_base is None:
+                raise NotImplementedError(f"the {self.name} backend sets no module_base")
             cls = type(public_class.__name__, (public_class, self.module_base), {
                 "_backend": self,
                 "__module__": public_class.__module__,
@@ -199,5 +254,5 @@ class Backend:
             self._native_classes[public_class] = cls
         return cls
 
-    def _register_class(self, cls):
+    def _register_class(self, cls: type) -> None:
         """Hook for frameworks that must know about new module classes."""

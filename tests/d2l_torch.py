@@ -16,7 +16,6 @@ from torch.nn import functional as F
 
 import attention_multi as am
 
-
 # ---- d2l: attention (chapter "Attention Mechanisms and Transformers") ----
 
 def masked_softmax(X, valid_lens):
@@ -352,7 +351,8 @@ def transformer(attention="d2l", num_blks=2):
 
 
 def seq2seq_gru():
-    net = EncoderDecoder(Seq2SeqEncoder(10, 6, 8, 2, 0.1), Seq2SeqAttentionDecoder(10, 6, 8, 2, 0.1))
+    net = EncoderDecoder(Seq2SeqEncoder(10, 6, 8, 2, 0.1),
+                         Seq2SeqAttentionDecoder(10, 6, 8, 2, 0.1))
     tokens = torch.zeros((1, 3), dtype=torch.int64)
     return _called(net, tokens, tokens, torch.tensor([3]))
 

@@ -1,12 +1,18 @@
-"""Every code block of README.md and docs/porting.md runs, in order, as one
-script per document.
+"""Every code block of README.md and of every page under docs/ (the
+documentation site's guide and reference) runs, in order, as one script per
+document.
 
 ``python`` blocks run as they are, ``sh`` blocks through the shell (``python``
-is this interpreter). A block right after ``<!-- requires: mxnet -->`` runs
-only where mxnet imports. The working directory is a temporary folder with
-``tests`` linked to the repository's, so the snippets' fixture paths resolve
-and the files they write land there.
+is this interpreter); ``bash``, ``text`` and ``console`` blocks are shown, not
+run. A block right after ``<!-- requires: mxnet -->`` runs only where mxnet
+imports. The working directory is a temporary folder with ``tests`` linked to
+the repository's, so the snippets' fixture paths resolve and the files they
+write land there.
+
+The reference pages are ``::: module`` directives that mkdocstrings fills in
+(``make docs``); here every public module is checked to have one.
 """
+import importlib
 import importlib.util
 import os
 import re
@@ -14,12 +20,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from backends import available_backends
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
-PORTING = REPO / "docs" / "porting.md"
+DOCS = REPO / "docs"
+PORTING = DOCS / "porting.md"
+PAGES = sorted(DOCS.rglob("*.md"))
 BLOCK = re.compile(r"(<!-- requires: (\w+) -->\n)?```(python|sh)\n(.*?)```", re.S)
+FENCE = re.compile(r"^```(\S*)", re.M)
+SHOWN = {"bash", "text", "console"}   # fences that are shown, not run
 PROLOGUE = """\
 import warnings
 import numpy
@@ -58,7 +70,7 @@ def run_doc(doc, tmp_path):
         if lang == "sh":
             code = f"import subprocess\nsubprocess.run({code!r}, shell=True, check=True)\n"
         parts.append(code)
-    script = tmp_path / "porting_doc.py"
+    script = tmp_path / f"{doc.stem}_doc.py"
     script.write_text("\n".join(parts))
     (tmp_path / "tests").symlink_to(REPO / "tests", target_is_directory=True)
     env = dict(os.environ)
@@ -88,3 +100,69 @@ def test_porting_doc_snippets_run(tmp_path):
     if has("mxnet"):
         assert (tmp_path / "mha.params").exists()
         assert (tmp_path / "my_transformer.params").exists()
+
+
+# ---- every page of the documentation site ----
+
+def page_id(path):
+    return str(path.relative_to(DOCS))
+
+
+@pytest.mark.parametrize("doc", [README] + PAGES, ids=lambda p: p.name if p == README
+                         else page_id(p))
+def test_every_fence_is_run_or_shown(doc):
+    """No block is silently left out: each fence is python/sh (found by the
+    harness) or a shown-only language, and every opening fence is found."""
+    text = doc.read_text()
+    openings = FENCE.findall(text)[::2]   # fences alternate: opening, closing
+    assert len(FENCE.findall(text)) % 2 == 0, f"{doc}: unbalanced fences"
+    unknown = [lang for lang in openings if lang not in SHOWN | {"python", "sh"}]
+    assert not unknown, f"{doc}: fences of unknown language {unknown} (run: python, sh; " \
+                        f"shown: {sorted(SHOWN)})"
+    runnable = sum(1 for lang in openings if lang in ("python", "sh"))
+    assert runnable == len(blocks(doc)), f"{doc}: a python/sh block is not found by BLOCK"
+    for requirement, _, _ in blocks(doc):
+        assert requirement in (None, "mxnet", "torch", "jax"), requirement
+
+
+# porting.md and the README have their own tests, with their outputs checked.
+RUNNABLE = [p for p in PAGES if p != PORTING and blocks(p)]
+
+
+@pytest.mark.parametrize("doc", RUNNABLE, ids=page_id)
+def test_docs_page_snippets_run(doc, tmp_path):
+    run_doc(doc, tmp_path)
+
+
+def test_guide_pages_have_examples():
+    guide = {p.stem for p in RUNNABLE if p.parent.name == "guide"}
+    assert {"quickstart", "backends", "masks", "performance", "errors"} <= guide, guide
+
+
+def documented_modules():
+    found = set()
+    for page in (DOCS / "reference").glob("*.md"):
+        found.update(re.findall(r"^::: ([\w.]+)\s*$", page.read_text(), re.M))
+    return found
+
+
+def test_every_public_module_has_a_reference_page():
+    """Every module and package of attention_multi (cli/: the tools, documented
+    in the guide) and backends' package and protocol are rendered."""
+    package = REPO / "attention_multi"
+    public = {"attention_multi", "backends", "backends.protocol", "backends.types"}
+    public |= {f"attention_multi.{p.stem}" for p in package.glob("*.py")
+               if not p.name.startswith("_")}
+    public |= {f"attention_multi.{p.name}" for p in package.iterdir()
+               if (p / "__init__.py").exists() and p.name != "cli"}
+    documented = documented_modules()
+    assert public <= documented, f"no reference page for {sorted(public - documented)}"
+    for name in documented:
+        importlib.import_module(name)   # every directive names a real module
+
+
+def test_every_public_name_is_on_the_package_page():
+    import attention_multi
+    assert set(attention_multi.__all__) <= set(dir(attention_multi))
+    page = (DOCS / "reference" / "attention_multi.md").read_text()
+    assert re.search(r"^::: attention_multi\s*$", page, re.M)

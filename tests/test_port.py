@@ -274,7 +274,8 @@ def test_cli_corrupt_and_missing_files_exit_2(tmp_path):
     result = run_cli(bad, "--to", "numpy", "--out", tmp_path / "x.npz")
     assert_clean_failure(result, 2)
     assert "not an MXNet NDArray file" in result.stderr and "(at byte 0)" in result.stderr
-    result = run_cli(FIXTURES / "sparse_csr_v2.params", "--to", "numpy", "--out", tmp_path / "x.npz")
+    result = run_cli(FIXTURES / "sparse_csr_v2.params", "--to", "numpy",
+                     "--out", tmp_path / "x.npz")
     assert_clean_failure(result, 2)
     assert "storage type" in result.stderr and "at byte" in result.stderr
     result = run_cli(tmp_path / "missing.params", "--to", "numpy")
@@ -332,7 +333,8 @@ def d2l_mx():
 
 def mx_inputs(mx, shapes, valid_lens, dtype, seed):
     rng = np.random.default_rng(seed)
-    arrays = {n: rng.normal(size=s).astype(dtype) for n, s in zip(("queries", "keys", "values"), shapes)}
+    arrays = {n: rng.normal(size=s).astype(dtype)
+              for n, s in zip(("queries", "keys", "values"), shapes)}
     arrays["valid_lens"] = np.array(valid_lens, dtype="float32")
     return arrays, [mx.np.array(arrays[n], dtype=arrays[n].dtype)
                     for n in ("queries", "keys", "values", "valid_lens")]

@@ -108,14 +108,16 @@ def test_mha_fixture_params_reproduce_mxnet_forward(name, rtol):
     """The loaded weights are (out, in) like torch; a NumPy forward matches MXNet's."""
     p = {k: v.astype(np.float64) for k, v in load_mxnet_params(FIXTURES / f"{name}.params").items()}
     with np.load(FIXTURES / f"{name}.npz") as z:
-        q, k, v, lens = (z[n].astype(np.float64) for n in ("queries", "keys", "values", "valid_lens"))
+        q, k, v, lens = (z[n].astype(np.float64)
+                         for n in ("queries", "keys", "values", "valid_lens"))
         out, weights = z["output"], z["attention_weights"]
 
     def dense(x, layer):
         return x @ p[f"{layer}.weight"].T + p.get(f"{layer}.bias", 0.0)
 
     def split(x):  # d2l transpose_qkv with 2 heads
-        return x.reshape(x.shape[0], x.shape[1], 2, -1).transpose(0, 2, 1, 3).reshape(-1, x.shape[1], 4)
+        heads = x.reshape(x.shape[0], x.shape[1], 2, -1).transpose(0, 2, 1, 3)
+        return heads.reshape(-1, x.shape[1], 4)
 
     qh, kh, vh = split(dense(q, "W_q")), split(dense(k, "W_k")), split(dense(v, "W_v"))
     attn = _softmax_masked(qh @ kh.transpose(0, 2, 1) / 2.0, np.repeat(lens, 2))
@@ -125,9 +127,11 @@ def test_mha_fixture_params_reproduce_mxnet_forward(name, rtol):
 
 
 def test_additive_fixture_params_reproduce_mxnet_forward():
-    p = {k: v.astype(np.float64) for k, v in load_mxnet_params(FIXTURES / "additive.params").items()}
+    p = {k: v.astype(np.float64)
+         for k, v in load_mxnet_params(FIXTURES / "additive.params").items()}
     with np.load(FIXTURES / "additive.npz") as z:
-        q, k, v, lens = (z[n].astype(np.float64) for n in ("queries", "keys", "values", "valid_lens"))
+        q, k, v, lens = (z[n].astype(np.float64)
+                         for n in ("queries", "keys", "values", "valid_lens"))
         out, weights = z["output"], z["attention_weights"]
     features = np.tanh((q @ p["W_q.weight"].T)[:, :, None] + (k @ p["W_k.weight"].T)[:, None])
     attn = _softmax_masked((features @ p["w_v.weight"].T)[..., 0], lens)
@@ -237,7 +241,8 @@ def test_truncation_message_is_precise(tmp_path):
     cut.write_bytes(raw[:30])  # too short to hold even the smallest 2 records
     raises_at(cut, r"the array count is 2, but only 6 bytes are left \(at byte 16\)")
     cut.write_bytes(raw[:80])
-    raises_at(cut, r"truncated at byte 64 while reading the data of array 0 \(needed 24 bytes, 16 left\)")
+    raises_at(cut, r"truncated at byte 64 while reading the data of array 0 "
+                   r"\(needed 24 bytes, 16 left\)")
 
 
 def test_fixture_truncated_in_the_middle(tmp_path):
@@ -259,7 +264,8 @@ def test_wrong_list_magic(tmp_path):
 def test_wrong_array_magic(tmp_path):
     raises_at(patched(small_file(tmp_path), 24, "<I", 0xDEADBEEF),
               r"array 0 has unknown magic number 0xDEADBEEF \(at byte 24\)")
-    raises_at(patched(small_file(tmp_path), 88, "<I", 5), r"array 1 has unknown magic number 0x00000005 \(at byte 88\)")
+    raises_at(patched(small_file(tmp_path), 88, "<I", 5),
+              r"array 1 has unknown magic number 0x00000005 \(at byte 88\)")
 
 
 @pytest.mark.parametrize("flag", [8, 12, 99, -1])
@@ -280,18 +286,21 @@ def test_real_sparse_file_is_rejected():
 
 def test_counts_exceeding_the_file(tmp_path):
     path = small_file(tmp_path)
-    raises_at(patched(path, 16, "<Q", 2**63), r"the array count is 9223372036854775808, but only \d+ bytes are left \(at byte 16\)")
+    raises_at(patched(path, 16, "<Q", 2**63), r"the array count is 9223372036854775808, "
+                                              r"but only \d+ bytes are left \(at byte 16\)")
     raises_at(patched(path, 16, "<Q", 20), "the array count is 20")
     names_at = len(path.read_bytes()) - 8 - 2 * (8 + 1)  # count + 2 x (length, 1 char)
     raises_at(patched(path, names_at, "<Q", 2**40), "the name count is 1099511627776")
     raises_at(patched(path, names_at, "<Q", 1), "1 names for 2 arrays")
-    raises_at(patched(path, names_at + 8, "<Q", 2**62), r"truncated at byte \d+ while reading name 0")
+    raises_at(patched(path, names_at + 8, "<Q", 2**62),
+              r"truncated at byte \d+ while reading name 0")
 
 
 def test_huge_shape_is_checked_before_reading(tmp_path):
     path = small_file(tmp_path)
     raises_at(patched(path, 36, "<q", 2**40), r"needed 13194139533312 bytes, \d+ left")
-    raises_at(patched(path, 32, "<i", 2**31 - 1), "truncated at byte 36 while reading the shape of array 0")
+    raises_at(patched(path, 32, "<i", 2**31 - 1),
+              "truncated at byte 36 while reading the shape of array 0")
     raises_at(patched(path, 32, "<i", -5), "array 0 has invalid ndim -5")
     raises_at(patched(path, 36, "<q", -3), r"invalid shape \(-3, 3\)")
 
@@ -299,7 +308,8 @@ def test_huge_shape_is_checked_before_reading(tmp_path):
 def test_unknown_shape_and_trailing_bytes(tmp_path):
     path = small_file(tmp_path)
     raises_at(patched(path, 36, "<q", -1), "array 0 has unknown shape")
-    raises_at(patched(small_file(tmp_path, np_mode=False), 32, "<i", 0), "array 0 has unknown shape")
+    raises_at(patched(small_file(tmp_path, np_mode=False), 32, "<i", 0),
+              "array 0 has unknown shape")
     longer = tmp_path / "longer.params"
     longer.write_bytes(path.read_bytes() + b"\0\0\0")
     raises_at(longer, "3 unexpected trailing bytes")
@@ -396,7 +406,8 @@ def test_mxnet_load_parameters_accepts_our_files(dtype, np_mode, tmp_path):
     mx = mxnet()
     rng = np.random.default_rng(1)
     params = {k: rng.normal(size=s).astype(dtype) for k, s in
-              [("W_q.weight", (8, 5)), ("W_q.bias", (8,)), ("W_o.weight", (8, 8)), ("W_o.bias", (8,))]}
+              [("W_q.weight", (8, 5)), ("W_q.bias", (8,)), ("W_o.weight", (8, 8)),
+               ("W_o.bias", (8,))]}
     save_mxnet_params(params, tmp_path / "p.params", np_mode=np_mode)
     with mode(mx, np_mode):
         block = two_dense(mx, dtype)
@@ -428,6 +439,7 @@ def test_fresh_mxnet_legacy_save_reads_back(tmp_path):
     want = sample_params("float32", with_scalar=False)
     del want["empty"]
     with mode(mx, False):
-        mx.nd.save(str(tmp_path / "legacy.params"), {k: mx.nd.array(v, dtype=v.dtype) for k, v in want.items()})
+        mx.nd.save(str(tmp_path / "legacy.params"),
+                   {k: mx.nd.array(v, dtype=v.dtype) for k, v in want.items()})
     assert (tmp_path / "legacy.params").read_bytes()[24:28] == V2_MAGIC
     assert_same(load_mxnet_params(tmp_path / "legacy.params"), want)

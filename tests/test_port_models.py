@@ -19,8 +19,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import attention_multi as am  # noqa: E402
-from attention_multi.port import (load_into, load_mxnet_params, mapping,  # noqa: E402
-                                  save_mxnet_params, to_state_dict)
+from attention_multi.port import (  # noqa: E402
+    load_into,
+    load_mxnet_params,
+    mapping,
+    save_mxnet_params,
+    to_state_dict,
+)
 from attention_multi.port.rules import rules_table, translate  # noqa: E402
 from attention_multi.testing import assert_close  # noqa: E402
 from tests import d2l_torch  # noqa: E402

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-from conftest import load_backend
 import backends
 from attention_multi import config
+from conftest import load_backend
 
 
 def test_default_is_numpy(monkeypatch):
@@ -93,7 +93,7 @@ def test_backend_keyword_and_array_type_win(backend):
 def test_get_backend_of_arrays(backend):
     assert backends.get_backend(backend.asarray([1.0])) is backend
     with pytest.raises(TypeError, match="cannot tell which backend.*bytes"):
-        backends.get_backend("x".encode())
+        backends.get_backend(b"x")
 
 
 def test_am_get_backend_takes_what_backends_get_backend_takes(backend):

@@ -3,7 +3,6 @@ plugin (run in subprocesses on small temporary test files)."""
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np

@@ -13,14 +13,22 @@ differ (``blks.0`` and ``blks.block0``) pair in registration order
 (``matching``). Nothing here imports a framework: a torch module is
 recognised only when torch is already imported.
 """
+from __future__ import annotations
+
 import os
 import sys
+from collections.abc import Mapping as MappingType
+from typing import Any, TypeVar, Union
 
 import numpy as np
 
 from .matching import Mapping, match
 from .params_file import load_mxnet_params, save_mxnet_params
 from .rules import RULES, rules_table
+
+Source = Union[str, "os.PathLike[str]", MappingType[str, Any]]
+"""A ``.params`` path, or ``{Gluon name: array}``."""
+_M = TypeVar("_M", bound=Any)   # this library's module (any backend) or a torch.nn.Module
 
 __all__ = ["Mapping", "RULES", "check_params", "load_into", "load_mxnet_params", "mapping",
            "rules_table", "save_mxnet_params", "to_state_dict"]
@@ -30,13 +38,14 @@ class _Target:
     """The entries of a module that a file fills: for this library's modules
     their parameters (any backend), for a torch module its ``state_dict``."""
 
-    def __init__(self, module):
+    def __init__(self, module: Any) -> None:
         from ..modules import Module
         self.module, self.label = module, type(module).__name__
         torch = sys.modules.get("torch")
         if isinstance(module, Module):
             module._check_sized("loading parameters")
-            self.torch, self.arrays = None, module.named_arrays()
+            self.torch: Any = None
+            self.arrays: dict[str, Any] = module.named_arrays()  # type: ignore[attr-defined]
         elif torch is not None and isinstance(module, torch.nn.Module):
             self.torch = torch
             self.arrays = {n: v for n, v in module.state_dict(keep_vars=True).items()
@@ -53,13 +62,13 @@ class _Target:
                             f"{type(module).__module__}.{type(module).__qualname__}")
         self.shapes = {n: tuple(v.shape) for n, v in self.arrays.items()}
 
-    def to_numpy(self, name):
+    def to_numpy(self, name: str) -> np.ndarray:
         value = self.arrays[name]
         if self.torch is not None:
             return value.detach().cpu().numpy()
         return self.module.backend.to_numpy(value)
 
-    def assign(self, params):
+    def assign(self, params: MappingType[str, np.ndarray]) -> None:
         """Load ``{name: numpy array}`` (every name, shapes checked), cast to
         each entry's dtype. Everything is converted before anything is written."""
         if self.torch is None:
@@ -74,25 +83,26 @@ class _Target:
                 self.arrays[name].copy_(value)
 
 
-def _read(source):
+def _read(source: Source) -> tuple[dict[str, np.ndarray], str]:
     """``({name: numpy array}, label)`` from a ``.params`` path or a dict."""
     if isinstance(source, (str, os.PathLike)):
         return load_mxnet_params(source), os.fspath(source)
-    if isinstance(source, dict):
+    if isinstance(source, MappingType):
         from ..params import _to_numpy
         return {str(n): _to_numpy(v) for n, v in source.items()}, "the given dict"
     raise TypeError(f"expected a .params path or a {{name: array}} dict, got "
                     f"{type(source).__name__}")
 
 
-def _mapping(source, target, exact=False):
+def _mapping(source: Source, target: _Target, exact: bool = False
+             ) -> tuple[dict[str, np.ndarray], Mapping]:
     params, label = _read(source)
     shapes = {n: v.shape for n, v in params.items()}
     return params, match(shapes, target.shapes, exact=exact, source_label=label,
                          target_label=target.label)
 
 
-def mapping(source, like):
+def mapping(source: Source, like: Any) -> Mapping:
     """How the Gluon names of ``source`` (a ``.params`` path or a
     ``{name: array}`` dict) pair with the names of the module ``like``.
 
@@ -104,7 +114,7 @@ def mapping(source, like):
     return _mapping(source, _Target(like))[1]
 
 
-def to_state_dict(source, like):
+def to_state_dict(source: Source, like: Any) -> dict[str, np.ndarray]:
     """``{module name: numpy array}`` for the module ``like``, in its order,
     from a ``.params`` path (or ``{name: array}`` dict) written by Gluon.
 
@@ -122,7 +132,7 @@ def to_state_dict(source, like):
     return {name: mapped[name] for name in target.shapes}
 
 
-def load_into(module, path):
+def load_into(module: _M, path: Source) -> _M:
     """Load a Gluon ``.params`` file (or ``{name: array}`` dict) into
     ``module``; returns ``module``.
 
@@ -141,7 +151,8 @@ def load_into(module, path):
     return module
 
 
-def check_params(params, module, source="the file"):
+def check_params(params: MappingType[str, Any], module: Any, source: str = "the file"
+                 ) -> None:
     """Raise ValueError unless ``params`` has exactly the names and shapes of
     ``module``'s entries (no renaming rules, no pairing by order).
 

@@ -9,28 +9,45 @@ positions) always pair by order: parameterless layers (activations, pooling,
 name and shape is checked; whatever does not pair, or could pair two ways,
 is a problem that ``Mapping.check`` raises.
 """
-import os
-from collections import namedtuple
+from __future__ import annotations
 
-from .rules import TORCH_ONLY, translate
+import os
+from collections.abc import Iterable
+from collections.abc import Mapping as MappingType
+from typing import Any, NamedTuple
+
+from .rules import TORCH_ONLY, Rule, translate
 
 __all__ = ["Mapping", "match"]
 
-Row = namedtuple("Row", "gluon gluon_shape torch torch_shape how")
+
+
+class Row(NamedTuple):
+    """One pair: a Gluon entry, the module entry it loads into, and how they paired."""
+
+    gluon: str
+    gluon_shape: tuple[int, ...]
+    torch: str
+    torch_shape: tuple[int, ...]
+    how: str
+
+
+_Target = tuple[int, str, tuple[int, ...]]   # (registration index, name, shape)
 
 
 class _Entry:
     """One Gluon parameter: its names and the leaf it goes to in a node."""
 
-    def __init__(self, index, name, shape, exact):
+    def __init__(self, index: int, name: str, shape: tuple[int, ...], exact: bool) -> None:
         self.index, self.name, self.shape = index, name, shape
+        self.rule: Rule | None
         self.translated, self.rule = (name, None) if exact else translate(name)
-        self.how = []
+        self.how: list[str] = []
         if self.rule is not None:
             cut = os.path.commonprefix([name, self.translated]).rfind(".") + 1
             self.how.append(f"{name[cut:]} -> {self.translated[cut:]}")
 
-    def leaf_for(self, target_leaves):
+    def leaf_for(self, target_leaves: Iterable[str]) -> str:
         """The target leaf this entry asks for at its node."""
         original = self.name.rsplit(".", 1)[-1]
         if self.rule is not None and self.rule.keeps_original and original in target_leaves:
@@ -39,23 +56,25 @@ class _Entry:
 
 
 class _Node:
-    def __init__(self):
-        self.leaves, self.children = {}, {}   # leaf -> [items]; name -> _Node
+    def __init__(self) -> None:
+        self.leaves: dict[str, list[Any]] = {}      # leaf -> [items]
+        self.children: dict[str, _Node] = {}        # name -> _Node
 
-    def add(self, parts, item):
+    def add(self, parts: list[str], item: Any) -> None:
         node = self
         for part in parts[:-1]:
             node = node.children.setdefault(part, _Node())
         node.leaves.setdefault(parts[-1], []).append(item)
 
-    def items(self):
+    def items(self) -> list[Any]:
         out = [i for items in self.leaves.values() for i in items]
         for child in self.children.values():
             out += child.items()
         return out
 
 
-def match(source, target, *, exact=False, source_label="the file", target_label="the module"):
+def match(source: MappingType[str, Any], target: MappingType[str, Any], *, exact: bool = False,
+          source_label: str = "the file", target_label: str = "the module") -> Mapping:
     """Pair ``source`` ``{gluon name: shape}`` (file order) with ``target``
     ``{name: shape}`` (registration order). ``exact=True``: names pair only
     when equal (no rules, no order). Returns a ``Mapping``."""
@@ -71,13 +90,14 @@ def match(source, target, *, exact=False, source_label="the file", target_label=
     return mapping
 
 
-def _join(path, name):
+def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _walk(g, t, gpath, tpath, how, exact, m):
+def _walk(g: _Node, t: _Node, gpath: str, tpath: str, how: list[str], exact: bool,
+          m: Mapping) -> None:
     # parameters at this node
-    wanted = {}
+    wanted: dict[str, list[_Entry]] = {}
     for items in g.leaves.values():
         for e in items:
             wanted.setdefault(e.leaf_for(t.leaves), []).append(e)
@@ -114,11 +134,11 @@ def _walk(g, t, gpath, tpath, how, exact, m):
             m._unmatched_target(item)
 
 
-def _shape(shape):
+def _shape(shape: Iterable[int]) -> str:
     return str(tuple(shape))
 
 
-def _listing(shapes):
+def _listing(shapes: MappingType[str, Any]) -> str:
     return ", ".join(f"{n} {_shape(s)}" for n, s in shapes.items()) or "nothing"
 
 
@@ -132,31 +152,38 @@ class Mapping:
     ``check()`` raises ValueError listing every problem.
     """
 
-    def __init__(self, source, target, source_label, target_label):
+    def __init__(self, source: MappingType[str, Any], target: MappingType[str, Any],
+                 source_label: str, target_label: str) -> None:
         self.source, self.target = dict(source), dict(target)
         self.source_label, self.target_label = source_label, target_label
-        self.rows, self.kept, self.problems = [], [], []
-        self.only_file, self.missing, self.ambiguous, self.unpaired = [], [], [], []
-        self._mismatched = []
+        self.rows: list[Row] = []
+        self._indexed_rows: list[tuple[int, Row]] = []
+        self.kept: list[tuple[str, tuple[int, ...]]] = []
+        self.problems: list[str] = []
+        self.only_file: list[_Entry] = []
+        self.missing: list[_Target] = []
+        self.ambiguous: list[tuple[_Target, list[_Entry]]] = []
+        self.unpaired: list[tuple[str, list[str], str, list[str]]] = []
+        self._mismatched: list[tuple[_Entry, str, tuple[int, ...]]] = []
 
-    def _pair(self, entry, target, how):
+    def _pair(self, entry: _Entry, target: _Target, how: list[str]) -> None:
         _, name, shape = target
         how = how + entry.how
         if entry.shape != shape:
             self._mismatched.append((entry, name, shape))
             how = how + ["SHAPE MISMATCH"]
-        self.rows.append((entry.index, Row(entry.name, entry.shape, name, shape,
+        self._indexed_rows.append((entry.index, Row(entry.name, entry.shape, name, shape,
                                            "; ".join(how))))
 
-    def _unmatched_target(self, target):
+    def _unmatched_target(self, target: _Target) -> None:
         _, name, shape = target
         if name.rsplit(".", 1)[-1] in TORCH_ONLY:
             self.kept.append((name, shape))
         else:
             self.missing.append(target)
 
-    def _finish(self):
-        self.rows = [row for _, row in sorted(self.rows, key=lambda r: r[0])]
+    def _finish(self) -> None:
+        self.rows = [row for _, row in sorted(self._indexed_rows, key=lambda r: r[0])]
         self.kept.sort(key=lambda k: list(self.target).index(k[0]))
         what = self.target_label
         only = sorted(self.only_file, key=lambda e: e.index)
@@ -186,35 +213,38 @@ class Mapping:
             self.problems.append("(the file has no biases: build the module with bias=False)")
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
+        """True when it loads (no problems)."""
         return not self.problems
 
-    def names(self):
+    def names(self) -> dict[str, str]:
         """``{module name: Gluon name}`` for every pair."""
         return {row.torch: row.gluon for row in self.rows}
 
-    def error_message(self):
+    def error_message(self) -> str:
+        """The problems, then what the file holds and what the module expects."""
         lines = [f"{self.source_label} does not match {self.target_label}:"]
         lines += [f"  {p}" for p in self.problems]
         lines.append(f"the file holds: {_listing(self.source)}")
-        lines.append(f"{self.target_label} expects: "
-                     f"{_listing({n: s for n, s in self.target.items() if n not in dict(self.kept)})}")
+        expected = {n: s for n, s in self.target.items() if n not in dict(self.kept)}
+        lines.append(f"{self.target_label} expects: {_listing(expected)}")
         return "\n".join(lines)
 
-    def check(self):
+    def check(self) -> Mapping:
         """Raise ValueError (every problem, then both listings) unless it loads."""
         if self.problems:
             raise ValueError(self.error_message())
         return self
 
-    def __str__(self):
+    def __str__(self) -> str:
         head = (f"Gluon ({self.source_label})", "shape", f"{self.target_label}", "shape", "how")
         body = [(r.gluon, _shape(r.gluon_shape), r.torch, _shape(r.torch_shape), r.how)
                 for r in self.rows]
         body += [("-", "", name, _shape(shape), f"kept: {TORCH_ONLY[name.rsplit('.', 1)[-1]]}")
                  for name, shape in self.kept]
         widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
-        lines = [f"{a:{widths[0]}}  {b:{widths[1]}} -> {c:{widths[2]}}  {d:{widths[3]}}  {e}".rstrip()
+        w0, w1, w2, w3 = widths
+        lines = [f"{a:{w0}}  {b:{w1}} -> {c:{w2}}  {d:{w3}}  {e}".rstrip()
                  for a, b, c, d, e in [head] + body]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s):")

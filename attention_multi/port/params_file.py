@@ -21,13 +21,18 @@ Pre-V1 files (uint32 dims, no magic) are not supported.
 Gluon's ``save_parameters`` writes structural names (``blks.0.attention.W_q.weight``);
 ``attention_multi.port`` maps them onto a module's names.
 """
+from __future__ import annotations
 
 import os
 import struct
+from collections.abc import Mapping
+from typing import Any, NoReturn, Union
 
 import numpy as np
 
 from ..files import atomic_write
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 __all__ = ["load_mxnet_params", "save_mxnet_params"]
 
@@ -45,14 +50,14 @@ _FLAGS = {np.dtype(name): flag for flag, name in _DTYPES.items()}
 class _Reader:
     """Bounds-checked cursor over the file bytes; errors carry path and offset."""
 
-    def __init__(self, path, data):
+    def __init__(self, path: PathLike, data: bytes) -> None:
         self.path, self.data, self.pos = os.fspath(path), memoryview(data), 0
 
-    def fail(self, msg, at=None):
+    def fail(self, msg: str, at: int | None = None) -> NoReturn:
         at = self.pos if at is None else at
         raise ValueError(f"{self.path}: {msg} (at byte {at})")
 
-    def take(self, n, what):
+    def take(self, n: int, what: str) -> memoryview:
         left = len(self.data) - self.pos
         if n > left:
             raise ValueError(f"{self.path}: truncated at byte {self.pos} while reading "
@@ -60,10 +65,10 @@ class _Reader:
         start, self.pos = self.pos, self.pos + n
         return self.data[start:self.pos]
 
-    def unpack(self, fmt, what):
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
 
-    def count(self, what, min_item_size):
+    def count(self, what: str, min_item_size: int) -> int:
         """Read a uint64 count; refuse counts the remaining bytes cannot hold."""
         at = self.pos
         (n,) = self.unpack("<Q", what)
@@ -72,7 +77,7 @@ class _Reader:
             self.fail(f"{what} is {n}, but only {left} bytes are left", at)
         return n
 
-    def array(self, i):
+    def array(self, i: int) -> np.ndarray:
         at = self.pos
         (magic,) = self.unpack("<I", f"the magic number of array {i}")
         if magic not in (_V1, _V2, _V3):
@@ -103,7 +108,7 @@ class _Reader:
         return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
 
 
-def load_mxnet_params(path):
+def load_mxnet_params(path: PathLike) -> dict[str, np.ndarray]:
     """Read an MXNet ``.params`` file into ``{name: numpy.ndarray}``.
 
     A leading ``arg:`` or ``aux:`` prefix (written by ``mx.model.save_checkpoint``)
@@ -122,7 +127,7 @@ def load_mxnet_params(path):
     n_names = r.count("the name count", 8)
     if n_names not in (0, len(arrays)):
         r.fail(f"{n_names} names for {len(arrays)} arrays", at)
-    names = []
+    names: list[str] = []
     for i in range(n_names):
         (length,) = r.unpack("<Q", f"the length of name {i}")
         raw = r.take(length, f"name {i}")
@@ -140,7 +145,8 @@ def load_mxnet_params(path):
     return dict(zip(names or map(str, range(len(arrays))), arrays))
 
 
-def save_mxnet_params(params, path, *, np_mode=True):
+def save_mxnet_params(params: Mapping[str, Any], path: PathLike, *, np_mode: bool = True
+                      ) -> None:
     """Write ``{name: array-like}`` as an MXNet ``.params`` file.
 
     ``np_mode=True`` writes V3 records (what ``npx.save`` / np-mode Gluon write,

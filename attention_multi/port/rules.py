@@ -14,19 +14,31 @@ The rest is ``RULES``. Gluon and PyTorch order the gates the same way
 (GRU: r, z, n; LSTM: i, f, g, o), so RNN weights are renamed, never reordered;
 tests/test_port_models.py checks this against MXNet's own outputs.
 """
+from __future__ import annotations
+
 import re
-from collections import namedtuple
+from typing import Callable, NamedTuple
 
 __all__ = ["RULES", "TORCH_ONLY", "Rule", "rules_table", "translate"]
 
 # ``pattern`` matches the end of a dotted Gluon name; ``rename`` gives the
 # PyTorch ending. A rule with ``keeps_original`` also lets the Gluon name match
 # as it is (a PyTorch module may itself call a parameter ``gamma``).
-Rule = namedtuple("Rule", "layer gluon torch pattern rename keeps_original")
 
 
-def _rnn(reverse):
-    def rename(m):
+class Rule(NamedTuple):
+    """One renaming rule: a row of ``rules_table()``."""
+
+    layer: str                                 # the layer it is for
+    gluon: str                                 # the Gluon ending, as text
+    torch: str                                 # the PyTorch ending, as text
+    pattern: str                               # regex matching the end of a Gluon name
+    rename: Callable[[re.Match[str]], str]     # the PyTorch ending for a match
+    keeps_original: bool                       # the Gluon name may also match as it is
+
+
+def _rnn(reverse: bool) -> Callable[[re.Match[str]], str]:
+    def rename(m: re.Match[str]) -> str:
         kind = {"i2h": "ih", "h2h": "hh"}[m["gate"]]
         return f"{m['what']}_{kind}_l{m['layer']}" + ("_reverse" if reverse else "")
     return rename
@@ -54,7 +66,7 @@ _COMPILED = [(rule, re.compile(rf"(?:^|(?<=\.)){rule.pattern}$")) for rule in RU
 TORCH_ONLY = {"num_batches_tracked": "BatchNorm's batch counter (Gluon has none)"}
 
 
-def translate(gluon_name):
+def translate(gluon_name: str) -> tuple[str, Rule | None]:
     """``(pytorch_name, rule)`` for a Gluon name; ``rule`` is None where the
     name stays as it is."""
     for rule, pattern in _COMPILED:
@@ -64,7 +76,7 @@ def translate(gluon_name):
     return gluon_name, None
 
 
-def rules_table():
+def rules_table() -> str:
     """The rules as text: layer, Gluon ending -> PyTorch ending."""
     rows = [(r.layer, r.gluon, r.torch) for r in RULES]
     rows += [("BatchNorm", "(none)", f"{n}: kept") for n in TORCH_ONLY]

@@ -8,6 +8,10 @@
 
 Nothing here imports a framework or pytest.
 """
+from __future__ import annotations
+
+from typing import Any
+
 import numpy as np
 
 import backends
@@ -19,14 +23,14 @@ _TOLERANCES = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5),
                "float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
 
 
-def default_tolerances(*dtypes):
+def default_tolerances(*dtypes: str) -> tuple[float, float]:
     """``(rtol, atol)`` for comparing arrays of these dtype names: those of the
     least precise floating dtype; (0, 0) when none is floating."""
     found = [_TOLERANCES[d] for d in dtypes if d in _TOLERANCES]
     return max(found) if found else (0.0, 0.0)
 
 
-def _as_numpy(x):
+def _as_numpy(x: Any) -> tuple[np.ndarray, str, str]:
     """``(numpy array, framework name, dtype name)`` of an array of any backend."""
     if isinstance(x, (list, tuple, int, float, bool, np.ndarray, np.generic)):
         a = np.asarray(x)
@@ -35,8 +39,9 @@ def _as_numpy(x):
     return B.to_numpy(x), B.name, B.dtype_name(x)
 
 
-def assert_close(actual, expected, *, rtol=None, atol=None, equal_nan=False,
-                 check_dtype=False, msg=None):
+def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
+                 atol: float | None = None, equal_nan: bool = False,
+                 check_dtype: bool = False, msg: str | None = None) -> None:
     """Raise AssertionError unless ``|actual - expected| <= atol + rtol * |expected|``
     everywhere (the same shape; equal infinities match; NaN matches NaN only
     with ``equal_nan``).
@@ -54,7 +59,8 @@ def assert_close(actual, expected, *, rtol=None, atol=None, equal_nan=False,
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     head = f"{msg}: " if msg else ""
-    kinds = f"actual: {a_framework} {a_dtype} {a.shape}; expected: {e_framework} {e_dtype} {e.shape}"
+    kinds = (f"actual: {a_framework} {a_dtype} {a.shape}; "
+             f"expected: {e_framework} {e_dtype} {e.shape}")
     if a.shape != e.shape:
         raise AssertionError(f"{head}shapes differ: actual {a.shape}, expected {e.shape}\n{kinds}")
     if check_dtype and a_dtype != e_dtype:

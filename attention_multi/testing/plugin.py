@@ -17,15 +17,19 @@ Your own ``backend`` fixture (e.g. in conftest.py), or a test that
 parametrizes ``backend`` itself, takes precedence: this plugin then
 parametrizes nothing, so it never multiplies a suite's own cases.
 """
+from __future__ import annotations
+
 import pytest
 
 import backends
+from backends import Backend
 
-_CHOSEN = pytest.StashKey()
+_CHOSEN = pytest.StashKey[tuple[list[str], bool]]()
 _PARAM = "am_backend_name"   # what this plugin parametrizes
 
 
-def pytest_addoption(parser):
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Adds ``--am-backends=NAMES``."""
     group = parser.getgroup("attention-multi")
     group.addoption("--am-backends", metavar="NAMES", default=None,
                     help="comma-separated backends for the `backend` fixture of "
@@ -33,12 +37,13 @@ def pytest_addoption(parser):
                          "default: every installed one")
 
 
-def pytest_configure(config):
+def pytest_configure(config: pytest.Config) -> None:
+    """Resolves the chosen backends (a UsageError names an unknown one)."""
     text = config.getoption("am_backends")
     if text is None:
         config.stash[_CHOSEN] = (backends.available_backends(), False)
         return
-    names = []
+    names: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         try:
             name = backends.canonical_name(part)
@@ -49,7 +54,7 @@ def pytest_configure(config):
     config.stash[_CHOSEN] = (names, True)
 
 
-def _parametrized_by_test(metafunc, name):
+def _parametrized_by_test(metafunc: pytest.Metafunc, name: str) -> bool:
     for marker in metafunc.definition.iter_markers("parametrize"):
         argnames = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
         if isinstance(argnames, str):
@@ -59,7 +64,8 @@ def _parametrized_by_test(metafunc, name):
     return False
 
 
-def pytest_generate_tests(metafunc):
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Parametrizes the tests that use the ``backend`` fixture, one case per backend."""
     # _PARAM is in the closure only where this plugin's `backend` fixture is used.
     if _PARAM in metafunc.fixturenames and not (
             _parametrized_by_test(metafunc, "backend")
@@ -69,7 +75,7 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
-def backend(request, am_backend_name):
+def backend(request: pytest.FixtureRequest, am_backend_name: str) -> Backend:
     """The ``backends.Backend`` this test runs on, one per chosen backend."""
     try:
         return backends.get_backend(am_backend_name)
