@@ -28,7 +28,7 @@ def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
     return jnp.swapaxes(out, 1, 2).astype(dtype)
 
 
-_TREES = set()     # classes registered by register_tree (once per process)
+_TREES: set[type] = set()     # classes registered by register_tree (once per process)
 
 
 class JaxBackend(NumpyLike):

@@ -28,8 +28,10 @@ class KVCache:
         return self.keys.shape[0]
 
     def __repr__(self):
-        return (f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.keys.shape[1]}, "
-                f"max_len={self.max_len}, head_size={self.keys.shape[3]})")
+        return (
+            f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.keys.shape[1]}, "
+            f"max_len={self.max_len}, head_size={self.keys.shape[3]})"
+        )
 
     def _flatten(self):
         return (self.keys, self.values, self.length), None
