@@ -1,10 +1,18 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
                     masked_softmax, zeros_for_empty)
 from ..core.checks import check_array, check_float
 from ..core.paths import work_itemsize
 from ..functional import check_heads
+from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
 from .base import Linear, Module
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class _Attention(Module):
@@ -59,7 +67,7 @@ class _Attention(Module):
         return zeros_for_empty(B, (b, nq, values.shape[2]), queries, keys, values)
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
         """The path the last call took: ``"fused"``, ``"chunked"`` or ``"full"``
         (None before the first call)."""
         return self.__dict__.get("_attention_path")
@@ -74,8 +82,9 @@ class AdditiveAttention(_Attention):
     results do not depend on the block size.
     """
 
-    def __init__(self, key_size, query_size, num_hiddens, dropout, *,
-                 memory_budget=None, **options):
+    def __init__(self, key_size: int, query_size: int, num_hiddens: int,
+                 dropout: float, *, memory_budget: int | None = None,
+                 **options: Unpack[ModuleOptions]) -> None:
         self._start(**options)
         self.key_size, self.query_size, self.num_hiddens = key_size, query_size, num_hiddens
         self.dropout = float(dropout)
@@ -84,7 +93,11 @@ class AdditiveAttention(_Attention):
         self.W_q = Linear(query_size, num_hiddens, bias=False, **self._child_options())
         self.w_v = Linear(num_hiddens, 1, bias=False, **self._child_options())
 
-    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, key: Any = None) -> Array:
+        """``queries`` (batch, Q, query_size), ``keys`` (batch, K, key_size),
+        ``values`` (batch, K, v) -> (batch, Q, v); ``valid_lens`` (batch,) or
+        (batch, Q); ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
         mask = self._mask(queries, keys, valid_lens=valid_lens)
@@ -149,15 +162,22 @@ class DotProductAttention(_Attention):
     (batch, queries, keys) weights).
     """
 
-    def __init__(self, dropout, *, path="auto", memory_budget=None, chunk_size=None,
-                 **options):
+    def __init__(self, dropout: float, *, path: AttentionPath = "auto",
+                 memory_budget: int | None = None, chunk_size: int | None = None,
+                 **options: Unpack[ModuleOptions]) -> None:
         self._start(**options)
         self.dropout = float(dropout)
         self.path, self.memory_budget, self.chunk_size = check_path_options(
             path, memory_budget, chunk_size)
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None) -> Array:
+        """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
+        (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
+        ``causal`` and ``window`` are those of ``dot_product_attention``;
+        ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
             raise ValueError(f"queries and keys must have the same feature size, got "
@@ -190,9 +210,10 @@ class MultiHeadAttention(_Attention):
     (the ``attention`` child; also readable and settable here).
     """
 
-    def __init__(self, key_size, query_size, value_size, num_hiddens, num_heads,
-                 dropout, bias=False, *, path="auto", memory_budget=None,
-                 chunk_size=None, **options):
+    def __init__(self, key_size: int, query_size: int, value_size: int, num_hiddens: int,
+                 num_heads: int, dropout: float, bias: bool = False, *,
+                 path: AttentionPath = "auto", memory_budget: int | None = None,
+                 chunk_size: int | None = None, **options: Unpack[ModuleOptions]) -> None:
         self._start(**options)
         check_heads(num_hiddens, num_heads)
         self.key_size, self.query_size, self.value_size = key_size, query_size, value_size
@@ -205,8 +226,15 @@ class MultiHeadAttention(_Attention):
         self.W_v = Linear(value_size, num_hiddens, bias=bias, **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None) -> Array:
+        """``queries`` (batch, Q, query_size), ``keys`` (batch, K, key_size),
+        ``values`` (batch, K, value_size) -> (batch, Q, num_hiddens). The masks
+        are those of ``dot_product_attention`` (``mask`` and ``bias``
+        broadcastable to (batch, num_heads, Q, K)); ``key``: the JAX dropout
+        key in training mode."""
         self._check_inputs(queries, keys, values,
                            (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
@@ -224,12 +252,13 @@ class MultiHeadAttention(_Attention):
         return self.W_o(out.reshape((b, n, self.num_hiddens)))
 
     @property
-    def attention_weights(self):
+    def attention_weights(self) -> Array | None:
         """Weights of the last call, (batch * num_heads, queries, keys) as in d2l."""
         return self.attention.attention_weights
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
+        """The path the last call took (that of the ``attention`` child)."""
         return self.attention.last_path
 
     path = property(lambda self: self.attention.path,

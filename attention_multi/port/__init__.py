@@ -44,7 +44,7 @@ class _Target:
         torch = sys.modules.get("torch")
         if isinstance(module, Module):
             self.torch: Any = None
-            self.arrays: dict[str, Any] = module.named_arrays()  # type: ignore[attr-defined]
+            self.arrays: dict[str, Any] = module.named_arrays()
         elif torch is not None and isinstance(module, torch.nn.Module):
             self.torch = torch
             self.arrays = {n: v for n, v in module.state_dict(keep_vars=True).items()
