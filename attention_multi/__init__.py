@@ -1,5 +1,9 @@
 """attention-multi: d2l's attention mechanisms, written once, native on
 NumPy, PyTorch, JAX and MXNet."""
+from __future__ import annotations
+
+from typing import Any
+
 from backends import available_backends
 
 from . import port
@@ -11,6 +15,7 @@ from .modules import (AdditiveAttention, DotProductAttention, KVCache, Linear, M
                       train_kernel_regression)
 from .params import get_params, set_params
 from .plotting import show_heatmaps
+from .types import Array, BackendLike, DeviceLike
 
 __version__ = "0.1.0"
 
@@ -24,7 +29,8 @@ __all__ = [
 ]
 
 
-def asarray(data, dtype=None, backend=None, device=None):
+def asarray(data: Any, dtype: str | None = None, backend: BackendLike = None,
+            device: DeviceLike = None) -> Array:
     """``data`` as an array of ``backend`` (default: the current one) on ``device``."""
     from .config import native_device, resolve_backend
     B = resolve_backend(backend)

@@ -1,5 +1,8 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
+from __future__ import annotations
+
 import numbers
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -9,6 +12,7 @@ from ..core.checks import (_backend_name, check_array, check_bool, check_dropout
                            check_float, check_positive_int)
 from ..core.paths import work_itemsize
 from ..functional import check_heads, check_kv_heads
+from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
 from .base import Linear, Module
 from .cache import KVCache
 
@@ -66,6 +70,9 @@ def _count(low, high):
     return str(low) if low == high else f"{low} or {high}" if high == low + 1 \
         else f"{low} to {high}"
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 
 class _Attention(Module):
     """Shared input checks of the (queries, keys, values, valid_lens) modules."""
@@ -122,7 +129,7 @@ class _Attention(Module):
         return zeros_for_empty(B, (b, nq, values.shape[2]), queries, keys, values)
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
         """The path the last call took: ``"fused"``, ``"chunked"`` or ``"full"``
         (None before the first call)."""
         return self.__dict__.get("_attention_path")
@@ -146,7 +153,8 @@ class AdditiveAttention(_Attention):
     _SEEDS = ("key_size", "query_size", "num_hiddens", "dropout")
     _D2L10 = ("num_hiddens", "dropout")
 
-    def __init__(self, *args, memory_budget=None, **kwargs):
+    def __init__(self, *args: Any, memory_budget: int | None = None,
+                 **kwargs: Any) -> None:
         a, options = bind_editions("AdditiveAttention", args, kwargs, self._SEEDS, 4,
                                    self._D2L10, {"key_size": None, "query_size": None})
         key_size = check_positive_int("key_size", a["key_size"], allow_none=True)
@@ -167,7 +175,11 @@ class AdditiveAttention(_Attention):
     query_size = property(lambda self: self.W_q.in_features,
                           doc="Feature size of the queries (None until known).")
 
-    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, key: Any = None) -> Array:
+        """``queries`` (batch, Q, query_size), ``keys`` (batch, K, key_size),
+        ``values`` (batch, K, v) -> (batch, Q, v); ``valid_lens`` (batch,) or
+        (batch, Q); ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
         mask = self._mask(queries, keys, valid_lens=valid_lens)
@@ -232,16 +244,23 @@ class DotProductAttention(_Attention):
     (batch, queries, keys) weights).
     """
 
-    def __init__(self, dropout, *, path="auto", memory_budget=None, chunk_size=None,
-                 **options):
+    def __init__(self, dropout: float, *, path: AttentionPath = "auto",
+                 memory_budget: int | None = None, chunk_size: int | None = None,
+                 **options: Unpack[ModuleOptions]) -> None:
         dropout = check_dropout("dropout", dropout)
         checked = check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
         self.dropout = dropout
         self.path, self.memory_budget, self.chunk_size = checked
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None) -> Array:
+        """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
+        (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
+        ``causal`` and ``window`` are those of ``dot_product_attention``;
+        ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
             raise ValueError(f"queries and keys must have the same feature size, got "
@@ -286,8 +305,9 @@ class MultiHeadAttention(_Attention):
               "dropout", "bias")
     _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
 
-    def __init__(self, *args, num_kv_heads=None, path="auto", memory_budget=None,
-                 chunk_size=None, **kwargs):
+    def __init__(self, *args: Any, num_kv_heads: int | None = None,
+                 path: AttentionPath = "auto", memory_budget: int | None = None,
+                 chunk_size: int | None = None, **kwargs: Any) -> None:
         a, options = bind_editions(
             "MultiHeadAttention", args, kwargs, self._SEEDS, 6, self._D2L10,
             {"key_size": None, "query_size": None, "value_size": None, "bias": False})
@@ -322,8 +342,10 @@ class MultiHeadAttention(_Attention):
     value_size = property(lambda self: self.W_v.in_features,
                           doc="Feature size of the values (None until known).")
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None, cache=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None, cache: Any = None) -> Any:
         """Multi-head attention of ``queries`` (batch, Q, query_size) over
         ``keys`` and ``values`` (batch, K, key_size|value_size); the masking
         forms are those of ``am.dot_product_attention`` (``mask``/``bias``
@@ -416,12 +438,13 @@ class MultiHeadAttention(_Attention):
         return start
 
     @property
-    def attention_weights(self):
+    def attention_weights(self) -> Array | None:
         """Weights of the last call, (batch * num_heads, queries, keys) as in d2l."""
         return self.attention.attention_weights
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
+        """The path the last call took (that of the ``attention`` child)."""
         return self.attention.last_path
 
     path = property(lambda self: self.attention.path,
