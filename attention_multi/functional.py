@@ -1,12 +1,17 @@
 """The public functions: d2l's helpers and the functional attention, on any
 backend (the backend comes from the arrays)."""
+from __future__ import annotations
+
+from typing import Any
+
 from .core import attend, make_mask, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (backend_of, check_array, check_divides, check_dropout,
                           check_float, check_positive_int, valid_lens_array)
+from .types import Array, Window
 
 
-def sequence_mask(X, valid_len, value=0):
+def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     """Replace the entries of ``X`` (N, T) at positions ``>= valid_len`` (N,).
 
     Unlike d2l's, this returns a new array and leaves ``X`` unchanged.
@@ -21,7 +26,7 @@ def sequence_mask(X, valid_len, value=0):
     return B.where(mask.boolean(B, B.device_of(X)).reshape((n, t)), X, value)
 
 
-def masked_softmax(X, valid_lens):
+def masked_softmax(X: Array, valid_lens: Any) -> Array:
     """Softmax over the last axis of ``X`` (B, Q, K), keys past ``valid_lens`` masked.
 
     ``valid_lens`` is None, (B,) (repeated over queries) or (B, Q). Unlike d2l,
@@ -40,9 +45,11 @@ def masked_softmax(X, valid_lens):
     return _masked_softmax(B, X, visible)
 
 
-def dot_product_attention(queries, keys, values, valid_lens=None, *, mask=None,
-                          bias=None, causal=False, window=None, scale=None,
-                          dropout=0.0, key=None):
+def dot_product_attention(queries: Array, keys: Array, values: Array,
+                          valid_lens: Array | None = None, *, mask: Array | None = None,
+                          bias: Array | None = None, causal: bool = False,
+                          window: Window = None, scale: float | None = None,
+                          dropout: float = 0.0, key: Any = None) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
     ``queries`` (batch, Q, d) or (batch, heads, Q, d); ``keys``/``values``
@@ -108,7 +115,7 @@ def _shape(x, ndim):
     return shape if ndim == 4 else shape[:1] + shape[2:]
 
 
-def transpose_qkv(X, num_heads):
+def transpose_qkv(X: Array, num_heads: int) -> Array:
     """(batch, n, num_hiddens) -> (batch * num_heads, n, num_hiddens / num_heads)."""
     B = backend_of(X=X)
     check_array(B, "X", X, 3, "(batch, n, num_hiddens)")
@@ -118,7 +125,7 @@ def transpose_qkv(X, num_heads):
     return X.reshape((b * num_heads, n, hidden // num_heads))
 
 
-def transpose_output(X, num_heads):
+def transpose_output(X: Array, num_heads: int) -> Array:
     """Inverse of ``transpose_qkv``."""
     B = backend_of(X=X)
     check_array(B, "X", X, 3, "(batch * num_heads, n, head_size)")
@@ -131,14 +138,24 @@ def transpose_output(X, num_heads):
     return X.reshape((bh // num_heads, n, num_heads * size))
 
 
-def check_heads(num_hiddens, num_heads):
+def check_heads(num_hiddens: int, num_heads: int) -> int:
     """``num_heads`` (a positive int) dividing ``num_hiddens``, as an int."""
     num_heads = check_positive_int("num_heads", num_heads)
     check_divides("num_heads", num_heads, "num_hiddens", num_hiddens)
     return num_heads
 
 
-def nadaraya_watson(x_train, y_train, x_query, return_weights=False):
+def check_kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
+    """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
+    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
+    if num_kv_heads is None:
+        return num_heads
+    check_divides("num_kv_heads", num_kv_heads, "num_heads", num_heads)
+    return num_kv_heads
+
+
+def nadaraya_watson(x_train: Array, y_train: Array, x_query: Array,
+                    return_weights: bool = False) -> Array | tuple[Array, Array]:
     """Nadaraya-Watson regression with a Gaussian kernel (no parameters).
 
     ``f(x) = sum_i softmax(-(x - x_i)^2 / 2) y_i`` for 1-D ``x_train``,

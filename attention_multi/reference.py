@@ -74,21 +74,28 @@ def additive_attention(params, queries, keys, values, valid_lens=None):
     return out, weights
 
 
-def multi_head_attention(params, queries, keys, values, valid_lens, num_heads):
+def multi_head_attention(params, queries, keys, values, valid_lens, num_heads,
+                         num_kv_heads=None, **forms):
     """W_o concat_h(attention_h(W_q q, W_k k, W_v v)), heads on contiguous feature
-    blocks. Returns (output, weights) with weights (B * num_heads, Q, K) as d2l."""
+    blocks; with ``num_kv_heads`` W_k and W_v give that many heads, each serving
+    ``num_heads // num_kv_heads`` consecutive query heads. ``forms``: ``mask``,
+    ``bias`` (broadcast to (B, heads, Q, K); a 3-D one is (B, Q, K)), ``causal``,
+    ``window`` as in ``attention``. Returns (output, weights) with weights
+    (B * num_heads, Q, K) as d2l."""
     def proj(name, x):
         return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
 
-    def heads(x):   # (B, n, H) -> (B, n, heads, H / heads)
-        return x.reshape(x.shape[0], x.shape[1], num_heads, -1)
+    def heads(x, n):   # (B, n, H) -> (B, heads, n, H / heads)
+        return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
-    q, k, v = heads(proj("W_q", queries)), heads(proj("W_k", keys)), heads(proj("W_v", values))
-    B, Q, _, d = q.shape
-    K = k.shape[1]
-    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
-    weights = softmax_where(scores, key_mask(valid_lens, B, Q, K)[:, None])
-    concat = np.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, Q, -1)
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    forms = {n: (np.asarray(x)[:, None] if n in ("mask", "bias") and np.ndim(x) == 3
+                 else x) for n, x in forms.items()}
+    q = heads(proj("W_q", queries), num_heads)
+    out, weights = attention(q, heads(proj("W_k", keys), kv), heads(proj("W_v", values), kv),
+                             valid_lens, **forms)
+    B, _, Q, K = weights.shape
+    concat = out.transpose(0, 2, 1, 3).reshape(B, Q, -1)
     return proj("W_o", concat), weights.reshape(B * num_heads, Q, K)
 
 
@@ -114,3 +121,84 @@ def nw_kernel_regression(w, queries, keys, values):
     q, k, v = _f64(queries, keys, values)
     weights = softmax_where(-((q[:, None] - k) * float(w)) ** 2 / 2, True)
     return (weights * v).sum(axis=1)
+
+
+# -- the modern forms: boolean mask, bias, causal, window, grouped-query heads --------------
+
+def allowed_keys(batch, heads, queries, keys, valid_lens=None, mask=None, bias=None,
+                 causal=False, window=None):
+    """(B, H, Q, K) boolean: True where query ``i`` may attend key ``j``.
+
+    Query ``i`` sits at position ``p = i + K - Q`` among the keys (bottom-right
+    alignment). ``valid_lens`` as d2l (keys ``j < length``); ``mask`` True = may
+    attend; ``bias`` masks where it is ``-inf``; ``causal``: ``j <= p``;
+    ``window`` ``w`` or ``(left, right)`` (None: unbounded side):
+    ``p - left <= j <= p + right``. ``mask`` and ``bias`` broadcast to
+    (B, H, Q, K) as NumPy broadcasts. All conditions combine by AND.
+    """
+    shape = (batch, heads, queries, keys)
+    ok = np.broadcast_to(key_mask(valid_lens, batch, queries, keys)[:, None], shape)
+    j = np.arange(keys)[None, :]
+    p = np.arange(queries)[:, None] + (keys - queries)
+    if causal:
+        ok = ok & (j <= p)
+    if window is not None:
+        left, right = (window, window) if np.ndim(window) == 0 else window
+        if left is not None:
+            ok = ok & (j >= p - left)
+        if right is not None:
+            ok = ok & (j <= p + right)
+    if mask is not None:
+        ok = ok & np.broadcast_to(np.asarray(mask, bool), shape)
+    if bias is not None:
+        ok = ok & (np.broadcast_to(np.asarray(bias, np.float64), shape) != -np.inf)
+    return np.broadcast_to(ok, shape)
+
+
+def _group(x, heads):
+    """(B, kv_heads, n, d) -> (B, heads, n, d): kv head ``h // (heads // kv_heads)``
+    serves query head ``h`` (grouped-query attention, torch's ``enable_gqa``)."""
+    return np.repeat(x, heads // x.shape[1], axis=1)
+
+
+def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
+              causal=False, window=None, scale=None):
+    """softmax(scale Q K^T + bias, restricted to ``allowed_keys``) V for
+    queries (B, H, Q, d), keys and values (B, H_kv, K, d|dv), ``H % H_kv == 0``.
+    A query with no allowed key gets zero weights and a zero output.
+    Returns (output (B, H, Q, dv), weights (B, H, Q, K))."""
+    q, k, v = _f64(queries, keys, values)
+    B, H, Q, d = q.shape
+    K = k.shape[2]
+    k, v = _group(k, H), _group(v, H)
+    ok = allowed_keys(B, H, Q, K, valid_lens, mask, bias, causal, window)
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
+    if bias is not None:
+        scores = scores + np.where(ok, np.asarray(bias, np.float64), 0.0)
+    weights = softmax_where(scores, ok)
+    return np.einsum("bhqk,bhkv->bhqv", weights, v), weights
+
+
+def attention_gradients(queries, keys, values, grad_out, valid_lens=None, mask=None,
+                        bias=None, causal=False, window=None, scale=None):
+    """Gradients of ``sum(attention(...)[0] * grad_out)`` with respect to
+    queries, keys, values and the bias (full (B, H, Q, K); zero where masked),
+    from the formulas: ``dV = P^T dO``, ``dP = dO V^T``,
+    ``dS = P (dP - rowsum(P dP))``, ``dQ = scale dS K``, ``dK = scale dS^T Q``;
+    grouped heads sum their kv head's gradients."""
+    q, k, v, g = _f64(queries, keys, values, grad_out)
+    B, H, Q, d = q.shape
+    kv_heads = k.shape[1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    _, P = attention(q, k, v, valid_lens, mask, bias, causal, window, scale)
+    kg, vg = _group(k, H), _group(v, H)
+    dv = np.einsum("bhqk,bhqv->bhkv", P, g)
+    dP = np.einsum("bhqv,bhkv->bhqk", g, vg)
+    dS = P * (dP - (P * dP).sum(-1, keepdims=True))
+    dq = scale * np.einsum("bhqk,bhkd->bhqd", dS, kg)
+    dk = scale * np.einsum("bhqk,bhqd->bhkd", dS, q)
+
+    def fold(x):    # sum the query heads of each group into their kv head
+        return x.reshape(B, kv_heads, H // kv_heads, *x.shape[2:]).sum(2)
+    return dq, fold(dk), fold(dv), dS

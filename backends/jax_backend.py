@@ -28,6 +28,9 @@ def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
     return jnp.swapaxes(out, 1, 2).astype(dtype)
 
 
+_TREES: set[type] = set()     # classes registered by register_tree (once per process)
+
+
 class JaxBackend(NumpyLike):
     name = "jax"
     xp = jnp
@@ -89,6 +92,16 @@ class JaxBackend(NumpyLike):
 
     def dropout_key(self, seed):
         return jax.random.PRNGKey(seed)
+
+    def write_slice(self, buffer, update, start, axis):
+        starts = tuple(jnp.asarray(start, jnp.int32) if i == axis else jnp.int32(0)
+                       for i in range(len(buffer.shape)))
+        return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), starts)
+
+    def register_tree(self, cls, flatten, unflatten):
+        if cls not in _TREES:
+            jax.tree_util.register_pytree_node(cls, flatten, unflatten)
+            _TREES.add(cls)
 
     def checkpoint(self, fn, *args):
         return jax.checkpoint(fn)(*args)

@@ -98,6 +98,10 @@ class MXNetBackend(NumpyLike):
         has_nan = mnp.sum(mnp.isnan(x), axis=axis, keepdims=True) > 0
         return self.where(has_nan, np.nan, npx.softmax(x, axis=axis))
 
+    def logical_and(self, a, b):
+        # MXNet 1.9.1 has no logical_and, and & on booleans fails on some shapes
+        return (a.astype("int8") * b.astype("int8")).astype("bool")
+
     def where(self, condition, x, y):
         # MXNet 1.9.1's where() with a scalar operand sends the other operand's
         # gradient to the wrong positions (apache/mxnet#17893); 0-d arrays do not.

@@ -60,6 +60,10 @@ class NumpyLike(Backend):
         return self.to_device(self.xp.zeros(shape, dtype=np_dtype(dtype)), device)
 
     # -- math -------------------------------------------------------------------
+    def logical_and(self, a: Array, b: Array) -> Array:
+        """Elementwise AND of two boolean arrays (broadcasting)."""
+        return a & b
+
     def matmul(self, a: Array, b: Array, transpose_b: bool = False) -> Array:
         """Batched matrix product over the last two axes."""
         return self.xp.matmul(a, self.xp.swapaxes(b, -1, -2) if transpose_b else b)

@@ -7,13 +7,14 @@ NumPy's spelling then comes from ``xp``, and it overrides only its quirks.
 Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``astype``, ``device``, ``device_of``, ``to_device``, ``uniform``,
 ``dropout``, ``seed``. Math (NumPy spelling, from ``xp`` unless overridden):
-``matmul``, ``linear``, ``softmax``, ``where``, ``exp``, ``tanh``, ``sqrt``,
+``matmul``, ``linear``, ``softmax``, ``where``, ``logical_and``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
 ``autodiff``/``gradients``/``checkpoint``, ``is_concrete``/``is_tracing``, ``runtime_cond``/``cond``,
 ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
-``fused_attention``, ``ring_exchange``, and
+``write_slice`` (KV caches), ``register_tree`` (containers traced through),
+``fused_attention`` (with ``fused_causal``), ``ring_exchange``, and
 ``module_base``: the class that makes a module native to the framework.
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Backend:
     kernel_call_cost: int = 16384      # one more kernel call costs as much as this many scores
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False        # whether it takes ``dropout`` (its own generator)
+    fused_causal: bool = False         # whether it skips the masked half of top-left causal
 
     # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
     # Declared, not defined, here: a subclass supplies them.
@@ -64,6 +66,7 @@ class Backend:
     tanh: Callable[..., Array]
     sqrt: Callable[..., Array]
     where: Callable[..., Array]
+    logical_and: Callable[..., Array]   # (a, b): elementwise AND of booleans
     max: Callable[..., Array]
     sum: Callable[..., Array]
     any: Callable[..., Array]
@@ -195,6 +198,24 @@ class Backend:
         """``fn(*args)``; under the framework's autodiff, recomputed in the
         backward pass instead of keeping its intermediates (where it can)."""
         return fn(*args)
+
+    def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
+        """A copy of ``buffer`` with ``update`` written at ``start`` along
+        ``axis`` (the other axes whole): out of place, so autodiff sees it.
+        ``start`` is an int, or a 0-d int array that may be traced where the
+        framework compiles (JAX: then the write is clamped to the buffer)."""
+        out = buffer.copy()
+        index: list[Any] = [slice(None)] * len(buffer.shape)
+        index[axis] = slice(start, start + update.shape[axis])
+        out[tuple(index)] = update
+        return out
+
+    def register_tree(self, cls: type, flatten: Callable[..., Any],
+                      unflatten: Callable[..., Any]) -> None:
+        """Let the framework trace through instances of ``cls`` (JAX: a
+        pytree node, so that ``jax.jit`` takes and returns them); elsewhere
+        nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
+        children) -> obj``. Registering a class twice is harmless."""
 
     def fused_attention(self, queries: Array, keys: Array, values: Array, mask: Any,
                         scale: float, memory_budget: int | None = None,

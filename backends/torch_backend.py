@@ -55,6 +55,7 @@ class TorchBackend(NumpyLike):
     autodiff = True
     has_fused_attention = True
     fused_dropout = True
+    fused_causal = True          # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
 
     # torch spells these differently from NumPy
@@ -106,6 +107,10 @@ class TorchBackend(NumpyLike):
 
     def softmax(self, x, axis=-1):
         return torch.softmax(x, dim=axis)
+
+    def write_slice(self, buffer, update, start, axis):
+        index = torch.arange(update.shape[axis], device=buffer.device) + start
+        return buffer.index_copy(axis, index, update)     # out of place: autograd sees it
 
     def checkpoint(self, fn, *args):
         if not torch.is_grad_enabled() or not any(

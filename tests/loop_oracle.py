@@ -149,3 +149,58 @@ def nw_kernel_regression(w, queries, keys, values):
     """Seed 003's forward: row n attends its own keys[n] and values[n]."""
     return np.array([nadaraya_watson(keys[n], values[n], [queries[n]], w)[0]
                      for n in range(len(queries))])
+
+
+def visible(b, h, i, j, Q, K, lens=None, mask=None, bias=None, causal=False,
+            window=None):
+    """Whether query ``i`` of batch ``b``, head ``h``, may attend key ``j``:
+    every condition must hold. ``mask``/``bias`` are full (B, H, Q, K) arrays."""
+    p = i + K - Q                                  # bottom-right alignment
+    if lens is not None and not j < lens[b][i]:
+        return False
+    if causal and not j <= p:
+        return False
+    if window is not None:
+        left, right = (window, window) if isinstance(window, int) else window
+        if left is not None and j < p - left:
+            return False
+        if right is not None and j > p + right:
+            return False
+    if mask is not None and not mask[b][h][i][j]:
+        return False
+    if bias is not None and bias[b][h][i][j] == -math.inf:
+        return False
+    return True
+
+
+def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
+              causal=False, window=None, scale=None):
+    """Loops over (batch, head, query): queries (B, H, Q, d), keys/values
+    (B, H_kv, K, d|dv), kv head ``h // (H // H_kv)`` for query head ``h``.
+    ``mask``/``bias`` given as full (B, H, Q, K). Returns (output, weights)."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
+    B, H, Q, d = q.shape
+    kv_heads, K = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    lens = None if valid_lens is None else [
+        [int(n) for n in row] for row in per_query_lens(valid_lens, B, Q, 10**9)]
+    out = np.zeros((B, H, Q, v.shape[3]))
+    weights = np.zeros((B, H, Q, K))
+    for b in range(B):
+        for h in range(H):
+            g = h // (H // kv_heads)
+            for i in range(Q):
+                seen = [j for j in range(K) if visible(b, h, i, j, Q, K, lens, mask, bias,
+                                                       causal, window)]
+                if not seen:
+                    continue                      # no allowed key: zeros
+                scores = {}
+                for j in seen:
+                    s = sum(q[b, h, i, t] * k[b, g, j, t] for t in range(d)) * scale
+                    scores[j] = s + (0.0 if bias is None else float(bias[b][h][i][j]))
+                top = max(scores.values())
+                total = sum(math.exp(s - top) for s in scores.values())
+                for j in seen:
+                    weights[b, h, i, j] = math.exp(scores[j] - top) / total
+                    out[b, h, i] += weights[b, h, i, j] * v[b, g, j]
+    return out, weights

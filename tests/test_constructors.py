@@ -19,8 +19,8 @@ GOOD = {
     "DotProductAttention": dict(dropout=0.1, path="auto", memory_budget=2**20,
                                 chunk_size=16),
     "MultiHeadAttention": dict(key_size=4, query_size=3, value_size=5, num_hiddens=8,
-                               num_heads=2, dropout=0.1, bias=False, path="auto",
-                               memory_budget=2**20, chunk_size=16),
+                               num_heads=2, dropout=0.1, bias=False, num_kv_heads=1,
+                               path="auto", memory_budget=2**20, chunk_size=16),
     "PositionalEncoding": dict(num_hiddens=8, dropout=0.1, max_len=20),
     "Linear": dict(in_features=4, out_features=3, bias=True),
     "NWKernelRegression": dict(),
@@ -45,6 +45,7 @@ KINDS = {
     "out_features": SIZE_NOT_NONE, "in_features": SIZE,
     "dropout": DROPOUT, "bias": BOOL, "path": PATH,
     "memory_budget": BUDGET, "chunk_size": BUDGET,
+    "num_kv_heads": SIZE + [(3, ValueError)],         # None: num_heads; 3 does not divide 2
 }
 
 CASES = [(module, arg, value, error)

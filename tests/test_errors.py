@@ -157,3 +157,72 @@ def test_non_array_inputs(backend):
         am.masked_softmax([[[1.0, 2.0]]], None)
     with pytest.raises(TypeError, match="valid_lens must be"):
         am.masked_softmax(arr(backend, 1, 1, 2), "2")
+
+
+# -- the modern forms: mask, bias, causal, window, grouped-query heads ---------------------
+
+def test_mask_must_be_boolean_and_broadcast(backend, dot, mha):
+    q, k = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4)
+    v = arr(backend, 2, 5, 3)
+    floats = arr(backend, 2, 3, 5)
+    with pytest.raises(TypeError, match=r"mask must be boolean \(True = may attend\), got "
+                                        r"dtype float32; for an additive float mask use bias="):
+        am.dot_product_attention(q, k, v, mask=floats)
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        dot(q, k, v, mask=floats)
+    wrong = backend.asarray(np.ones((2, 4, 5), bool))
+    pattern = r"mask of shape \(2, 4, 5\) does not broadcast to \(batch=2, queries=3, keys=5\)"
+    with pytest.raises(ValueError, match=pattern):
+        am.dot_product_attention(q, k, v, mask=wrong)
+    with pytest.raises(ValueError, match=pattern):
+        dot(q, k, v, mask=wrong)
+    heads = backend.asarray(np.ones((2, 3, 3, 5), bool))     # mha has 2 heads, not 3
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 3, 3, 5\) does not broadcast "
+                                         r"to \(batch=2, heads=2, queries=3, keys=5\)"):
+        mha(q, k, arr(backend, 2, 5, 3), mask=heads)
+    q4, k4 = arr(backend, 2, 2, 3, 4), arr(backend, 2, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 1, 5\) does not broadcast "
+                                         r"to \(batch=2, heads=2, queries=3, keys=5\)"):
+        am.dot_product_attention(q4, k4, k4, mask=backend.asarray(np.ones((3, 1, 1, 5), bool)))
+    with pytest.raises(TypeError, match=r"mask must be a \w+ array or a NumPy array, got an "
+                                        r"object of type str"):
+        am.dot_product_attention(q, k, v, mask="causal")
+
+
+def test_bias_shape_and_dtype(backend, dot):
+    q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 3)
+    with pytest.raises(TypeError, match="bias must have a floating dtype, got int32"):
+        am.dot_product_attention(q, k, v, bias=backend.asarray(np.zeros((2, 3, 5), np.int32)))
+    with pytest.raises(TypeError, match="bias must have a floating dtype, got bool"):
+        dot(q, k, v, bias=backend.asarray(np.zeros((3, 5), bool)))
+    with pytest.raises(ValueError, match=r"bias of shape \(2, 3, 4\) does not broadcast to "
+                                         r"\(batch=2, queries=3, keys=5\)"):
+        am.dot_product_attention(q, k, v, bias=arr(backend, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"bias of shape \(1, 2, 1, 3, 5\) does not broadcast"):
+        dot(q, k, v, bias=arr(backend, 1, 2, 1, 3, 5))
+
+
+@pytest.mark.parametrize("window", [-1, (2, -3), (1, 2, 3), 1.5, True, "2"])
+def test_bad_window(backend, dot, window):
+    q, k = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4)
+    with pytest.raises(ValueError, match=r"window must be a(n int or a pair| non-negative "
+                                         r"int).*got " + __import__("re").escape(repr(window))):
+        am.dot_product_attention(q, k, k, window=window)
+    with pytest.raises(ValueError, match="window must be"):
+        dot(q, k, k, window=window)
+
+
+def test_causal_must_be_a_bool(backend):
+    q = arr(backend, 2, 3, 4)
+    with pytest.raises(TypeError, match="causal must be True or False, got 'yes'"):
+        am.dot_product_attention(q, q, q, causal="yes")
+
+
+def test_kv_heads_must_divide_heads(backend):
+    q, k = arr(backend, 2, 4, 3, 4), arr(backend, 2, 3, 5, 4)
+    with pytest.raises(ValueError, match=r"the heads of queries \(4\) must be a multiple of "
+                                         r"the heads of keys and values \(3\): queries "
+                                         r"\(2, 4, 3, 4\), keys \(2, 3, 5, 4\)"):
+        am.dot_product_attention(q, k, k)
+    with pytest.raises(ValueError, match=r"num_heads=2 is not divisible by num_kv_heads=3"):
+        am.MultiHeadAttention(4, 4, 3, 8, 2, 0.0, num_kv_heads=3, backend=backend)

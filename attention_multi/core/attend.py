@@ -62,7 +62,9 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
     - ``"auto"`` (default): ``"tiled"`` when the lengths are known and its
       tiles, each call counted, cost at most ``TILED_WORK_MAX`` of one
-      kernel call over all the scores, or when the lengths are traced and
+      kernel call over all the scores (unless the mask is top-left causal
+      and the backend's kernel skips that work itself,
+      ``Backend.fused_causal``), or when the lengths are traced and
       the backend skips blocks at run time; else ``"fused"`` if the backend's
       kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
       lengths are known; else ``"chunked"`` if the float32 scores would
@@ -104,8 +106,11 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     if path in ("auto", "fused", "tiled") and not (dropout and key is not None) and (
             path == "tiled" or not B.compiles_per_shape):
         plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
-    if plan is not None and (path == "tiled" or (path == "auto" and
-                                                 plan.cost <= TILED_WORK_MAX)):
+    # (a kernel that skips the masked half of top-left causal attention
+    # itself beats tiles that each carry a mask)
+    kernel_causal = mask.top_left_causal and B.fused_causal and num_q == num_k
+    if plan is not None and (path == "tiled" or (path == "auto" and not kernel_causal
+                                                 and plan.cost <= TILED_WORK_MAX)):
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
             kept, "tiled"
     if (path in ("auto", "tiled") and not dropout and mask.intervals

@@ -108,9 +108,9 @@ class Mask:
         if self.intervals and not self._sees_all():
             lo, hi = self.bounds(B, device)
             j = B.arange(self.num_keys, device).reshape((1, 1, 1, self.num_keys))
-            visible = j < hi if lo is None else (j >= lo) & (j < hi)
+            visible = j < hi if lo is None else B.logical_and(j >= lo, j < hi)
         if self.allowed is not None:
-            visible = self.allowed if visible is None else visible & self.allowed
+            visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
         return visible
 
     def additive(self, B, dtype, device):
@@ -311,10 +311,11 @@ class Mask:
             if lo is None:
                 return j < last
             first = -B.max(B.where(nonempty, -lo, -self.num_keys), 2, keepdims=True)
-            return (j >= first) & (j < last)
+            return B.logical_and(j >= first, j < last)
         visible = self.boolean(B, device)       # (..., Q, K): any over heads and queries
         used = B.any(B.any(visible, 2, keepdims=True), 1, keepdims=True)
-        return B.transpose(used, (0, 1, 3, 2))
+        # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
+        return used.reshape((used.shape[0], 1, used.shape[3], 1))
 
     def guard_unused(self, B, keys, values):
         """Zero key and value rows that no query may see (NaN there must not
@@ -387,7 +388,7 @@ def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=N
         if dtype is not None and B.dtype_name(bias) != compute_dtype(dtype):
             bias = B.astype(bias, compute_dtype(dtype))
         finite = bias != float("-inf")      # -inf masks, as in additive masks
-        allowed = finite if allowed is None else allowed & finite
+        allowed = finite if allowed is None else B.logical_and(allowed, finite)
     offset_known = None
     if offset is not None:
         if B.is_array(offset):

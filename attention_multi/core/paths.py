@@ -23,6 +23,7 @@ from .masking import Mask, compute_dtype, fill, masked_softmax
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
 DEFAULT_TRACED_BLOCK_KEYS = 64
+DEFAULT_DIAGONAL_BLOCK = 256    # chunked blocks under causal or window masks
 PARALLEL_MIN_SCORES = 1 << 16   # fewer scores than this: tiles run one after another
 
 
@@ -135,7 +136,8 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             key=None):
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
-    or else ``memory_budget`` (up to 1024 keys, queries filling a sixteenth).
+    or else ``memory_budget`` (up to 1024 keys, queries filling a sixteenth;
+    with causal or window masks square blocks of up to 256).
     Blocks that no query may see are skipped; under autodiff each block is
     recomputed in the backward pass (``B.checkpoint``) instead of kept."""
     dtype = B.dtype_name(q)
@@ -149,8 +151,14 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
         block_q = block_k = chunk_size
     else:
         block_k = max(1, min(stop - start, DEFAULT_BLOCK_KEYS))
+        if mask.causal or mask.window is not None:
+            # square blocks along the diagonal: those beyond it are skipped
+            # whole (causal attention then computes about half the blocks)
+            block_k = min(block_k, DEFAULT_DIAGONAL_BLOCK)
         per_query = batch * heads * block_k * work_itemsize(B, q)
         block_q = max(1, memory_budget // 16 // per_query)   # (backward: ~8 such arrays)
+        if mask.causal or mask.window is not None:
+            block_q = min(block_q, block_k)
     drop = dropout_fn(B, dropout, key)
     outs = []
     for q0 in range(0, num_q, block_q):
@@ -317,7 +325,7 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
                  B.zeros((1, heads, num_q, dv), work, device))
         for k0 in range(0, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
-            seen = B.any(rows_b & (hi_b > k0) & (lo_b < k1))
+            seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 
             def block(state, qs, k, v, b=b, k0=k0, k1=k1):
                 sub = mask.sub(b, b + 1, 0, num_q, k0, k1)

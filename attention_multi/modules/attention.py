@@ -1,11 +1,20 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
+from __future__ import annotations
+
+import numbers
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
 from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
                     masked_softmax, zeros_for_empty)
-from ..core.checks import (check_array, check_bool, check_dropout, check_float,
-                           check_positive_int)
+from ..core.checks import (_backend_name, check_array, check_bool, check_dropout,
+                           check_float, check_positive_int)
 from ..core.paths import work_itemsize
-from ..functional import check_heads
+from ..functional import check_heads, check_kv_heads
+from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
 from .base import Linear, Module
+from .cache import KVCache
 
 
 def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults):
@@ -60,6 +69,9 @@ def _sig(names, defaults):
 def _count(low, high):
     return str(low) if low == high else f"{low} or {high}" if high == low + 1 \
         else f"{low} to {high}"
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class _Attention(Module):
@@ -116,7 +128,7 @@ class _Attention(Module):
         return zeros_for_empty(B, (b, nq, values.shape[2]), queries, keys, values)
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
         """The path the last call took: ``"fused"``, ``"chunked"`` or ``"full"``
         (None before the first call)."""
         return self.__dict__.get("_attention_path")
@@ -140,7 +152,8 @@ class AdditiveAttention(_Attention):
     _SEEDS = ("key_size", "query_size", "num_hiddens", "dropout")
     _D2L10 = ("num_hiddens", "dropout")
 
-    def __init__(self, *args, memory_budget=None, **kwargs):
+    def __init__(self, *args: Any, memory_budget: int | None = None,
+                 **kwargs: Any) -> None:
         a, options = bind_editions("AdditiveAttention", args, kwargs, self._SEEDS, 4,
                                    self._D2L10, {"key_size": None, "query_size": None})
         key_size = check_positive_int("key_size", a["key_size"], allow_none=True)
@@ -161,7 +174,11 @@ class AdditiveAttention(_Attention):
     query_size = property(lambda self: self.W_q.in_features,
                           doc="Feature size of the queries (None until known).")
 
-    def forward(self, queries, keys, values, valid_lens=None, *, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, key: Any = None) -> Array:
+        """``queries`` (batch, Q, query_size), ``keys`` (batch, K, key_size),
+        ``values`` (batch, K, v) -> (batch, Q, v); ``valid_lens`` (batch,) or
+        (batch, Q); ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
         mask = self._mask(queries, keys, valid_lens=valid_lens)
@@ -226,16 +243,23 @@ class DotProductAttention(_Attention):
     (batch, queries, keys) weights).
     """
 
-    def __init__(self, dropout, *, path="auto", memory_budget=None, chunk_size=None,
-                 **options):
+    def __init__(self, dropout: float, *, path: AttentionPath = "auto",
+                 memory_budget: int | None = None, chunk_size: int | None = None,
+                 **options: Unpack[ModuleOptions]) -> None:
         dropout = check_dropout("dropout", dropout)
         checked = check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
         self.dropout = dropout
         self.path, self.memory_budget, self.chunk_size = checked
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None) -> Array:
+        """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
+        (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
+        ``causal`` and ``window`` are those of ``dot_product_attention``;
+        ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
             raise ValueError(f"queries and keys must have the same feature size, got "
@@ -280,8 +304,9 @@ class MultiHeadAttention(_Attention):
               "dropout", "bias")
     _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
 
-    def __init__(self, *args, path="auto", memory_budget=None, chunk_size=None,
-                 **kwargs):
+    def __init__(self, *args: Any, num_kv_heads: int | None = None,
+                 path: AttentionPath = "auto", memory_budget: int | None = None,
+                 chunk_size: int | None = None, **kwargs: Any) -> None:
         a, options = bind_editions(
             "MultiHeadAttention", args, kwargs, self._SEEDS, 6, self._D2L10,
             {"key_size": None, "query_size": None, "value_size": None, "bias": False})
@@ -289,19 +314,22 @@ class MultiHeadAttention(_Attention):
                  for n in ("key_size", "query_size", "value_size")}
         num_hiddens = check_positive_int("num_hiddens", a["num_hiddens"])
         num_heads = check_heads(num_hiddens, a["num_heads"])
+        num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
         dropout = check_dropout("dropout", a["dropout"])
         bias = check_bool("bias", a["bias"])
         check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
+        self.num_kv_heads = num_kv_heads
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.attention = DotProductAttention(
             dropout, path=path, memory_budget=memory_budget, chunk_size=chunk_size,
             **self._child_options())
+        kv_hiddens = self.num_kv_heads * (num_hiddens // num_heads)
         self.W_q = Linear(sizes["query_size"], num_hiddens, bias=bias,
                           **self._child_options())
-        self.W_k = Linear(sizes["key_size"], num_hiddens, bias=bias,
+        self.W_k = Linear(sizes["key_size"], kv_hiddens, bias=bias,
                           **self._child_options())
-        self.W_v = Linear(sizes["value_size"], num_hiddens, bias=bias,
+        self.W_v = Linear(sizes["value_size"], kv_hiddens, bias=bias,
                           **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
 
@@ -313,31 +341,109 @@ class MultiHeadAttention(_Attention):
     value_size = property(lambda self: self.W_v.in_features,
                           doc="Feature size of the values (None until known).")
 
-    def forward(self, queries, keys, values, valid_lens=None, *, mask=None, bias=None,
-                causal=False, window=None, key=None):
+    def forward(self, queries: Array, keys: Array, values: Array,
+                valid_lens: Array | None = None, *, mask: Array | None = None,
+                bias: Array | None = None, causal: bool = False, window: Window = None,
+                key: Any = None, cache: Any = None) -> Any:
+        """Multi-head attention of ``queries`` (batch, Q, query_size) over
+        ``keys`` and ``values`` (batch, K, key_size|value_size); the masking
+        forms are those of ``am.dot_product_attention`` (``mask``/``bias``
+        may carry a heads axis: (batch, heads, Q, K)).
+
+        With ``cache`` (from ``init_cache``): this step's keys and values are
+        projected and written at the cache's length, and the queries attend
+        causally (bottom-right) over every cached position so far; the keys
+        axis of ``valid_lens``, ``mask``, ``bias`` is then the cache's
+        (``max_len``). Returns ``(output, new cache)``.
+        """
         self._check_inputs(queries, keys, values,
                            (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
-        m = self._mask(queries, keys, h, valid_lens=valid_lens, mask=mask, bias=bias,
-                       causal=causal, window=window)
 
-        def heads(x):   # (b, n, h * s) -> (b, h, n, s), a view where possible
+        def heads(x, h):   # (b, n, h * s) -> (b, h, n, s), a view where possible
             b, n, hidden = x.shape
             return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
-        out = self.attention._attend(heads(self.W_q(queries)), heads(self.W_k(keys)),
-                                     heads(self.W_v(values)), m, key)
+        q = heads(self.W_q(queries), h)
+        k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
+        num_keys, offset = keys.shape[1], None
+        if cache is not None:
+            start = self._check_cache(cache, queries, keys)
+            k = B.write_slice(cache.keys, k, start, 2)
+            v = B.write_slice(cache.values, v, start, 2)
+            end = start + keys.shape[1]           # an int, or traced (jax.jit)
+            num_keys, offset, causal = cache.max_len, end - queries.shape[1], True
+            length = end if B.is_array(end) else B.asarray(
+                np.asarray(end, np.int32), device=B.device_of(cache.keys))
+            cache = KVCache(k, v, length)
+        m = make_mask(B, queries.shape[0], h, queries.shape[1], num_keys,
+                      valid_lens=valid_lens, mask=mask, bias=bias, causal=causal,
+                      window=window, offset=offset, dtype=B.dtype_name(queries),
+                      heads_axis=False, device=B.device_of(queries))
+        out = self.attention._attend(q, k, v, m, key)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
-        return self.W_o(out.reshape((b, n, self.num_hiddens)))
+        out = self.W_o(out.reshape((b, n, self.num_hiddens)))
+        return out if cache is None else (out, cache)
+
+    def init_cache(self, batch_size, max_len):
+        """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to
+        ``max_len`` positions: zeros (batch_size, num_kv_heads, max_len,
+        head_size) in the dtype and on the device of the parameters, length 0."""
+        for name, n in (("batch_size", batch_size), ("max_len", max_len)):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        B = self._backend
+        weight = self.W_o.named_arrays()["weight"]     # (never lazily sized)
+        dtype, device = B.dtype_name(weight), B.device_of(weight)
+        shape = (int(batch_size), self.num_kv_heads, int(max_len),
+                 self.num_hiddens // self.num_heads)
+        B.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
+        return KVCache(B.zeros(shape, dtype, device), B.zeros(shape, dtype, device),
+                       B.asarray(np.asarray(0, np.int32), device=device))
+
+    def _check_cache(self, cache, queries, keys):
+        """The cache's length (an int, or a traced 0-d array under jax.jit),
+        after checking that ``cache`` belongs to this module and the call."""
+        B = self._backend
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a KVCache from this module's init_cache(), "
+                            f"got {type(cache).__name__}")
+        if not all(B.is_array(x) for x in (cache.keys, cache.values, cache.length)):
+            raise TypeError(f"cache holds {_backend_name(cache.keys)} but this module runs on "
+                            f"the {B.name} backend; make the cache with its init_cache()")
+        size = self.num_hiddens // self.num_heads
+        shape = tuple(cache.keys.shape)
+        if len(shape) != 4 or shape[1] != self.num_kv_heads or shape[3] != size or \
+                tuple(cache.values.shape) != shape:
+            raise ValueError(f"cache of another module: its keys {shape} and values "
+                             f"{tuple(cache.values.shape)} are not (batch, num_kv_heads="
+                             f"{self.num_kv_heads}, max_len, head_size={size}); make it "
+                             f"with this module's init_cache()")
+        if shape[0] != queries.shape[0]:
+            raise ValueError(f"cache was made for batch_size={shape[0]} but the queries "
+                             f"{tuple(queries.shape)} have batch size {queries.shape[0]}")
+        dtype, want = B.dtype_name(cache.keys), B.dtype_name(queries)
+        if dtype != want:
+            raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
+        if not B.is_concrete(cache.length):
+            return cache.length
+        start = int(B.to_numpy(cache.length))
+        if start + keys.shape[1] > shape[2]:
+            raise ValueError(f"decoding past max_len: the cache holds {start} of "
+                             f"max_len={shape[2]} positions and this step adds "
+                             f"{keys.shape[1]} (keys {tuple(keys.shape)}); make a "
+                             f"larger cache with init_cache(batch_size, max_len)")
+        return start
 
     @property
-    def attention_weights(self):
+    def attention_weights(self) -> Array | None:
         """Weights of the last call, (batch * num_heads, queries, keys) as in d2l."""
         return self.attention.attention_weights
 
     @property
-    def last_path(self):
+    def last_path(self) -> TakenPath | None:
+        """The path the last call took (that of the ``attention`` child)."""
         return self.attention.last_path
 
     path = property(lambda self: self.attention.path,
@@ -346,3 +452,4 @@ class MultiHeadAttention(_Attention):
                              lambda self, v: setattr(self.attention, "memory_budget", v))
     chunk_size = property(lambda self: self.attention.chunk_size,
                           lambda self, v: setattr(self.attention, "chunk_size", v))
+

@@ -5,21 +5,51 @@ of both ``MultiHeadAttention`` and the backend's ``module_base``
 (``torch.nn.Module``, ``gluon.Block``, a JAX pytree, or a plain object).
 The mechanism itself is written once, in the public class.
 """
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
 
 from ..config import native_device, resolve_backend
 from ..core.checks import check_bool, check_positive_int
+from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Self, Unpack
+
+    from backends import Backend
 
 
 class Module:
-    _backend = None  # set on the native subclasses by Backend.native_class
+    """The base of every module. An instance is of a subclass native to its
+    backend (``torch.nn.Module``, ``gluon.Block``, a JAX pytree or a plain
+    object), which provides the methods declared here."""
 
-    def __new__(cls, *args, backend=None, **kwargs):
+    _backend: Any = None  # set on the native subclasses by Backend.native_class
+    training: bool
+
+    if TYPE_CHECKING:     # provided by the backend's module_base
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+        def train(self, mode: bool = True) -> Self: ...
+        def eval(self) -> Self: ...
+        def to_device(self, device: DeviceLike) -> Self: ...
+        def named_arrays(self) -> dict[str, Array]: ...
+        def _native_init(self) -> None: ...
+        def _add_param(self, name: str, value: Array) -> None: ...
+        def _add_buffer(self, name: str, value: Array) -> None: ...
+        def _param(self, name: str) -> Array: ...
+        def _assign_param(self, dotted_name: str, value: Array) -> None: ...
+        def _add_lazy_param(self, name: str, shape: tuple) -> None: ...
+        def _fill_lazy_param(self, name: str, value: Array) -> None: ...
+        def _unsized(self, prefix: str = "") -> list[str]: ...
+
+    def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
             cls = resolve_backend(backend).native_class(cls)
         return object.__new__(cls)
 
-    def _start(self, backend=None, device=None, dtype="float32"):
+    def _start(self, backend: BackendLike = None, device: DeviceLike = None,
+               dtype: FloatDType = "float32") -> None:
         """Call first in ``__init__``: sets up the native base. (``backend``
         was already used by ``__new__`` to pick the native class.)"""
         self._native_init()
@@ -30,24 +60,24 @@ class Module:
                             f"{self._backend.name} backend; choose one of "
                             f"{', '.join(self._backend.float_dtypes)}")
 
-    def _child_options(self):
+    def _child_options(self) -> dict[str, Any]:
         return {"backend": self._backend, "device": self._device, "dtype": self._dtype}
 
     @property
-    def backend(self):
+    def backend(self) -> Backend:
         """The Backend this module runs on."""
         return self._backend
 
-    def _new_param(self, name, shape, low, high):
+    def _new_param(self, name: str, shape: tuple[int, ...], low: float, high: float) -> None:
         self._add_param(name, self._backend.uniform(shape, low, high, self._dtype,
                                                     self._device))
 
     @property
-    def sized(self):
+    def sized(self) -> bool:
         """False while a lazily sized layer has not yet seen its first call."""
         return not self._unsized()
 
-    def _check_sized(self, what):
+    def _check_sized(self, what: str) -> None:
         """ValueError naming the parameters that are not sized yet."""
         unsized = self._unsized()
         if unsized:
@@ -57,14 +87,14 @@ class Module:
                 f"the module once on an example input, or give the input sizes to the "
                 f"constructor (key_size=, query_size=, value_size=)")
 
-    def _dropout(self, x, p, key):
+    def _dropout(self, x: Array, p: float, key: Any) -> Array:
         if not self.training or p == 0:
             return x
         return self._backend.dropout(x, p, key)
 
     # attention_weights is computed on first access from what the call kept.
     @property
-    def attention_weights(self):
+    def attention_weights(self) -> Array | None:
         """The attention weights of the last call, as d2l users read them."""
         kept = self.__dict__.get("_attention_kept")
         if callable(kept):
@@ -72,15 +102,15 @@ class Module:
             self.__dict__["_attention_kept"] = kept
         return kept
 
-    def _keep_attention(self, weights_or_thunk):
+    def _keep_attention(self, weights_or_thunk: Any) -> None:
         self.__dict__["_attention_kept"] = weights_or_thunk
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: Any) -> Any:
         # The native class is made at run time; pickle rebuilds it by name.
         public_class = type(self).__bases__[0]   # see Backend.native_class
         return (_rebuild, (public_class, self._backend.name), self.__getstate__())
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         # copy.deepcopy and pickle leave the last call's weights behind: under
         # torch they are a non-leaf tensor, which deepcopy refuses.
         parent = getattr(super(), "__getstate__", None)  # absent before 3.11
@@ -90,7 +120,7 @@ class Module:
         return state
 
 
-def _rebuild(public_class, backend_name):
+def _rebuild(public_class: type, backend_name: str) -> Any:
     """Unpickling: an empty instance of ``public_class``'s native class."""
     import backends
     return object.__new__(backends.get_backend(backend_name).native_class(public_class))
@@ -109,7 +139,8 @@ class Linear(Module):
     ``jax.grad``, ``torch.compile``) it raises TypeError.
     """
 
-    def __init__(self, in_features, out_features, bias=True, **options):
+    def __init__(self, in_features: int | None, out_features: int, bias: bool = True,
+                 **options: Unpack[ModuleOptions]) -> None:
         in_features = check_positive_int("in_features", in_features, allow_none=True)
         out_features = check_positive_int("out_features", out_features)
         bias = check_bool("bias", bias)
@@ -128,7 +159,8 @@ class Linear(Module):
         bound = 1.0 / math.sqrt(self.in_features)
         return -bound, bound
 
-    def forward(self, x):
+    def forward(self, x: Array) -> Array:
+        """``x`` (..., in_features) -> (..., out_features)."""
         if self.in_features is None:
             self._size_from(x)
         elif x.shape[-1] != self.in_features:

@@ -1,15 +1,26 @@
 """Sinusoidal positional encoding."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 
 from ..core import zeros_for_empty
 from ..core.checks import check_array, check_dropout, check_positive_int
+from ..types import Array, ModuleOptions
 from .base import Module
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class PositionalEncoding(Module):
     """Sinusoidal positional encoding added to ``X`` (batch, steps, num_hiddens)."""
 
-    def __init__(self, num_hiddens, dropout, max_len=1000, **options):
+    P: Array   # (1, max_len, num_hiddens), a buffer
+
+    def __init__(self, num_hiddens: int, dropout: float, max_len: int = 1000,
+                 **options: Unpack[ModuleOptions]) -> None:
         num_hiddens = check_positive_int("num_hiddens", num_hiddens)
         dropout = check_dropout("dropout", dropout)
         max_len = check_positive_int("max_len", max_len)
@@ -18,7 +29,9 @@ class PositionalEncoding(Module):
         self._add_buffer("P", self._backend.asarray(
             sinusoid_table(max_len, num_hiddens), self._dtype, self._device))
 
-    def forward(self, X, *, key=None):
+    def forward(self, X: Array, *, key: Any = None) -> Array:
+        """``X`` (batch, steps, num_hiddens) plus the encoding of its steps,
+        then dropout; ``key``: the JAX dropout key in training mode."""
         B = self._backend
         check_array(B, "X", X, 3, "(batch, steps, num_hiddens)")
         if X.shape[2] != self.num_hiddens:
@@ -36,7 +49,7 @@ class PositionalEncoding(Module):
         return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
 
 
-def sinusoid_table(max_len, num_hiddens):
+def sinusoid_table(max_len: int, num_hiddens: int) -> np.ndarray:
     """(1, max_len, num_hiddens) float64: sin on even, cos on odd features."""
     position = np.arange(max_len, dtype=np.float64).reshape(-1, 1)
     angles = position / np.power(10000, np.arange(0, num_hiddens, 2) / num_hiddens)

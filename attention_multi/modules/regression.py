@@ -1,19 +1,29 @@
 """Nadaraya-Watson kernel regression, trainable (seed 003)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..core import masked_softmax, zeros_for_empty
 from ..core.checks import check_array
+from ..types import Array, ModuleOptions
 from .base import Module
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class NWKernelRegression(Module):
     """Trainable Nadaraya-Watson regression: one parameter ``w`` of shape (1,)."""
 
-    def __init__(self, **options):
+    def __init__(self, **options: Unpack[ModuleOptions]) -> None:
         self._start(**options)
         self._new_param("w", (1,), 0.0, 1.0)   # as torch.rand((1,)) in d2l
 
-    def forward(self, queries, keys, values):
+    def forward(self, queries: Array, keys: Array, values: Array) -> Array:
+        """``queries`` (n,), ``keys`` and ``values`` (n, m) -> (n,): query ``i``
+        attends its own row of keys and values."""
         B = self._backend
         check_array(B, "queries", queries, 1, "(n,)")
         for name, x in (("keys", keys), ("values", values)):
@@ -33,7 +43,8 @@ class NWKernelRegression(Module):
         return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
 
 
-def train_kernel_regression(net, x_train, y_train, epochs=5, lr=0.5):
+def train_kernel_regression(net: NWKernelRegression, x_train: Array, y_train: Array,
+                            epochs: int = 5, lr: float = 0.5) -> list[float]:
     """Seed 003's loop: SGD on the summed squared error, leave-one-out keys.
 
     Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of

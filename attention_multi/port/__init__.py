@@ -45,7 +45,7 @@ class _Target:
         if isinstance(module, Module):
             module._check_sized("loading parameters")
             self.torch: Any = None
-            self.arrays: dict[str, Any] = module.named_arrays()  # type: ignore[attr-defined]
+            self.arrays: dict[str, Any] = module.named_arrays()
         elif torch is not None and isinstance(module, torch.nn.Module):
             self.torch = torch
             self.arrays = {n: v for n, v in module.state_dict(keep_vars=True).items()

@@ -53,6 +53,12 @@ def make_inputs(seed=0):
         "mha": mha_params(False), "mha_bias": mha_params(True),
         "P_X": normal((2, 7, 6)),
         "x_train": x_train, "y_train": y_train, "x_test": np.arange(0, 5, 0.1),
+        "forms_mask": np.array([[[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]],
+                                [[0, 1, 1, 1, 1], [1, 1, 0, 0, 1], [0, 0, 1, 0, 0]]], bool),
+        "forms_bias": np.where(rng.random((2, 3, 5)) < 0.2, -np.inf, normal((2, 3, 5))),
+        "gqa": {**linear_params("W_q", 8, 5, True), **linear_params("W_k", 4, 5, True),
+                **linear_params("W_v", 4, 5, True), **linear_params("W_o", 8, 8, True)},
+        "gqa_x": normal((2, 4, 5)),
         "nw_w": np.array([1.7]),
         "nw_keys": np.tile(x_train, (50, 1))[others].reshape(50, -1),
         "nw_values": np.tile(y_train, (50, 1))[others].reshape(50, -1),
@@ -77,6 +83,47 @@ def _mha(r, i, params):
     net = r.module(r.am.MultiHeadAttention, 3, 5, 7, 8, 2, 0.5,
                    bias="W_q.bias" in params, params=params)
     return _attention(r, net, i["mq"], i["mk"], i["mv"], i["m_lens"])
+
+
+def _forms(r, i, **forms):
+    """The functional attention on q, k, v with ``forms`` (arrays NumPy)."""
+    def native(x):
+        if not isinstance(x, np.ndarray):
+            return x
+        return r.mask(x) if x.dtype == bool else r.lens(x) if x.dtype.kind in "iu" else r.a(x)
+    native = {n: native(x) for n, x in forms.items()}
+    return [r.am.dot_product_attention(r.a(i["q"]), r.a(i["k"]), r.a(i["v"]), **native)]
+
+
+def _ref_forms(i, **forms):
+    forms = {n: x[:, None] if n in ("mask", "bias") else x for n, x in forms.items()}
+    out, _ = ref.attention(i["q"][:, None], i["k"][:, None], i["v"][:, None], **forms)
+    return [out[:, 0]]
+
+
+def _gqa(r, i, **forms):
+    net = r.module(r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1,
+                   params=i["gqa"])
+    x = r.a(i["gqa_x"])
+    return [net(x, x, x, **forms)]
+
+
+def _decode(r, i):
+    """One token at a time through a KV cache."""
+    net = r.module(r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1,
+                   params=i["gqa"])
+    cache, outs = net.init_cache(2, 6), []
+    x = r.a(i["gqa_x"])
+    for t in range(x.shape[1]):
+        out, cache = net(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache)
+        outs.append(out)
+    return outs
+
+
+def _ref_gqa(i, steps=False, **forms):
+    x = i["gqa_x"]
+    out, _ = ref.multi_head_attention(i["gqa"], x, x, x, None, 2, 1, **forms)
+    return [out[:, t:t + 1] for t in range(x.shape[1])] if steps else [out]
 
 
 # (row name, run on a backend -> arrays, reference -> float64 arrays)
@@ -113,6 +160,21 @@ CASES = [
      lambda r, i: _mha(r, i, i["mha_bias"]),
      lambda i: list(ref.multi_head_attention(i["mha_bias"], i["mq"], i["mk"], i["mv"],
                                              i["m_lens"], 2))),
+    ("dot_product_attention, causal (bottom-right, Q < K)",
+     lambda r, i: _forms(r, i, causal=True), lambda i: _ref_forms(i, causal=True)),
+    ("dot_product_attention, boolean mask (an empty row)",
+     lambda r, i: _forms(r, i, mask=i["forms_mask"]),
+     lambda i: _ref_forms(i, mask=i["forms_mask"])),
+    ("dot_product_attention, bias (-inf entries)",
+     lambda r, i: _forms(r, i, bias=i["forms_bias"]),
+     lambda i: _ref_forms(i, bias=i["forms_bias"])),
+    ("dot_product_attention, window (1, 0) and valid_lens",
+     lambda r, i: _forms(r, i, valid_lens=i["m_lens"], window=(1, 0)),
+     lambda i: _ref_forms(i, valid_lens=i["m_lens"], window=(1, 0))),
+    ("MultiHeadAttention, GQA num_kv_heads=1, causal",
+     lambda r, i: _gqa(r, i, causal=True), lambda i: _ref_gqa(i, causal=True)),
+    ("MultiHeadAttention, KV cache decoding",
+     _decode, lambda i: _ref_gqa(i, steps=True, causal=True)),
     ("PositionalEncoding",
      lambda r, i: [r.module(r.am.PositionalEncoding, 6, 0.0, max_len=50)(r.a(i["P_X"]))],
      lambda i: [ref.positional_encoding(i["P_X"])]),

@@ -28,6 +28,9 @@ class Runner:
     def lens(self, x):
         return am.asarray(x, "int32", backend=self.B, device=self.device)
 
+    def mask(self, x):
+        return am.asarray(x, "bool", backend=self.B, device=self.device)
+
     def numpy(self, x):
         return self.B.to_numpy(x)
 
