@@ -4,14 +4,16 @@ Backends that are not installed skip with a reason, unless they are named in
 ATTENTION_MULTI_REQUIRE (e.g. ``numpy,torch,jax,mxnet``): then they fail.
 The ``cuda`` device skips with a reason where no GPU is present.
 """
+
 import os
 
 import pytest
 
 import backends
 
-REQUIRED = {n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",")
-            if n.strip()}
+REQUIRED = {
+    n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()
+}
 DEVICES = ("cpu", "cuda")
 
 
@@ -23,17 +25,17 @@ def load_backend(name):
         if name in REQUIRED:
             pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
         pytest.skip(f"backend {name!r} is not installed: {exc}")
-    B.enable_float64()   # float64 rows need it (JAX); explicit dtypes keep float32
+    B.enable_float64()  # float64 rows need it (JAX); explicit dtypes keep float32
     return B
 
 
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
-        pairs = [(b, d) for b in backends.BACKEND_NAMES for d in DEVICES
-                 if b != "numpy" or d == "cpu"]
-        metafunc.parametrize("backend_name, device_name", pairs,
-                             ids=[f"{b}-{d}" for b, d in pairs])
+        pairs = [
+            (b, d) for b in backends.BACKEND_NAMES for d in DEVICES if b != "numpy" or d == "cpu"
+        ]
+        metafunc.parametrize("backend_name, device_name", pairs, ids=[f"{b}-{d}" for b, d in pairs])
     elif "backend_name" in names:
         metafunc.parametrize("backend_name", backends.BACKEND_NAMES)
 
@@ -47,6 +49,7 @@ def backend(backend_name):
 def device(backend, device_name):
     """A device name usable with ``backend``; skips if absent."""
     from attention_multi.config import native_device
+
     if device_name != "cpu":
         try:
             native_device(backend, device_name)
@@ -59,6 +62,7 @@ def device(backend, device_name):
 def _fresh_selection(monkeypatch):
     """Each test starts with no set_backend choice and no env-var overrides."""
     from attention_multi import config
+
     monkeypatch.setitem(config._state, "backend", None)
     monkeypatch.delenv(config.BACKEND_ENV, raising=False)
     monkeypatch.delenv(config.DEVICE_ENV, raising=False)

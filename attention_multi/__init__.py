@@ -1,5 +1,6 @@
 """attention-multi: d2l's attention mechanisms, written once, native on
 NumPy, PyTorch, JAX and MXNet."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,11 +9,26 @@ from backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend
-from .functional import (dot_product_attention, masked_softmax, nadaraya_watson,
-                         ring_attention, sequence_mask, transpose_output, transpose_qkv)
-from .modules import (AdditiveAttention, DotProductAttention, KVCache, Linear, Module,
-                      MultiHeadAttention, NWKernelRegression, PositionalEncoding,
-                      train_kernel_regression)
+from .functional import (
+    dot_product_attention,
+    masked_softmax,
+    nadaraya_watson,
+    ring_attention,
+    sequence_mask,
+    transpose_output,
+    transpose_qkv,
+)
+from .modules import (
+    AdditiveAttention,
+    DotProductAttention,
+    KVCache,
+    Linear,
+    Module,
+    MultiHeadAttention,
+    NWKernelRegression,
+    PositionalEncoding,
+    train_kernel_regression,
+)
 from .params import get_params, set_params
 from .plotting import show_heatmaps
 from .types import Array, BackendLike, DeviceLike
@@ -20,18 +36,39 @@ from .types import Array, BackendLike, DeviceLike
 __version__ = "0.1.0"
 
 __all__ = [
-    "AdditiveAttention", "DotProductAttention", "KVCache", "Linear", "Module",
-    "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
-    "asarray", "available_backends", "dot_product_attention", "get_backend", "get_params",
-    "masked_softmax", "nadaraya_watson", "port", "ring_attention", "sequence_mask", "set_backend",
-    "set_params", "show_heatmaps", "train_kernel_regression",
-    "transpose_output", "transpose_qkv", "use_backend",
+    "AdditiveAttention",
+    "DotProductAttention",
+    "KVCache",
+    "Linear",
+    "Module",
+    "MultiHeadAttention",
+    "NWKernelRegression",
+    "PositionalEncoding",
+    "asarray",
+    "available_backends",
+    "dot_product_attention",
+    "get_backend",
+    "get_params",
+    "masked_softmax",
+    "nadaraya_watson",
+    "port",
+    "ring_attention",
+    "sequence_mask",
+    "set_backend",
+    "set_params",
+    "show_heatmaps",
+    "train_kernel_regression",
+    "transpose_output",
+    "transpose_qkv",
+    "use_backend",
 ]
 
 
-def asarray(data: Any, dtype: str | None = None, backend: BackendLike = None,
-            device: DeviceLike = None) -> Array:
+def asarray(
+    data: Any, dtype: str | None = None, backend: BackendLike = None, device: DeviceLike = None
+) -> Array:
     """``data`` as an array of ``backend`` (default: the current one) on ``device``."""
     from .config import native_device, resolve_backend
+
     B = resolve_backend(backend)
     return B.asarray(data, dtype, native_device(B, device))

@@ -4,6 +4,7 @@ Precedence: ``use_backend`` (thread-local, nestable) > ``set_backend`` >
 ``ATTENTION_MULTI_BACKEND`` > ``"numpy"``. Devices: ``ATTENTION_MULTI_DEVICE``
 (``cpu``, ``cuda``, ``cuda:N`` or ``gpu``), default ``cpu``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +20,8 @@ from backends.types import DeviceKind
 BACKEND_ENV = "ATTENTION_MULTI_BACKEND"
 DEVICE_ENV = "ATTENTION_MULTI_DEVICE"
 
-_state: dict[str, Backend | None] = {"backend": None}      # set_backend's choice, process-wide
-_local = threading.local()      # .stack: use_backend's choices, per thread
+_state: dict[str, Backend | None] = {"backend": None}  # set_backend's choice, process-wide
+_local = threading.local()  # .stack: use_backend's choices, per thread
 
 
 def get_backend(backend: str | Backend | Any = None) -> Backend:

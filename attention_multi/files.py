@@ -11,6 +11,7 @@ loss) can leave the temporary file behind: it is hidden and named
 Failures raise ``WriteError``, an ``OSError`` (same ``errno``) whose message is
 one line naming the file and the reason.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,9 @@ def _fsync_directory(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: PathLike, mode: str = "wb",
-                 encoding: str | None = None) -> Iterator[IO[Any]]:
+def atomic_write(
+    path: PathLike, mode: str = "wb", encoding: str | None = None
+) -> Iterator[IO[Any]]:
     """Yield a file (opened with ``mode``, "wb" or "w") whose content replaces
     ``path`` only when the block completes; see the module's docstring.
 
@@ -135,7 +137,8 @@ def make_directory(path: PathLike) -> None:
         os.mkdir(path)
     except FileExistsError as exc:
         if not os.path.isdir(path):
-            raise WriteError(path, OSError(errno.EEXIST, "it exists and is not a directory"),
-                             "create directory") from exc
+            raise WriteError(
+                path, OSError(errno.EEXIST, "it exists and is not a directory"), "create directory"
+            ) from exc
     except OSError as exc:
         raise WriteError(path, exc, "create directory") from exc

@@ -1,13 +1,21 @@
 """The public functions: d2l's helpers and the functional attention, on any
 backend (the backend comes from the arrays)."""
+
 from __future__ import annotations
 
 from typing import Any
 
 from .core import attend, make_mask, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
-from .core.checks import (backend_of, check_array, check_divides, check_dropout,
-                          check_float, check_positive_int, valid_lens_array)
+from .core.checks import (
+    backend_of,
+    check_array,
+    check_divides,
+    check_dropout,
+    check_float,
+    check_positive_int,
+    valid_lens_array,
+)
 from .types import Array, Window
 
 
@@ -45,11 +53,20 @@ def masked_softmax(X: Array, valid_lens: Any) -> Array:
     return _masked_softmax(B, X, visible)
 
 
-def dot_product_attention(queries: Array, keys: Array, values: Array,
-                          valid_lens: Array | None = None, *, mask: Array | None = None,
-                          bias: Array | None = None, causal: bool = False,
-                          window: Window = None, scale: float | None = None,
-                          dropout: float = 0.0, key: Any = None) -> Array:
+def dot_product_attention(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Array | None = None,
+    *,
+    mask: Array | None = None,
+    bias: Array | None = None,
+    causal: bool = False,
+    window: Window = None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
     ``queries`` (batch, Q, d) or (batch, heads, Q, d); ``keys``/``values``
@@ -73,18 +90,32 @@ def dot_product_attention(queries: Array, keys: Array, values: Array,
     """
     B = backend_of(queries=queries, keys=keys, values=values)
     ndim = len(queries.shape)
-    names = ("batch", "heads", "n", "features")[4 - ndim:] if ndim in (3, 4) else ()
+    names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
     what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         check_array(B, name, x, 4 if ndim == 4 else 3, what)
         check_float(B, name, x)
-    q, k, v = (x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
-               for x in (queries, keys, values))
+    q, k, v = (
+        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+        for x in (queries, keys, values)
+    )
     _check_shapes(B, q, k, v, ndim)
     batch, heads, num_q, _ = q.shape
-    m = make_mask(B, batch, heads, num_q, k.shape[2], valid_lens=valid_lens, mask=mask,
-                  bias=bias, causal=causal, window=window, dtype=B.dtype_name(q),
-                  heads_axis=ndim == 4, device=B.device_of(q))
+    m = make_mask(
+        B,
+        batch,
+        heads,
+        num_q,
+        k.shape[2],
+        valid_lens=valid_lens,
+        mask=mask,
+        bias=bias,
+        causal=causal,
+        window=window,
+        dtype=B.dtype_name(q),
+        heads_axis=ndim == 4,
+        device=B.device_of(q),
+    )
     dropout = check_dropout("dropout", dropout)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
@@ -92,18 +123,18 @@ def dot_product_attention(queries: Array, keys: Array, values: Array,
 
 def _check_shapes(B, q, k, v, ndim):
     """Batch sizes, lengths, feature sizes, heads and dtypes agree (4-D views)."""
-    shapes = (f"queries {_shape(q, ndim)}, keys {_shape(k, ndim)}, values "
-              f"{_shape(v, ndim)}")
+    shapes = f"queries {_shape(q, ndim)}, keys {_shape(k, ndim)}, values {_shape(v, ndim)}"
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"batch sizes differ: {shapes}")
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
-        raise ValueError(f"keys and values must have the same heads and length, got "
-                         f"{shapes}")
+        raise ValueError(f"keys and values must have the same heads and length, got {shapes}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"queries and keys must have the same feature size, got {shapes}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-        raise ValueError(f"the heads of queries ({q.shape[1]}) must be a multiple of "
-                         f"the heads of keys and values ({k.shape[1]}): {shapes}")
+        raise ValueError(
+            f"the heads of queries ({q.shape[1]}) must be a multiple of "
+            f"the heads of keys and values ({k.shape[1]}): {shapes}"
+        )
     dtypes = {n: B.dtype_name(x) for n, x in (("queries", q), ("keys", k), ("values", v))}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n} {d}" for n, d in dtypes.items())
@@ -131,8 +162,7 @@ def transpose_output(X: Array, num_heads: int) -> Array:
     check_array(B, "X", X, 3, "(batch * num_heads, n, head_size)")
     num_heads = check_positive_int("num_heads", num_heads)
     if X.shape[0] % num_heads:
-        raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of "
-                         f"num_heads={num_heads}")
+        raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of num_heads={num_heads}")
     bh, n, size = X.shape
     X = B.transpose(X.reshape((bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
     return X.reshape((bh // num_heads, n, num_heads * size))
@@ -154,8 +184,9 @@ def check_kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
     return num_kv_heads
 
 
-def nadaraya_watson(x_train: Array, y_train: Array, x_query: Array,
-                    return_weights: bool = False) -> Array | tuple[Array, Array]:
+def nadaraya_watson(
+    x_train: Array, y_train: Array, x_query: Array, return_weights: bool = False
+) -> Array | tuple[Array, Array]:
     """Nadaraya-Watson regression with a Gaussian kernel (no parameters).
 
     ``f(x) = sum_i softmax(-(x - x_i)^2 / 2) y_i`` for 1-D ``x_train``,
@@ -168,8 +199,10 @@ def nadaraya_watson(x_train: Array, y_train: Array, x_query: Array,
         check_array(B, name, x, 1, "(n,)")
         check_float(B, name, x)
     if x_train.shape != y_train.shape:
-        raise ValueError(f"x_train and y_train must have the same shape, got "
-                         f"{tuple(x_train.shape)} and {tuple(y_train.shape)}")
+        raise ValueError(
+            f"x_train and y_train must have the same shape, got "
+            f"{tuple(x_train.shape)} and {tuple(y_train.shape)}"
+        )
     m, n = x_query.shape[0], x_train.shape[0]
     if m * n == 0:
         y_hat = zeros_for_empty(B, (m,), x_query, x_train, y_train)
@@ -181,8 +214,19 @@ def nadaraya_watson(x_train: Array, y_train: Array, x_query: Array,
     return (y_hat, weights) if return_weights else y_hat
 
 
-def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, window=None,
-                   scale=None, group=None, axis_name=None, memory_budget=None):
+def ring_attention(
+    queries,
+    keys,
+    values,
+    valid_lens=None,
+    *,
+    causal=False,
+    window=None,
+    scale=None,
+    group=None,
+    axis_name=None,
+    memory_budget=None,
+):
     """Sequence-parallel (ring) scaled dot-product attention.
 
     Each participant (a torch.distributed process, or a device of a JAX mesh
@@ -210,28 +254,40 @@ def ring_attention(queries, keys, values, valid_lens=None, *, causal=False, wind
     """
     from .core import DEFAULT_MEMORY_BUDGET, check_path_options
     from .core.ring import ring
+
     memory_budget = check_path_options("auto", memory_budget, None)[1]
     B = backend_of(queries=queries, keys=keys, values=values)
     ndim = len(queries.shape)
-    names = ("batch", "heads", "n", "features")[4 - ndim:] if ndim in (3, 4) else ()
+    names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
     what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
         check_array(B, name, x, 4 if ndim == 4 else 3, what)
         check_float(B, name, x)
-    q, k, v = (x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
-               for x in (queries, keys, values))
+    q, k, v = (
+        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+        for x in (queries, keys, values)
+    )
     _check_shapes(B, q, k, v, ndim)
     rank, size, shift = B.ring_exchange(axis_name if group is None else group)
     batch, heads, num_q, _ = q.shape
     num_k = k.shape[2]
     offset = rank * num_q + size * (num_k - num_q)
-    m = make_mask(B, batch, heads, num_q, size * num_k, valid_lens=valid_lens,
-                  causal=causal, window=window, offset=offset, dtype=B.dtype_name(q),
-                  device=B.device_of(q))
+    m = make_mask(
+        B,
+        batch,
+        heads,
+        num_q,
+        size * num_k,
+        valid_lens=valid_lens,
+        causal=causal,
+        window=window,
+        offset=offset,
+        dtype=B.dtype_name(q),
+        device=B.device_of(q),
+    )
     scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:
-        out = ring(B, q, k, v, m, scale, rank, size, shift,
-                   memory_budget or DEFAULT_MEMORY_BUDGET)
+        out = ring(B, q, k, v, m, scale, rank, size, shift, memory_budget or DEFAULT_MEMORY_BUDGET)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))

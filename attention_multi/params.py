@@ -1,4 +1,5 @@
 """Parameters as ``{d2l name: NumPy array}``, in PyTorch's (out, in) layout."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -9,7 +10,7 @@ import numpy as np
 import backends
 from backends.types import Array
 
-_M = TypeVar("_M", bound=Any)   # an attention_multi module of any backend
+_M = TypeVar("_M", bound=Any)  # an attention_multi module of any backend
 
 
 def get_params(module: Any) -> dict[str, np.ndarray]:
@@ -31,22 +32,23 @@ def set_params(module: _M, params: Mapping[str, Any]) -> _M:
     missing = sorted(set(current) - set(params))
     unknown = sorted(set(params) - set(current))
     if missing or unknown:
-        raise ValueError(f"parameter names do not match {type(module).__name__}: "
-                         f"missing {missing}, unknown {unknown}; the module expects "
-                         f"{sorted(current)}")
+        raise ValueError(
+            f"parameter names do not match {type(module).__name__}: "
+            f"missing {missing}, unknown {unknown}; the module expects "
+            f"{sorted(current)}"
+        )
     arrays = {}
     for name, value in params.items():
         value = _to_numpy(value)
         want = tuple(current[name].shape)
         if value.shape != want:
-            raise ValueError(f"parameter {name!r} has shape {value.shape}, the module "
-                             f"expects {want}")
-        arrays[name] = B.asarray(value, B.dtype_name(current[name]),
-                                 B.device_of(current[name]))
+            raise ValueError(
+                f"parameter {name!r} has shape {value.shape}, the module expects {want}"
+            )
+        arrays[name] = B.asarray(value, B.dtype_name(current[name]), B.device_of(current[name]))
     for name, value in arrays.items():
         module._assign_param(name, value)
     return module
-
 
 
 def _to_numpy(value: Array) -> np.ndarray:

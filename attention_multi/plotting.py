@@ -1,4 +1,5 @@
 """Heatmaps of attention weights (needs the ``plot`` extra: matplotlib)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,9 +10,14 @@ import numpy as np
 import backends
 
 
-def show_heatmaps(matrices: Any, xlabel: str, ylabel: str,
-                  titles: Sequence[str] | None = None,
-                  figsize: tuple[float, float] = (2.5, 2.5), cmap: str = "Reds") -> Any:
+def show_heatmaps(
+    matrices: Any,
+    xlabel: str,
+    ylabel: str,
+    titles: Sequence[str] | None = None,
+    figsize: tuple[float, float] = (2.5, 2.5),
+    cmap: str = "Reds",
+) -> Any:
     """d2l's heatmap grid for ``matrices`` (rows, cols, height, width).
 
     Accepts any backend's array (or a NumPy array) and returns the matplotlib
@@ -20,18 +26,21 @@ def show_heatmaps(matrices: Any, xlabel: str, ylabel: str,
     try:
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("show_heatmaps needs matplotlib: "
-                          "pip install 'attention-multi[plot]'") from exc
+        raise ImportError(
+            "show_heatmaps needs matplotlib: pip install 'attention-multi[plot]'"
+        ) from exc
     if not isinstance(matrices, np.ndarray):
         matrices = backends.backend_of_array(matrices).to_numpy(matrices)
     if matrices.ndim != 4:
-        raise ValueError(f"matrices must be 4-D (rows, cols, height, width), got "
-                         f"shape {matrices.shape}")
+        raise ValueError(
+            f"matrices must be 4-D (rows, cols, height, width), got shape {matrices.shape}"
+        )
     num_rows, num_cols = matrices.shape[:2]
     if titles is not None and len(titles) < num_cols:
         raise ValueError(f"titles has {len(titles)} entries for {num_cols} columns")
-    fig, axes = plt.subplots(num_rows, num_cols, figsize=figsize, sharex=True,
-                             sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        num_rows, num_cols, figsize=figsize, sharex=True, sharey=True, squeeze=False
+    )
     for i, (row_axes, row_matrices) in enumerate(zip(axes, matrices)):
         for j, (ax, matrix) in enumerate(zip(row_axes, row_matrices)):
             pcm = ax.imshow(matrix, cmap=cmap)

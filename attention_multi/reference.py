@@ -6,6 +6,7 @@ Lengths: ``valid_lens`` is None (all keys), (B,) (same for every query) or
 (B, Q); keys at positions ``>= length`` get weight 0, and a query with no valid
 key gets all-zero weights (hence a zero output).
 """
+
 import numpy as np
 
 
@@ -74,26 +75,31 @@ def additive_attention(params, queries, keys, values, valid_lens=None):
     return out, weights
 
 
-def multi_head_attention(params, queries, keys, values, valid_lens, num_heads,
-                         num_kv_heads=None, **forms):
+def multi_head_attention(
+    params, queries, keys, values, valid_lens, num_heads, num_kv_heads=None, **forms
+):
     """W_o concat_h(attention_h(W_q q, W_k k, W_v v)), heads on contiguous feature
     blocks; with ``num_kv_heads`` W_k and W_v give that many heads, each serving
     ``num_heads // num_kv_heads`` consecutive query heads. ``forms``: ``mask``,
     ``bias`` (broadcast to (B, heads, Q, K); a 3-D one is (B, Q, K)), ``causal``,
     ``window`` as in ``attention``. Returns (output, weights) with weights
     (B * num_heads, Q, K) as d2l."""
+
     def proj(name, x):
         return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
 
-    def heads(x, n):   # (B, n, H) -> (B, heads, n, H / heads)
+    def heads(x, n):  # (B, n, H) -> (B, heads, n, H / heads)
         return x.reshape(x.shape[0], x.shape[1], n, -1).transpose(0, 2, 1, 3)
 
     kv = num_heads if num_kv_heads is None else num_kv_heads
-    forms = {n: (np.asarray(x)[:, None] if n in ("mask", "bias") and np.ndim(x) == 3
-                 else x) for n, x in forms.items()}
+    forms = {
+        n: (np.asarray(x)[:, None] if n in ("mask", "bias") and np.ndim(x) == 3 else x)
+        for n, x in forms.items()
+    }
     q = heads(proj("W_q", queries), num_heads)
-    out, weights = attention(q, heads(proj("W_k", keys), kv), heads(proj("W_v", values), kv),
-                             valid_lens, **forms)
+    out, weights = attention(
+        q, heads(proj("W_k", keys), kv), heads(proj("W_v", values), kv), valid_lens, **forms
+    )
     B, _, Q, K = weights.shape
     concat = out.transpose(0, 2, 1, 3).reshape(B, Q, -1)
     return proj("W_o", concat), weights.reshape(B * num_heads, Q, K)
@@ -112,21 +118,23 @@ def positional_encoding(X):
 def nadaraya_watson(x_train, y_train, x_query, w=1.0):
     """f(x) = sum_i softmax_i(-((x - x_i) w)^2 / 2) y_i. Returns (f, weights)."""
     xt, yt, xq = _f64(x_train, y_train, x_query)
-    weights = softmax_where(-((xq[:, None] - xt[None, :]) * w) ** 2 / 2, True)
+    weights = softmax_where(-(((xq[:, None] - xt[None, :]) * w) ** 2) / 2, True)
     return weights @ yt, weights
 
 
 def nw_kernel_regression(w, queries, keys, values):
     """Seed 003's forward: query n attends its own row keys[n], values[n]."""
     q, k, v = _f64(queries, keys, values)
-    weights = softmax_where(-((q[:, None] - k) * float(w)) ** 2 / 2, True)
+    weights = softmax_where(-(((q[:, None] - k) * float(w)) ** 2) / 2, True)
     return (weights * v).sum(axis=1)
 
 
 # -- the modern forms: boolean mask, bias, causal, window, grouped-query heads --------------
 
-def allowed_keys(batch, heads, queries, keys, valid_lens=None, mask=None, bias=None,
-                 causal=False, window=None):
+
+def allowed_keys(
+    batch, heads, queries, keys, valid_lens=None, mask=None, bias=None, causal=False, window=None
+):
     """(B, H, Q, K) boolean: True where query ``i`` may attend key ``j``.
 
     Query ``i`` sits at position ``p = i + K - Q`` among the keys (bottom-right
@@ -161,8 +169,17 @@ def _group(x, heads):
     return np.repeat(x, heads // x.shape[1], axis=1)
 
 
-def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
-              causal=False, window=None, scale=None):
+def attention(
+    queries,
+    keys,
+    values,
+    valid_lens=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    scale=None,
+):
     """softmax(scale Q K^T + bias, restricted to ``allowed_keys``) V for
     queries (B, H, Q, d), keys and values (B, H_kv, K, d|dv), ``H % H_kv == 0``.
     A query with no allowed key gets zero weights and a zero output.
@@ -180,8 +197,18 @@ def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
     return np.einsum("bhqk,bhkv->bhqv", weights, v), weights
 
 
-def attention_gradients(queries, keys, values, grad_out, valid_lens=None, mask=None,
-                        bias=None, causal=False, window=None, scale=None):
+def attention_gradients(
+    queries,
+    keys,
+    values,
+    grad_out,
+    valid_lens=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    scale=None,
+):
     """Gradients of ``sum(attention(...)[0] * grad_out)`` with respect to
     queries, keys, values and the bias (full (B, H, Q, K); zero where masked),
     from the formulas: ``dV = P^T dO``, ``dP = dO V^T``,
@@ -199,6 +226,7 @@ def attention_gradients(queries, keys, values, grad_out, valid_lens=None, mask=N
     dq = scale * np.einsum("bhqk,bhkd->bhqd", dS, kg)
     dk = scale * np.einsum("bhqk,bhqd->bhkd", dS, q)
 
-    def fold(x):    # sum the query heads of each group into their kv head
+    def fold(x):  # sum the query heads of each group into their kv head
         return x.reshape(B, kv_heads, H // kv_heads, *x.shape[2:]).sum(2)
+
     return dq, fold(dk), fold(dv), dS

@@ -3,6 +3,7 @@
 Arrays are typed loosely (``Array`` is ``Any``: a NumPy, PyTorch, JAX or
 MXNet array); names, options and choices are exact ``Literal`` types.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal, TypedDict, Union
@@ -10,8 +11,19 @@ from typing import Any, Literal, TypedDict, Union
 from backends import Backend
 from backends.types import Array, DeviceKind, DType, FloatDType, Shape
 
-__all__ = ["Array", "AttentionPath", "BackendLike", "DType", "DeviceKind", "DeviceLike",
-           "FloatDType", "ModuleOptions", "Shape", "TakenPath", "Window"]
+__all__ = [
+    "Array",
+    "AttentionPath",
+    "BackendLike",
+    "DType",
+    "DeviceKind",
+    "DeviceLike",
+    "FloatDType",
+    "ModuleOptions",
+    "Shape",
+    "TakenPath",
+    "Window",
+]
 
 AttentionPath = Literal["auto", "fused", "tiled", "chunked", "full"]
 """The ``path=`` of ``DotProductAttention``, ``MultiHeadAttention`` and ``attend``."""

@@ -3,6 +3,7 @@
 ``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
 the backend of an array, looking only at frameworks that are already imported.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,8 +39,15 @@ def _restore_numpy_bool() -> None:
 
 _restore_numpy_bool()
 
-__all__ = ["Backend", "BACKEND_NAMES", "available_backends", "backend_of_array",
-           "canonical_name", "get_backend", "parse_device"]
+__all__ = [
+    "Backend",
+    "BACKEND_NAMES",
+    "available_backends",
+    "backend_of_array",
+    "canonical_name",
+    "get_backend",
+    "parse_device",
+]
 
 
 def canonical_name(name: str) -> str:
@@ -49,15 +57,15 @@ def canonical_name(name: str) -> str:
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in _SPECS:
-        raise ValueError(f"unknown backend {name!r}; valid choices: "
-                         f"{', '.join(BACKEND_NAMES)} (alias: pytorch)")
+        raise ValueError(
+            f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)} (alias: pytorch)"
+        )
     return key
 
 
 def available_backends() -> list[str]:
     """Names of the backends whose framework is installed (nothing is imported)."""
-    return [n for n in BACKEND_NAMES
-            if importlib.util.find_spec(_SPECS[n][2]) is not None]
+    return [n for n in BACKEND_NAMES if importlib.util.find_spec(_SPECS[n][2]) is not None]
 
 
 def get_backend(name_or_array: str | Backend | Any) -> Backend:
@@ -80,7 +88,8 @@ def _load(name: str) -> Backend:
             why = "failed to import" if installed else "is not installed"
             raise ImportError(
                 f"the {name!r} backend needs {framework}, which {why} ({exc}); "
-                f"install it with: pip install 'attention-multi[{extra}]'") from exc
+                f"install it with: pip install 'attention-multi[{extra}]'"
+            ) from exc
         backend = _loaded[name] = getattr(module, class_name)()
     return backend
 
@@ -88,13 +97,15 @@ def _load(name: str) -> Backend:
 def backend_of_array(x: Any) -> Backend:
     """The backend an array belongs to (TypeError if none)."""
     for name in ("torch", "jax", "mxnet"):
-        if _SPECS[name][2] in sys.modules:   # never import a framework to look
+        if _SPECS[name][2] in sys.modules:  # never import a framework to look
             backend = _load(name)
             if backend.is_array(x):
                 return backend
     numpy_backend = _load("numpy")
     if numpy_backend.is_array(x):
         return numpy_backend
-    raise TypeError(f"cannot tell which backend an object of type "
-                    f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
-                    f"a numpy, torch, jax or mxnet array")
+    raise TypeError(
+        f"cannot tell which backend an object of type "
+        f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
+        f"a numpy, torch, jax or mxnet array"
+    )

@@ -1,4 +1,5 @@
 """Device names: ``cpu``, ``cuda``, ``cuda:N`` and ``gpu`` (= ``cuda:0``)."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """JAX backend: modules are pytrees whose leaves are exactly their parameters."""
+
 import functools
 
 import jax
@@ -8,9 +9,10 @@ import numpy as np
 from . import jax_module
 from .numpy_like import NumpyLike, np_dtype
 
-try:    # no public spelling of "is anything being traced"
+try:  # no public spelling of "is anything being traced"
     from jax._src.core import trace_state_clean as _trace_state_clean
-except ImportError:   # pragma: no cover - a JAX without it: inputs' tracers still tell
+except ImportError:  # pragma: no cover - a JAX without it: inputs' tracers still tell
+
     def _trace_state_clean():
         return True
 
@@ -22,13 +24,14 @@ def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
     dtype = q.dtype
     if dtype in (jnp.float16, jnp.bfloat16):
         q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))     # its (batch, n, heads, d)
-    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=scale,
-                                       is_causal=is_causal, key_value_seq_lengths=lens)
+    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # its (batch, n, heads, d)
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens
+    )
     return jnp.swapaxes(out, 1, 2).astype(dtype)
 
 
-_TREES: set[type] = set()     # classes registered by register_tree (once per process)
+_TREES: set[type] = set()  # classes registered by register_tree (once per process)
 
 
 class JaxBackend(NumpyLike):
@@ -52,8 +55,9 @@ class JaxBackend(NumpyLike):
 
     def asarray(self, x, dtype=None, device=None):
         if dtype == "float64" and not jax.config.jax_enable_x64:
-            raise TypeError("float64 on the jax backend needs "
-                            "jax.config.update('jax_enable_x64', True) first")
+            raise TypeError(
+                "float64 on the jax backend needs jax.config.update('jax_enable_x64', True) first"
+            )
         x = jnp.asarray(x, dtype=None if dtype is None else np_dtype(dtype))
         return x if device is None else jax.device_put(x, device)
 
@@ -66,8 +70,7 @@ class JaxBackend(NumpyLike):
     def softmax(self, x, axis=-1):
         return jax.nn.softmax(x, axis=axis)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
-                        dropout=0.0):
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
         """``jax.nn.dot_product_attention``, jitted: per-batch lengths as
         ``key_value_seq_lengths``, top-left causal as ``is_causal``, anything
         else as a boolean ``mask`` (a window too: jax 0.6.2 ignores
@@ -77,9 +80,15 @@ class JaxBackend(NumpyLike):
         differ in feature size (JAX requires them equal), for float64 (it
         computes the scores in float32) and with dropout (it has none)."""
         batch, heads, num_q, d = queries.shape
-        if dropout or values.shape[-1] != d or queries.dtype == jnp.float64 or (
-                memory_budget is not None and
-                batch * heads * num_q * keys.shape[2] * 4 > memory_budget):
+        if (
+            dropout
+            or values.shape[-1] != d
+            or queries.dtype == jnp.float64
+            or (
+                memory_budget is not None
+                and batch * heads * num_q * keys.shape[2] * 4 > memory_budget
+            )
+        ):
             return None
         lens = boolean = bias = None
         is_causal = mask.top_left_causal and num_q == keys.shape[2]
@@ -87,15 +96,18 @@ class JaxBackend(NumpyLike):
             lens = mask.per_batch_lens
         elif not is_causal and not mask.unmasked:
             boolean, bias = mask.boolean(self, None), mask.bias
-        return _dot_product_attention(queries, keys, values, lens, boolean, bias,
-                                      scale=float(scale), is_causal=is_causal)
+        return _dot_product_attention(
+            queries, keys, values, lens, boolean, bias, scale=float(scale), is_causal=is_causal
+        )
 
     def dropout_key(self, seed):
         return jax.random.PRNGKey(seed)
 
     def write_slice(self, buffer, update, start, axis):
-        starts = tuple(jnp.asarray(start, jnp.int32) if i == axis else jnp.int32(0)
-                       for i in range(len(buffer.shape)))
+        starts = tuple(
+            jnp.asarray(start, jnp.int32) if i == axis else jnp.int32(0)
+            for i in range(len(buffer.shape))
+        )
         return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), starts)
 
     def register_tree(self, cls, flatten, unflatten):
@@ -116,13 +128,14 @@ class JaxBackend(NumpyLike):
         """``jax.lax.ppermute`` over the mesh axis named ``group``, inside
         ``shard_map`` (differentiable); the rank is ``lax.axis_index``."""
         if not isinstance(group, str):
-            raise ValueError(f"ring attention on jax runs inside shard_map: pass "
-                             f"axis_name= (the mesh axis the sequence is split "
-                             f"over), got {group!r}")
+            raise ValueError(
+                f"ring attention on jax runs inside shard_map: pass "
+                f"axis_name= (the mesh axis the sequence is split "
+                f"over), got {group!r}"
+            )
         size = jax.lax.psum(1, group)
         perm = [(i, (i + 1) % size) for i in range(size)]
-        return (jax.lax.axis_index(group), size,
-                lambda x: jax.lax.ppermute(x, group, perm))
+        return (jax.lax.axis_index(group), size, lambda x: jax.lax.ppermute(x, group, perm))
 
     def device(self, kind, index=0):
         if kind == "cpu":
@@ -132,8 +145,10 @@ class JaxBackend(NumpyLike):
         except RuntimeError:
             gpus = []
         if index >= len(gpus):
-            raise ValueError(f"device cuda:{index} is not available to the jax "
-                             f"backend ({len(gpus)} GPU devices found)")
+            raise ValueError(
+                f"device cuda:{index} is not available to the jax "
+                f"backend ({len(gpus)} GPU devices found)"
+            )
         return gpus[index]
 
     def device_of(self, x):
@@ -147,9 +162,10 @@ class JaxBackend(NumpyLike):
             raise ValueError(
                 "dropout in training mode on the jax backend needs an explicit "
                 "PRNG key: call module(..., key=jax.random.PRNGKey(0)), or "
-                "module.eval() to turn dropout off")
+                "module.eval() to turn dropout off"
+            )
         keep = jax.random.bernoulli(key, 1.0 - p, x.shape)
-        scale = 1.0 / (1.0 - p) if p < 1 else 0.0     # p = 1: every element dropped
+        scale = 1.0 / (1.0 - p) if p < 1 else 0.0  # p = 1: every element dropped
         return jnp.where(keep, x * scale, jnp.zeros((), x.dtype))
 
     def gradients(self, loss_fn, module, *inputs):

@@ -5,6 +5,7 @@ The module classes are also registered for ``jax.export`` serialization, under
 ``attention_multi.modules.attention.MultiHeadAttention``), so a function
 taking a module as an argument can be exported, serialized and called back.
 """
+
 import base64
 import io
 import json
@@ -20,6 +21,7 @@ class _ByIdentity:
     """Wraps an unhashable static value (a constant table) for pytree aux data;
     equal to another wrapping the same object, or (arrays, such as one read
     back from a ``jax.export`` serialization) an equal array."""
+
     __slots__ = ("value",)
 
     def __init__(self, value):
@@ -31,8 +33,13 @@ class _ByIdentity:
         if other.value is self.value:
             return True
         a, b = self.value, other.value
-        return (hasattr(a, "shape") and hasattr(b, "shape") and a.shape == b.shape
-                and a.dtype == b.dtype and bool(np.array_equal(np.asarray(a), np.asarray(b))))
+        return (
+            hasattr(a, "shape")
+            and hasattr(b, "shape")
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and bool(np.array_equal(np.asarray(a), np.asarray(b)))
+        )
 
     def __hash__(self):
         value = self.value
@@ -44,6 +51,7 @@ class _ByIdentity:
 class _NameList(tuple):
     """A list of names in aux data: hashable and compared by value, so modules
     built alike have equal treedefs; unflattened back into a list."""
+
     __slots__ = ()
 
 
@@ -96,8 +104,10 @@ def _encode(value):
         return {"value": value}
     if isinstance(value, tuple):
         return {"tuple": [_encode(v) for v in value]}
-    raise TypeError(f"cannot serialize a module attribute of type {type(value).__name__} "
-                    f"for jax.export: {value!r}")
+    raise TypeError(
+        f"cannot serialize a module attribute of type {type(value).__name__} "
+        f"for jax.export: {value!r}"
+    )
 
 
 def _decode(data):
@@ -133,10 +143,13 @@ def register(cls):
     jax.tree_util.register_pytree_node(cls, cls._tree_flatten, cls._tree_unflatten)
     try:
         from jax import export  # (a submodule: not imported by ``import jax`` on 0.6)
-    except ImportError:             # pragma: no cover (jax < 0.4.30)
+    except ImportError:  # pragma: no cover (jax < 0.4.30)
         export = None
     register_serialization = getattr(export, "register_pytree_node_serialization", None)
     if register_serialization is not None:
-        register_serialization(cls, serialized_name=serialized_name(cls),
-                               serialize_auxdata=_serialize_aux,
-                               deserialize_auxdata=_deserialize_aux)
+        register_serialization(
+            cls,
+            serialized_name=serialized_name(cls),
+            serialize_auxdata=_serialize_aux,
+            deserialize_auxdata=_deserialize_aux,
+        )

@@ -11,6 +11,7 @@ MXNet 1.9.1 quirks handled here:
 - ``np.where`` with a scalar operand sends gradients to the wrong positions,
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
+
 import mxnet as mx  # (backends/__init__.py restored numpy.bool)
 import numpy as np
 from mxnet import autograd, npx
@@ -21,7 +22,7 @@ from .numpy_like import NumpyLike
 
 npx.set_np()
 
-_FOLD_MIN_SCORES = 1 << 20   # fewer scores: a bias costs less than the copies
+_FOLD_MIN_SCORES = 1 << 20  # fewer scores: a bias costs less than the copies
 
 
 def _cpu_half(x):
@@ -32,7 +33,7 @@ def _cpu_half(x):
 def _append_feature(x, column):
     """``x`` (..., n, f) with ``column`` (a scalar or (..., n, 1)) as feature f+1."""
     shape = tuple(x.shape[:-1]) + (x.shape[-1] + 1,)
-    if autograd.is_recording():   # slice assignment is not differentiable
+    if autograd.is_recording():  # slice assignment is not differentiable
         if not isinstance(column, mnp.ndarray):
             column = mnp.full(shape[:-1] + (1,), column, dtype=x.dtype, ctx=x.ctx)
         return mnp.concatenate([x, column], axis=-1)
@@ -51,7 +52,7 @@ class MXNetBackend(NumpyLike):
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
     has_fused_attention = True
-    kernel_call_cost = 32768     # (each operator call goes through MXNet's engine)
+    kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)
 
     def asarray(self, x, dtype=None, device=None):
         if isinstance(x, mnp.ndarray):
@@ -61,7 +62,7 @@ class MXNetBackend(NumpyLike):
         return mnp.array(x, dtype=dtype or x.dtype, ctx=device)
 
     def to_numpy(self, x):
-        if x.size == 0:     # asnumpy() fails on an empty array never written
+        if x.size == 0:  # asnumpy() fails on an empty array never written
             return np.zeros(x.shape, np.dtype(x.dtype))
         return x.asnumpy()
 
@@ -76,21 +77,23 @@ class MXNetBackend(NumpyLike):
 
     def matmul(self, a, b, transpose_b=False):
         if _cpu_half(a):
-            return self.matmul(a.astype("float32"), b.astype("float32"),
-                               transpose_b).astype(a.dtype)
+            return self.matmul(a.astype("float32"), b.astype("float32"), transpose_b).astype(
+                a.dtype
+            )
         return npx.batch_dot(a, b, transpose_b=transpose_b)
 
     def linear(self, x, weight, bias=None):
-        if x.size == 0:     # fully_connected corrupts memory on empty inputs
+        if x.size == 0:  # fully_connected corrupts memory on empty inputs
             out = mnp.zeros(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, ctx=x.ctx)
-            out = out + mnp.sum(x.reshape((0,)))       # (0: keeps autograd's graph)
+            out = out + mnp.sum(x.reshape((0,)))  # (0: keeps autograd's graph)
             return out if bias is None else out + bias
         if _cpu_half(x):
             weight = weight.astype("float32")
             bias = bias if bias is None else bias.astype("float32")
             return self.linear(x.astype("float32"), weight, bias).astype(x.dtype)
-        return npx.fully_connected(x, weight, bias, num_hidden=weight.shape[0],
-                                   no_bias=bias is None, flatten=False)
+        return npx.fully_connected(
+            x, weight, bias, num_hidden=weight.shape[0], no_bias=bias is None, flatten=False
+        )
 
     def softmax(self, x, axis=-1):
         # npx.softmax leaves a row's other entries finite when one is NaN;
@@ -106,12 +109,13 @@ class MXNetBackend(NumpyLike):
         # MXNet 1.9.1's where() with a scalar operand sends the other operand's
         # gradient to the wrong positions (apache/mxnet#17893); 0-d arrays do not.
         like = x if isinstance(x, mnp.ndarray) else y
-        x, y = (v if isinstance(v, mnp.ndarray) else mnp.array(v, dtype=like.dtype, ctx=like.ctx)
-                for v in (x, y))
+        x, y = (
+            v if isinstance(v, mnp.ndarray) else mnp.array(v, dtype=like.dtype, ctx=like.ctx)
+            for v in (x, y)
+        )
         return mnp.where(condition, x, y)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
-                        dropout=0.0):
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
         """``npx.batch_dot`` and plain ``npx.softmax``, the mask added to the
         scores as the core's additive mask. Per-batch lengths on large inputs
         are folded into the first product as an extra feature instead
@@ -122,24 +126,29 @@ class MXNetBackend(NumpyLike):
         ``memory_budget``; declines with dropout (the core's paths have it)."""
         batch, heads, num_q, _ = queries.shape
         num_k = keys.shape[2]
-        if dropout or (memory_budget is not None and
-                       batch * heads * num_q * num_k * 4 > memory_budget):
+        if dropout or (
+            memory_budget is not None and batch * heads * num_q * num_k * 4 > memory_budget
+        ):
             return None
         dtype = queries.dtype
-        if dtype == np.float16:   # no float16 dot on the CPU; accumulate in float32
+        if dtype == np.float16:  # no float16 dot on the CPU; accumulate in float32
             queries, keys, values = (x.astype("float32") for x in (queries, keys, values))
         if keys.shape[1] != heads:
-            keys, values = (mnp.repeat(x, heads // keys.shape[1], axis=1)
-                            for x in (keys, values))
+            keys, values = (mnp.repeat(x, heads // keys.shape[1], axis=1) for x in (keys, values))
         queries = queries * scale
         work = np.dtype(queries.dtype).name
         additive = mask.additive(self, work, keys.ctx)
-        if additive is not None and mask.per_batch_lens is not None and \
-                batch * heads * num_q * num_k >= _FOLD_MIN_SCORES:
-            column = mnp.broadcast_to(mnp.transpose(additive, (0, 1, 3, 2)),
-                                      tuple(keys.shape[:-1]) + (1,))
-            out = self._softmax_product(_append_feature(queries, 1.0),
-                                        _append_feature(keys, column), values)
+        if (
+            additive is not None
+            and mask.per_batch_lens is not None
+            and batch * heads * num_q * num_k >= _FOLD_MIN_SCORES
+        ):
+            column = mnp.broadcast_to(
+                mnp.transpose(additive, (0, 1, 3, 2)), tuple(keys.shape[:-1]) + (1,)
+            )
+            out = self._softmax_product(
+                _append_feature(queries, 1.0), _append_feature(keys, column), values
+            )
         else:
             out = self._softmax_product(queries, keys, values, additive)
         return out.astype(dtype, copy=False)
@@ -156,8 +165,9 @@ class MXNetBackend(NumpyLike):
             return mx.cpu()
         count = mx.context.num_gpus()
         if index >= count:
-            raise ValueError(f"device cuda:{index} is not available to the mxnet "
-                             f"backend ({count} GPUs found)")
+            raise ValueError(
+                f"device cuda:{index} is not available to the mxnet backend ({count} GPUs found)"
+            )
         return mx.gpu(index)
 
     def device_of(self, x):
@@ -174,13 +184,13 @@ class MXNetBackend(NumpyLike):
 
     def _dropout(self, x, p):
         keep = mnp.random.uniform(0, 1, size=x.shape, ctx=x.ctx) >= p
-        scale = 1.0 / (1 - p) if p < 1 else 0.0       # p = 1: every element dropped
+        scale = 1.0 / (1 - p) if p < 1 else 0.0  # p = 1: every element dropped
         return mnp.where(keep, x * scale, mnp.zeros((), dtype=x.dtype, ctx=x.ctx))
 
     def gradients(self, loss_fn, module, *inputs):
         params = module._collect_params_with_prefix()
-        for p in params.values():      # what the loss does not use gets zeros
-            for g in p.list_grad():    # (Parameter.zero_grad fails in NumPy mode)
+        for p in params.values():  # what the loss does not use gets zeros
+            for g in p.list_grad():  # (Parameter.zero_grad fails in NumPy mode)
                 if g.size:
                     g[:] = 0
         inputs = [x.copy() for x in inputs]
@@ -191,5 +201,4 @@ class MXNetBackend(NumpyLike):
         with autograd.record():
             loss = loss_fn(module, *inputs)
         loss.backward()
-        return (float(loss), {n: p.grad() for n, p in params.items()},
-                [x.grad for x in inputs])
+        return (float(loss), {n: p.grad() for n, p in params.items()}, [x.grad for x in inputs])

@@ -1,4 +1,5 @@
 """Native module base for MXNet: a Gluon ``Block``."""
+
 import mxnet as mx
 from mxnet import gluon, npx
 
@@ -24,8 +25,12 @@ class GluonModule(gluon.Block):
         # Gluon's deferred initialization: an unknown axis is 0 (-1 under NumPy
         # shape semantics); the data exists once the first call sets the shape
         known = all(n is not None for n in shape)
-        param = self.params.get(name, shape=tuple(n or 0 for n in shape),
-                                dtype=self._dtype, allow_deferred_init=not known)
+        param = self.params.get(
+            name,
+            shape=tuple(n or 0 for n in shape),
+            dtype=self._dtype,
+            allow_deferred_init=not known,
+        )
         param.initialize(init=mx.init.Zero(), ctx=self._device)
         setattr(self, name, param)
 
@@ -37,8 +42,7 @@ class GluonModule(gluon.Block):
         param.set_data(value)
 
     def _unsized(self):
-        return [n for n, p in self._collect_params_with_prefix().items()
-                if p._data is None]
+        return [n for n, p in self._collect_params_with_prefix().items() if p._data is None]
 
     def _add_buffer(self, name, value):
         setattr(self, name, value)
@@ -60,31 +64,44 @@ class GluonModule(gluon.Block):
         if ctx is not None:
             self.collect_params().reset_ctx(ctx)
 
-    def load_parameters(self, filename, ctx=None, allow_missing=False,
-                        ignore_extra=False, cast_dtype=False, dtype_source="current"):
+    def load_parameters(
+        self,
+        filename,
+        ctx=None,
+        allow_missing=False,
+        ignore_extra=False,
+        cast_dtype=False,
+        dtype_source="current",
+    ):
         unsized = self._unsized()
         if unsized:
-            raise ValueError(f"{type(self).__name__} has parameters whose sizes are not "
-                             f"known yet: {', '.join(unsized)} (lazily sized layers); "
-                             f"call the block once on an example input, then load")
+            raise ValueError(
+                f"{type(self).__name__} has parameters whose sizes are not "
+                f"known yet: {', '.join(unsized)} (lazily sized layers); "
+                f"call the block once on an example input, then load"
+            )
         # Names without a dot (NWKernelRegression's "w") send MXNet 1.9.1 down its
         # legacy loader, which fails in NumPy mode; load them as the normal path does.
         try:
             loaded = npx.load(filename)
-        except mx.base.MXNetError:   # e.g. saved without NumPy shape semantics
+        except mx.base.MXNetError:  # e.g. saved without NumPy shape semantics
             loaded = None
         if not isinstance(loaded, dict) or any("." in name for name in loaded):
-            return super().load_parameters(filename, ctx, allow_missing, ignore_extra,
-                                           cast_dtype, dtype_source)
+            return super().load_parameters(
+                filename, ctx, allow_missing, ignore_extra, cast_dtype, dtype_source
+            )
         params = self._collect_params_with_prefix()
         missing = sorted(set(params) - set(loaded)) if not allow_missing else []
         extra = sorted(set(loaded) - set(params)) if not ignore_extra else []
         if missing or extra:
-            raise ValueError(f"{filename}: parameters missing {missing}, not in "
-                             f"this block {extra}; it holds {sorted(params)}")
+            raise ValueError(
+                f"{filename}: parameters missing {missing}, not in "
+                f"this block {extra}; it holds {sorted(params)}"
+            )
         for name in set(loaded) & set(params):
-            params[name]._load_init(loaded[name], ctx, cast_dtype=cast_dtype,
-                                    dtype_source=dtype_source)
+            params[name]._load_init(
+                loaded[name], ctx, cast_dtype=cast_dtype, dtype_source=dtype_source
+            )
 
     def train(self, mode=True):
         self.training = mode

@@ -1,4 +1,5 @@
 """NumPy backend: CPU only, plain-object modules, no autodiff."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ class NumpyBackend(NumpyLike):
     array_type = (np.ndarray, np.generic)
     module_base = PlainModule
     float_dtypes = ("float16", "float32", "float64")
-    threads: int | None = None   # workers of parallel_map (None: one per core; 1: none)
+    threads: int | None = None  # workers of parallel_map (None: one per core; 1: none)
 
     def astype(self, x: Array, dtype: DType) -> Array:
         return x.astype(np_dtype(dtype), copy=False)
@@ -30,7 +31,7 @@ class NumpyBackend(NumpyLike):
         return np.exp(x, out=x)
 
     def softmax(self, x: Array, axis: int = -1) -> Array:
-        out = x - x.max(axis=axis, keepdims=True)    # in place on a fresh array
+        out = x - x.max(axis=axis, keepdims=True)  # in place on a fresh array
         np.exp(out, out=out)
         out /= out.sum(axis=axis, keepdims=True)
         return out

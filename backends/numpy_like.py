@@ -1,6 +1,7 @@
 """One implementation of the protocol for every framework with a NumPy-like
 namespace (``numpy``, ``jax.numpy``, ``mxnet.numpy``, and ``torch``, which
 takes NumPy's keywords): a subclass sets ``xp`` and overrides its quirks."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,21 +13,36 @@ from .types import Array, DType, Shape
 
 # Functions whose name and arguments are NumPy's in every ``xp``; a subclass
 # that spells one differently defines a method of that name.
-SAME_SPELLING = ("exp", "tanh", "sqrt", "where", "max", "sum", "any", "repeat",
-                 "transpose", "concatenate", "broadcast_to", "minimum", "maximum", "take")
+SAME_SPELLING = (
+    "exp",
+    "tanh",
+    "sqrt",
+    "where",
+    "max",
+    "sum",
+    "any",
+    "repeat",
+    "transpose",
+    "concatenate",
+    "broadcast_to",
+    "minimum",
+    "maximum",
+    "take",
+)
 
 
 def np_dtype(name: DType) -> np.dtype:
     """NumPy dtype for a dtype name (bfloat16 needs ml_dtypes)."""
     if name == "bfloat16":
         import ml_dtypes
+
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
 
 
 class NumpyLike(Backend):
-    xp: Any = None              # the framework's NumPy-like namespace
-    array_type: Any = ()        # what ``is_array`` accepts (a type or a tuple of types)
+    xp: Any = None  # the framework's NumPy-like namespace
+    array_type: Any = ()  # what ``is_array`` accepts (a type or a tuple of types)
 
     def __init__(self) -> None:
         super().__init__()
@@ -86,21 +102,20 @@ class NumpyLike(Backend):
     def device(self, kind: str, index: int = 0) -> Any:
         if kind == "cpu":
             return "cpu"
-        raise ValueError(f"device {kind}:{index} is not available to the "
-                         f"{self.name} backend")
+        raise ValueError(f"device {kind}:{index} is not available to the {self.name} backend")
 
     def device_of(self, x: Array) -> Any:
         return "cpu"
 
     def to_device(self, x: Array, device: Any) -> Array:
         if device not in (None, "cpu"):
-            raise ValueError(f"the {self.name} backend runs on the CPU only, "
-                             f"not on {device!r}")
+            raise ValueError(f"the {self.name} backend runs on the CPU only, not on {device!r}")
         return x
 
     # -- randomness -----------------------------------------------------------------
-    def uniform(self, shape: Shape, low: float, high: float, dtype: DType = "float32",
-                device: Any = None) -> Array:
+    def uniform(
+        self, shape: Shape, low: float, high: float, dtype: DType = "float32", device: Any = None
+    ) -> Array:
         """Drawn by NumPy's global generator (``np.random.seed`` applies)."""
         return self.asarray(np.random.uniform(low, high, size=shape), dtype, device)
 
@@ -111,13 +126,12 @@ class NumpyLike(Backend):
         if key is not None:
             raise ValueError(
                 f"key= is only used by the jax backend; the {self.name} backend "
-                f"draws dropout masks from its own random generator")
+                f"draws dropout masks from its own random generator"
+            )
         return self._dropout(x, p)
 
     def _dropout(self, x: Array, p: float) -> Array:
         """Dropout with the framework's global random generator."""
-        keep = self.asarray(np.random.random_sample(tuple(x.shape)) >= p,
-                            device=self.device_of(x))
-        scale = 1.0 / (1 - p) if p < 1 else 0.0       # p = 1: every element dropped
-        return self.where(keep, x * scale,
-                          self.zeros((), self.dtype_name(x), self.device_of(x)))
+        keep = self.asarray(np.random.random_sample(tuple(x.shape)) >= p, device=self.device_of(x))
+        scale = 1.0 / (1 - p) if p < 1 else 0.0  # p = 1: every element dropped
+        return self.where(keep, x * scale, self.zeros((), self.dtype_name(x), self.device_of(x)))

@@ -1,6 +1,7 @@
 """Worker threads for the NumPy backend's ``parallel_map``, each with
 single-threaded BLAS (what threadpoolctl does, for the OpenBLAS that NumPy's
 wheels bundle)."""
+
 import contextlib
 import ctypes
 import glob
@@ -42,7 +43,7 @@ class OpenBLAS:
 
     def worker_init(self):
         if self.local:
-            self.local(1)          # this worker thread only
+            self.local(1)  # this worker thread only
 
     @contextlib.contextmanager
     def single_threaded(self):
@@ -96,8 +97,9 @@ def workers(threads):
                 _pool.shutdown(wait=False)
             _pool = None
             if _blas.usable and threads > 1:
-                _pool = ThreadPoolExecutor(threads, "attention-numpy",
-                                           initializer=_blas.worker_init)
+                _pool = ThreadPoolExecutor(
+                    threads, "attention-numpy", initializer=_blas.worker_init
+                )
     return _pool, _blas
 
 

@@ -3,6 +3,7 @@
 Parameters, buffers and child modules are plain attributes whose names are
 tracked so that they can be listed, loaded and (for JAX) flattened.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -11,13 +12,13 @@ from .types import Array
 
 
 class PlainModule:
-    _backend: Any              # set on the native subclasses by Backend.native_class
+    _backend: Any  # set on the native subclasses by Backend.native_class
     _param_names: list[str]
     _buffer_names: list[str]
     _child_names: list[str]
     _lazy_names: list[str]
     training: bool
-    forward: Callable[..., Any]   # the public class's
+    forward: Callable[..., Any]  # the public class's
 
     def _native_init(self) -> None:
         object.__setattr__(self, "_param_names", [])

@@ -10,13 +10,14 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 ``matmul``, ``linear``, ``softmax``, ``where``, ``logical_and``, ``exp``, ``tanh``, ``sqrt``,
 ``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
 ``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
-``autodiff``/``gradients``/``checkpoint``, ``is_concrete``/``is_tracing``, ``runtime_cond``/``cond``,
-``enable_float64``,
+``autodiff``/``gradients``/``checkpoint``, ``is_concrete``/``is_tracing``,
+``runtime_cond``/``cond``, ``enable_float64``,
 ``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
 ``write_slice`` (KV caches), ``register_tree`` (containers traced through),
 ``fused_attention`` (with ``fused_causal``), ``ring_exchange``, and
 ``module_base``: the class that makes a module native to the framework.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,30 +44,30 @@ class Backend:
     defaults here).
     """
 
-    name: str = ""                           # canonical name, e.g. "torch"
-    module_base: type | None = None          # base class that makes a module native
+    name: str = ""  # canonical name, e.g. "torch"
+    module_base: type | None = None  # base class that makes a module native
     float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
-    autodiff: bool = False             # whether ``gradients`` works
-    runtime_cond: bool = False         # whether ``cond`` decides at run time while traced
-    compiles_per_shape: bool = False   # whether each new array shape costs a compilation
-    kernel_call_cost: int = 16384      # one more kernel call costs as much as this many scores
+    autodiff: bool = False  # whether ``gradients`` works
+    runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
+    compiles_per_shape: bool = False  # whether each new array shape costs a compilation
+    kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
-    fused_dropout: bool = False        # whether it takes ``dropout`` (its own generator)
-    fused_causal: bool = False         # whether it skips the masked half of top-left causal
+    fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
+    fused_causal: bool = False  # whether it skips the masked half of top-left causal
 
     # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
     # Declared, not defined, here: a subclass supplies them.
-    matmul: Callable[..., Array]        # (a, b, transpose_b=False): over the last two axes
-    linear: Callable[..., Array]        # (x, weight, bias=None): x @ weight.T + bias
-    softmax: Callable[..., Array]       # (x, axis=-1)
-    exp_inplace: Callable[..., Array]   # (x): exp, reusing x's memory where it can
-    arange: Callable[..., Array]        # (n, device=None): int32 [0, n)
-    zeros: Callable[..., Array]         # (shape, dtype, device=None)
+    matmul: Callable[..., Array]  # (a, b, transpose_b=False): over the last two axes
+    linear: Callable[..., Array]  # (x, weight, bias=None): x @ weight.T + bias
+    softmax: Callable[..., Array]  # (x, axis=-1)
+    exp_inplace: Callable[..., Array]  # (x): exp, reusing x's memory where it can
+    arange: Callable[..., Array]  # (n, device=None): int32 [0, n)
+    zeros: Callable[..., Array]  # (shape, dtype, device=None)
     exp: Callable[..., Array]
     tanh: Callable[..., Array]
     sqrt: Callable[..., Array]
     where: Callable[..., Array]
-    logical_and: Callable[..., Array]   # (a, b): elementwise AND of booleans
+    logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
     max: Callable[..., Array]
     sum: Callable[..., Array]
     any: Callable[..., Array]
@@ -126,8 +127,9 @@ class Backend:
         return self.device(*parse_device("cpu" if device is None else device))
 
     # -- randomness (required) --------------------------------------------------
-    def uniform(self, shape: Shape, low: float, high: float, dtype: DType = "float32",
-                device: Any = None) -> Array:
+    def uniform(
+        self, shape: Shape, low: float, high: float, dtype: DType = "float32", device: Any = None
+    ) -> Array:
         """Samples from U(low, high), drawn from the framework's own RNG."""
         raise NotImplementedError
 
@@ -165,16 +167,19 @@ class Backend:
         (frameworks with a global RNG ignore keys: ``key`` is returned)."""
         return key
 
-    def gradients(self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
-                  ) -> tuple[float, dict[str, Array], list[Array]]:
+    def gradients(
+        self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
+    ) -> tuple[float, dict[str, Array], list[Array]]:
         """``(float loss, {param name: gradient}, [gradient of each input])``
         of ``loss_fn(module, *inputs)``, by the framework's own autodiff."""
         raise NotImplementedError(
             f"the {self.name} backend has no automatic differentiation; "
-            f"train with the torch, jax or mxnet backend")
+            f"train with the torch, jax or mxnet backend"
+        )
 
-    def value_and_grad(self, module: Any, loss_fn: Callable[[Any], Array]
-                       ) -> tuple[float, dict[str, Array]]:
+    def value_and_grad(
+        self, module: Any, loss_fn: Callable[[Any], Array]
+    ) -> tuple[float, dict[str, Array]]:
         """``(float loss, {param name: gradient})`` of ``loss_fn(module)``."""
         loss, grads, _ = self.gradients(loss_fn, module)
         return loss, grads
@@ -188,8 +193,9 @@ class Backend:
         """How many tasks ``parallel_map`` runs at once."""
         return 1
 
-    def cond(self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R],
-             operand: T) -> R:
+    def cond(
+        self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R], operand: T
+    ) -> R:
         """``true_fn(operand)`` if ``pred`` else ``false_fn(operand)``; with
         ``runtime_cond``, also while traced (decided when the program runs)."""
         return true_fn(operand) if bool(pred) else false_fn(operand)
@@ -210,16 +216,24 @@ class Backend:
         out[tuple(index)] = update
         return out
 
-    def register_tree(self, cls: type, flatten: Callable[..., Any],
-                      unflatten: Callable[..., Any]) -> None:
+    def register_tree(
+        self, cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]
+    ) -> None:
         """Let the framework trace through instances of ``cls`` (JAX: a
         pytree node, so that ``jax.jit`` takes and returns them); elsewhere
         nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
         children) -> obj``. Registering a class twice is harmless."""
 
-    def fused_attention(self, queries: Array, keys: Array, values: Array, mask: Any,
-                        scale: float, memory_budget: int | None = None,
-                        dropout: float = 0.0) -> Array | None:
+    def fused_attention(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        mask: Any,
+        scale: float,
+        memory_budget: int | None = None,
+        dropout: float = 0.0,
+    ) -> Array | None:
         """The framework's own attention kernel (with ``has_fused_attention``
         True), or None to let the core's generic paths run.
 
@@ -246,7 +260,8 @@ class Backend:
         1`` sent, differentiably where the framework can."""
         raise NotImplementedError(
             f"ring attention needs a communicating framework; the {self.name} "
-            f"backend has none (use torch.distributed or a JAX mesh)")
+            f"backend has none (use torch.distributed or a JAX mesh)"
+        )
 
     # -- modules ---------------------------------------------------------------
     def native_class(self, public_class: type) -> type:
@@ -255,11 +270,15 @@ class Backend:
         if cls is None:
             if self.module_base is None:
                 raise NotImplementedError(f"the {self.name} backend sets no module_base")
-            cls = type(public_class.__name__, (public_class, self.module_base), {
-                "_backend": self,
-                "__module__": public_class.__module__,
-                "__qualname__": public_class.__qualname__,
-            })
+            cls = type(
+                public_class.__name__,
+                (public_class, self.module_base),
+                {
+                    "_backend": self,
+                    "__module__": public_class.__module__,
+                    "__qualname__": public_class.__qualname__,
+                },
+            )
             self._register_class(cls)
             self._native_classes[public_class] = cls
         return cls

@@ -1,4 +1,5 @@
 """PyTorch backend: modules are real ``torch.nn.Module`` objects."""
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ def _proxy_mode():
     """Whether ``make_fx`` (the tracer under ``torch.export``) is recording."""
     try:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode
-    except ImportError:       # pragma: no cover (older torch)
+    except ImportError:  # pragma: no cover (older torch)
         return False
     return get_proxy_mode() is not None
 
@@ -20,15 +21,19 @@ def _proxy_mode():
 def _send_recv(x, step, group):
     """Send ``x`` to rank + step and receive from rank - step (in ``group``)."""
     import torch.distributed as dist
+
     rank, size = dist.get_rank(group), dist.get_world_size(group)
 
     def peer(r):
         r %= size
         return r if group is None else dist.get_global_rank(group, r)
+
     x = x.contiguous()
     out = torch.empty_like(x)
-    requests = [dist.isend(x, peer(rank + step), group=group),
-                dist.irecv(out, peer(rank - step), group=group)]
+    requests = [
+        dist.isend(x, peer(rank + step), group=group),
+        dist.irecv(out, peer(rank - step), group=group),
+    ]
     for request in requests:
         request.wait()
     return out
@@ -55,7 +60,7 @@ class TorchBackend(NumpyLike):
     autodiff = True
     has_fused_attention = True
     fused_dropout = True
-    fused_causal = True          # (SDPA's is_causal kernels skip blocks above the diagonal)
+    fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
 
     # torch spells these differently from NumPy
@@ -77,7 +82,7 @@ class TorchBackend(NumpyLike):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def dtype_name(self, x):
-        return str(x.dtype)[len("torch."):]
+        return str(x.dtype)[len("torch.") :]
 
     def astype(self, x, dtype):
         return x.to(getattr(torch, dtype))
@@ -94,8 +99,7 @@ class TorchBackend(NumpyLike):
         not on the host."""
         if self.is_tracing():
             return False
-        return not isinstance(x, torch.Tensor) or type(x) in (torch.Tensor,
-                                                              torch.nn.Parameter)
+        return not isinstance(x, torch.Tensor) or type(x) in (torch.Tensor, torch.nn.Parameter)
 
     def is_tracing(self):
         """``torch.compile``, ``torch.export`` (and so ONNX export),
@@ -110,16 +114,16 @@ class TorchBackend(NumpyLike):
 
     def write_slice(self, buffer, update, start, axis):
         index = torch.arange(update.shape[axis], device=buffer.device) + start
-        return buffer.index_copy(axis, index, update)     # out of place: autograd sees it
+        return buffer.index_copy(axis, index, update)  # out of place: autograd sees it
 
     def checkpoint(self, fn, *args):
         if not torch.is_grad_enabled() or not any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in args):
+            isinstance(x, torch.Tensor) and x.requires_grad for x in args
+        ):
             return fn(*args)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None,
-                        dropout=0.0):
+    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
         """``F.scaled_dot_product_attention``: no mask, ``is_causal`` when the
         mask is top-left causal, else the mask as booleans (a bias as a float
         mask); grouped-query attention through ``enable_gqa``; its own
@@ -134,8 +138,11 @@ class TorchBackend(NumpyLike):
             options["is_causal"] = True
         elif not mask.unmasked:
             num_q, num_k = queries.shape[2], keys.shape[2]
-            if mask.per_batch_lens is None and memory_budget is not None and \
-                    queries.shape[0] * num_q * num_k > memory_budget:
+            if (
+                mask.per_batch_lens is None
+                and memory_budget is not None
+                and queries.shape[0] * num_q * num_k > memory_budget
+            ):
                 return None
             if mask.bias is None:
                 options["attn_mask"] = mask.boolean(self, device)
@@ -150,19 +157,27 @@ class TorchBackend(NumpyLike):
         (None: the default group); differentiable (the gradient is passed back
         round the ring)."""
         import torch.distributed as dist
+
         if not dist.is_available() or not dist.is_initialized():
-            raise ValueError("ring attention on torch needs torch.distributed: call "
-                             "torch.distributed.init_process_group first")
-        return (dist.get_rank(group), dist.get_world_size(group),
-                lambda x: _RingShift.apply(x, group))
+            raise ValueError(
+                "ring attention on torch needs torch.distributed: call "
+                "torch.distributed.init_process_group first"
+            )
+        return (
+            dist.get_rank(group),
+            dist.get_world_size(group),
+            lambda x: _RingShift.apply(x, group),
+        )
 
     def device(self, kind, index=0):
         if kind == "cpu":
             return torch.device("cpu")
         count = torch.cuda.device_count()
         if index >= count:
-            raise ValueError(f"device cuda:{index} is not available to the torch "
-                             f"backend ({count} CUDA devices found)")
+            raise ValueError(
+                f"device cuda:{index} is not available to the torch "
+                f"backend ({count} CUDA devices found)"
+            )
         return torch.device("cuda", index)
 
     def device_of(self, x):
@@ -187,5 +202,4 @@ class TorchBackend(NumpyLike):
         inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
         loss = loss_fn(module, *inputs)
         loss.backward()
-        return (loss.item(), {n: p.grad for n, p in params.items()},
-                [x.grad for x in inputs])
+        return (loss.item(), {n: p.grad for n, p in params.items()}, [x.grad for x in inputs])

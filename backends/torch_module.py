@@ -1,4 +1,5 @@
 """Native module base for PyTorch: a real ``torch.nn.Module``."""
+
 import torch
 
 
@@ -14,8 +15,10 @@ class TorchModule(torch.nn.Module):
 
     def _add_lazy_param(self, name, shape):
         # as nn.LazyLinear: in state_dict and parameters() before its first call
-        self.register_parameter(name, torch.nn.UninitializedParameter(
-            device=self._device, dtype=getattr(torch, self._dtype)))
+        self.register_parameter(
+            name,
+            torch.nn.UninitializedParameter(device=self._device, dtype=getattr(torch, self._dtype)),
+        )
 
     def _fill_lazy_param(self, name, value):
         param = getattr(self, name)
@@ -32,8 +35,7 @@ class TorchModule(torch.nn.Module):
             return super()._save_to_state_dict(destination, prefix, keep_vars)
         for name, param in self._parameters.items():
             if param is not None:
-                destination[prefix + name] = param if lazy(param) or keep_vars \
-                    else param.detach()
+                destination[prefix + name] = param if lazy(param) or keep_vars else param.detach()
         for name, buf in self._buffers.items():
             if buf is not None and name not in self._non_persistent_buffers_set:
                 destination[prefix + name] = buf if keep_vars else buf.detach()
@@ -42,8 +44,7 @@ class TorchModule(torch.nn.Module):
         lazy = torch.nn.parameter.is_lazy
         for name, param in list(self._parameters.items()):
             given = state_dict.get(prefix + name)
-            if param is not None and lazy(param) and given is not None \
-                    and not lazy(given):
+            if param is not None and lazy(param) and given is not None and not lazy(given):
                 self._size_lazy_params(name, tuple(given.shape))
         return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

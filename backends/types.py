@@ -5,6 +5,7 @@ Arrays are typed loosely: an array of any framework (``numpy.ndarray``,
 ``torch.Tensor``, ``jax.Array``, ``mxnet.numpy.ndarray``) is an ``Array``,
 which is ``Any`` to a type checker. Names and choices are exact.
 """
+
 from __future__ import annotations
 
 from typing import Any, Literal

@@ -8,6 +8,7 @@ The factories at the end build a model, call it once on an example input
 decoder uses this library's ``AdditiveAttention``; the Transformer takes
 d2l's ``MultiHeadAttention`` or this library's (``attention="am"``).
 """
+
 import math
 
 import torch
@@ -18,11 +19,14 @@ import attention_multi as am
 
 # ---- d2l: attention (chapter "Attention Mechanisms and Transformers") ----
 
+
 def masked_softmax(X, valid_lens):
     def _sequence_mask(X, valid_len, value=0):
         maxlen = X.size(1)
-        mask = torch.arange((maxlen), dtype=torch.float32,
-                            device=X.device)[None, :] < valid_len[:, None]
+        mask = (
+            torch.arange((maxlen), dtype=torch.float32, device=X.device)[None, :]
+            < valid_len[:, None]
+        )
         X[~mask] = value
         return X
 
@@ -81,8 +85,16 @@ class MultiHeadAttention(nn.Module):
 
 def am_multi_head_attention(num_hiddens, num_heads, dropout, bias=False):
     """This library's MultiHeadAttention in place of d2l's."""
-    return am.MultiHeadAttention(num_hiddens, num_hiddens, num_hiddens, num_hiddens,
-                                 num_heads, dropout, bias=bias, backend="torch")
+    return am.MultiHeadAttention(
+        num_hiddens,
+        num_hiddens,
+        num_hiddens,
+        num_hiddens,
+        num_heads,
+        dropout,
+        bias=bias,
+        backend="torch",
+    )
 
 
 ATTENTION = {"d2l": MultiHeadAttention, "am": am_multi_head_attention}
@@ -94,12 +106,13 @@ class PositionalEncoding(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.P = torch.zeros((1, max_len, num_hiddens))
         X = torch.arange(max_len, dtype=torch.float32).reshape(-1, 1) / torch.pow(
-            10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens)
+            10000, torch.arange(0, num_hiddens, 2, dtype=torch.float32) / num_hiddens
+        )
         self.P[:, :, 0::2] = torch.sin(X)
         self.P[:, :, 1::2] = torch.cos(X)
 
     def forward(self, X):
-        X = X + self.P[:, :X.shape[1], :].to(X.device)
+        X = X + self.P[:, : X.shape[1], :].to(X.device)
         return self.dropout(X)
 
 
@@ -125,8 +138,9 @@ class AddNorm(nn.Module):
 
 
 class TransformerEncoderBlock(nn.Module):
-    def __init__(self, num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False,
-                 attention="d2l"):
+    def __init__(
+        self, num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias=False, attention="d2l"
+    ):
         super().__init__()
         self.attention = ATTENTION[attention](num_hiddens, num_heads, dropout, use_bias)
         self.addnorm1 = AddNorm(num_hiddens, dropout)
@@ -139,16 +153,29 @@ class TransformerEncoderBlock(nn.Module):
 
 
 class TransformerEncoder(nn.Module):
-    def __init__(self, vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks,
-                 dropout, use_bias=False, attention="d2l"):
+    def __init__(
+        self,
+        vocab_size,
+        num_hiddens,
+        ffn_num_hiddens,
+        num_heads,
+        num_blks,
+        dropout,
+        use_bias=False,
+        attention="d2l",
+    ):
         super().__init__()
         self.num_hiddens = num_hiddens
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
         self.pos_encoding = PositionalEncoding(num_hiddens, dropout)
         self.blks = nn.Sequential()
         for i in range(num_blks):
-            self.blks.add_module("block" + str(i), TransformerEncoderBlock(
-                num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias, attention))
+            self.blks.add_module(
+                "block" + str(i),
+                TransformerEncoderBlock(
+                    num_hiddens, ffn_num_hiddens, num_heads, dropout, use_bias, attention
+                ),
+            )
 
     def forward(self, X, valid_lens):
         X = self.pos_encoding(self.embedding(X) * math.sqrt(self.num_hiddens))
@@ -177,8 +204,7 @@ class TransformerDecoderBlock(nn.Module):
         state[2][self.i] = key_values
         if self.training:
             batch_size, num_steps, _ = X.shape
-            dec_valid_lens = torch.arange(1, num_steps + 1, device=X.device).repeat(
-                batch_size, 1)
+            dec_valid_lens = torch.arange(1, num_steps + 1, device=X.device).repeat(batch_size, 1)
         else:
             dec_valid_lens = None
         X2 = self.attention1(X, key_values, key_values, dec_valid_lens)
@@ -189,8 +215,16 @@ class TransformerDecoderBlock(nn.Module):
 
 
 class TransformerDecoder(nn.Module):
-    def __init__(self, vocab_size, num_hiddens, ffn_num_hiddens, num_heads, num_blks,
-                 dropout, attention="d2l"):
+    def __init__(
+        self,
+        vocab_size,
+        num_hiddens,
+        ffn_num_hiddens,
+        num_heads,
+        num_blks,
+        dropout,
+        attention="d2l",
+    ):
         super().__init__()
         self.num_hiddens = num_hiddens
         self.num_blks = num_blks
@@ -198,8 +232,12 @@ class TransformerDecoder(nn.Module):
         self.pos_encoding = PositionalEncoding(num_hiddens, dropout)
         self.blks = nn.Sequential()
         for i in range(num_blks):
-            self.blks.add_module("block" + str(i), TransformerDecoderBlock(
-                num_hiddens, ffn_num_hiddens, num_heads, dropout, i, attention))
+            self.blks.add_module(
+                "block" + str(i),
+                TransformerDecoderBlock(
+                    num_hiddens, ffn_num_hiddens, num_heads, dropout, i, attention
+                ),
+            )
         self.dense = nn.LazyLinear(vocab_size)
 
     def init_state(self, enc_outputs, enc_valid_lens):
@@ -225,6 +263,7 @@ class EncoderDecoder(nn.Module):
 
 
 # ---- d2l: seq2seq with a GRU encoder and Bahdanau attention ----
+
 
 class GRU(nn.Module):
     """d2l.GRU: the PyTorch layer as ``self.rnn``."""
@@ -252,8 +291,9 @@ class Seq2SeqEncoder(nn.Module):
 class Seq2SeqAttentionDecoder(nn.Module):
     def __init__(self, vocab_size, embed_size, num_hiddens, num_layers, dropout=0):
         super().__init__()
-        self.attention = am.AdditiveAttention(num_hiddens, num_hiddens, num_hiddens, dropout,
-                                              backend="torch")
+        self.attention = am.AdditiveAttention(
+            num_hiddens, num_hiddens, num_hiddens, dropout, backend="torch"
+        )
         self.embedding = nn.Embedding(vocab_size, embed_size)
         self.rnn = nn.GRU(embed_size + num_hiddens, num_hiddens, num_layers, dropout=dropout)
         self.dense = nn.LazyLinear(vocab_size)
@@ -278,17 +318,28 @@ class Seq2SeqAttentionDecoder(nn.Module):
 
 # ---- d2l: LeNet with batch normalization; TextCNN (Conv1d) ----
 
+
 class BNLeNet(nn.Module):
     def __init__(self, channels=(4, 8), hiddens=(16, 12), num_classes=5):
         super().__init__()
         self.net = nn.Sequential(
-            nn.LazyConv2d(channels[0], kernel_size=5), nn.LazyBatchNorm2d(), nn.Sigmoid(),
+            nn.LazyConv2d(channels[0], kernel_size=5),
+            nn.LazyBatchNorm2d(),
+            nn.Sigmoid(),
             nn.AvgPool2d(kernel_size=2, stride=2),
-            nn.LazyConv2d(channels[1], kernel_size=5), nn.LazyBatchNorm2d(), nn.Sigmoid(),
-            nn.AvgPool2d(kernel_size=2, stride=2), nn.Flatten(),
-            nn.LazyLinear(hiddens[0]), nn.LazyBatchNorm1d(), nn.Sigmoid(),
-            nn.LazyLinear(hiddens[1]), nn.LazyBatchNorm1d(), nn.Sigmoid(),
-            nn.LazyLinear(num_classes))
+            nn.LazyConv2d(channels[1], kernel_size=5),
+            nn.LazyBatchNorm2d(),
+            nn.Sigmoid(),
+            nn.AvgPool2d(kernel_size=2, stride=2),
+            nn.Flatten(),
+            nn.LazyLinear(hiddens[0]),
+            nn.LazyBatchNorm1d(),
+            nn.Sigmoid(),
+            nn.LazyLinear(hiddens[1]),
+            nn.LazyBatchNorm1d(),
+            nn.Sigmoid(),
+            nn.LazyLinear(num_classes),
+        )
 
     def forward(self, X):
         return self.net(X)
@@ -312,12 +363,15 @@ class TextCNN(nn.Module):
     def forward(self, inputs):
         embeddings = torch.cat((self.embedding(inputs), self.constant_embedding(inputs)), dim=2)
         embeddings = embeddings.permute(0, 2, 1)
-        encoding = torch.cat([torch.squeeze(self.relu(self.pool(conv(embeddings))), dim=-1)
-                              for conv in self.convs], dim=1)
+        encoding = torch.cat(
+            [torch.squeeze(self.relu(self.pool(conv(embeddings))), dim=-1) for conv in self.convs],
+            dim=1,
+        )
         return self.decoder(self.dropout(encoding))
 
 
 # ---- a d2l-style RNN language model: deep bidirectional LSTM, then an RNN ----
+
 
 class RNNLM(nn.Module):
     def __init__(self, vocab_size, lstm_hiddens, rnn_hiddens):
@@ -336,6 +390,7 @@ class RNNLM(nn.Module):
 
 # ---- factories at the fixtures' sizes: built, called once, in eval mode ----
 
+
 def _called(net, *example):
     net.eval()
     with torch.no_grad():
@@ -351,8 +406,9 @@ def transformer(attention="d2l", num_blks=2):
 
 
 def seq2seq_gru():
-    net = EncoderDecoder(Seq2SeqEncoder(10, 6, 8, 2, 0.1),
-                         Seq2SeqAttentionDecoder(10, 6, 8, 2, 0.1))
+    net = EncoderDecoder(
+        Seq2SeqEncoder(10, 6, 8, 2, 0.1), Seq2SeqAttentionDecoder(10, 6, 8, 2, 0.1)
+    )
     tokens = torch.zeros((1, 3), dtype=torch.int64)
     return _called(net, tokens, tokens, torch.tensor([3]))
 
@@ -362,13 +418,20 @@ def bn_lenet():
 
 
 def textcnn():
-    return _called(TextCNN(12, 4, kernel_sizes=(2, 3), num_channels=(3, 4)),
-                   torch.zeros((1, 5), dtype=torch.int64))
+    return _called(
+        TextCNN(12, 4, kernel_sizes=(2, 3), num_channels=(3, 4)),
+        torch.zeros((1, 5), dtype=torch.int64),
+    )
 
 
 def rnn_lm():
     return _called(RNNLM(7, lstm_hiddens=5, rnn_hiddens=4), torch.zeros((1, 3), dtype=torch.int64))
 
 
-FACTORIES = {"transformer": transformer, "seq2seq_gru": seq2seq_gru, "bn_lenet": bn_lenet,
-             "textcnn": textcnn, "rnn_lm": rnn_lm}
+FACTORIES = {
+    "transformer": transformer,
+    "seq2seq_gru": seq2seq_gru,
+    "bn_lenet": bn_lenet,
+    "textcnn": textcnn,
+    "rnn_lm": rnn_lm,
+}

@@ -7,6 +7,7 @@ Each writes its results as ``OUT_DIR/<job>-<rank>.npz``; the tests compare
 them with one process. Inputs are drawn from fixed NumPy seeds, so the test
 process can draw the same ones.
 """
+
 import os
 import sys
 
@@ -40,17 +41,17 @@ def ring_inputs(name, size):
     g = rng.standard_normal((BATCH, HEADS, num_q, D))
     lens = None
     if name in ("lens", "causal_lens"):
-        lens = np.array([num_k - K_SHARD - 1, 2])       # whole blocks unseen too
+        lens = np.array([num_k - K_SHARD - 1, 2])  # whole blocks unseen too
     elif RING_CASES[name][1]:
         lens = rng.integers(0, num_k + 1, (BATCH, num_q))
-        lens[0, 0] = 0                                  # a query that sees nothing
+        lens[0, 0] = 0  # a query that sees nothing
     return q, k, v, g, lens
 
 
 def local_lens(lens, rank):
     if lens is None or lens.ndim == 1:
         return lens
-    return lens[:, rank * Q_SHARD:(rank + 1) * Q_SHARD]
+    return lens[:, rank * Q_SHARD : (rank + 1) * Q_SHARD]
 
 
 MHA = dict(key_size=6, query_size=6, value_size=6, num_hiddens=8, num_heads=2)
@@ -69,13 +70,20 @@ def initial_params():
     """Float64 parameters of the trained MultiHeadAttention, by name."""
     rng = np.random.default_rng(8)
     h = MHA["num_hiddens"]
-    return {f"W_{n}.weight": rng.uniform(-0.4, 0.4, (h, MHA[s] if n != "o" else h))
-            for n, s in (("q", "query_size"), ("k", "key_size"), ("v", "value_size"),
-                         ("o", "num_hiddens"))}
+    return {
+        f"W_{n}.weight": rng.uniform(-0.4, 0.4, (h, MHA[s] if n != "o" else h))
+        for n, s in (
+            ("q", "query_size"),
+            ("k", "key_size"),
+            ("v", "value_size"),
+            ("o", "num_hiddens"),
+        )
+    }
 
 
 def torch_model():
     import attention_multi as am
+
     net = am.MultiHeadAttention(**MHA, dropout=0.0, backend="torch", dtype="float64")
     am.set_params(net, initial_params())
     return net.eval()
@@ -84,6 +92,7 @@ def torch_model():
 def torch_train(net, x, y, lens, steps=TRAIN_STEPS):
     """SGD on the mean squared error; returns the losses."""
     import torch
+
     opt = torch.optim.SGD(net.parameters(), lr=TRAIN_LR)
     losses = []
     for _ in range(steps):
@@ -100,6 +109,7 @@ def torch_worker(rank, size, port, out_dir, jobs):
     import torch.distributed as dist
 
     import attention_multi as am
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size)
@@ -110,16 +120,15 @@ def torch_worker(rank, size, port, out_dir, jobs):
                 for name, (kwargs, _) in RING_CASES.items():
                     q, k, v, g, lens = ring_inputs(name, size)
                     qs, ks, vs, gs = (
-                        torch.tensor(x[:, :, rank * n:(rank + 1) * n], requires_grad=True)
-                        for x, n in ((q, Q_SHARD), (k, K_SHARD), (v, K_SHARD),
-                                     (g, Q_SHARD)))
+                        torch.tensor(x[:, :, rank * n : (rank + 1) * n], requires_grad=True)
+                        for x, n in ((q, Q_SHARD), (k, K_SHARD), (v, K_SHARD), (g, Q_SHARD))
+                    )
                     lens_r = local_lens(lens, rank)
                     res = am.ring_attention(
-                        qs, ks, vs, None if lens_r is None else torch.tensor(lens_r),
-                        **kwargs)
+                        qs, ks, vs, None if lens_r is None else torch.tensor(lens_r), **kwargs
+                    )
                     (res * gs).sum().backward()
-                    for key, x in (("out", res), ("dq", qs.grad), ("dk", ks.grad),
-                                   ("dv", vs.grad)):
+                    for key, x in (("out", res), ("dq", qs.grad), ("dk", ks.grad), ("dv", vs.grad)):
                         result[f"{name}.{key}"] = x.detach().numpy()
             elif job in ("ddp", "fsdp"):
                 x, y, lens = train_data()
@@ -129,38 +138,44 @@ def torch_worker(rank, size, port, out_dir, jobs):
                     model = torch.nn.parallel.DistributedDataParallel(net)
                 else:
                     from torch.distributed.fsdp import fully_shard
+
                     model = fully_shard(net)
-                losses = torch_train(model, torch.tensor(x[part]), torch.tensor(y[part]),
-                                     torch.tensor(lens[part]))
+                losses = torch_train(
+                    model, torch.tensor(x[part]), torch.tensor(y[part]), torch.tensor(lens[part])
+                )
                 result["losses"] = np.array(losses)
                 for name, p in net.named_parameters():
-                    if hasattr(p, "full_tensor"):      # FSDP2: a sharded DTensor
+                    if hasattr(p, "full_tensor"):  # FSDP2: a sharded DTensor
                         p = p.full_tensor()
                     result[name] = p.detach().numpy()
             np.savez(os.path.join(out_dir, f"{job}-{rank}.npz"), **result)
-    except BaseException:       # the peers would wait for this one forever
+    except BaseException:  # the peers would wait for this one forever
         import traceback
+
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)     # (torch 2.13 CPU workers that ran SDPA may abort at teardown)
+    os._exit(0)  # (torch 2.13 CPU workers that ran SDPA may abort at teardown)
 
 
 def jax_worker(devices, out_dir, jobs):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={devices}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+    )
     import jax
+
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import attention_multi as am
+
     shard_map = getattr(jax, "shard_map", None)
-    if shard_map is None:       # jax < 0.7
+    if shard_map is None:  # jax < 0.7
         from jax.experimental.shard_map import shard_map
     assert len(jax.devices()) == devices, jax.devices()
     for job in jobs:
@@ -173,16 +188,20 @@ def jax_worker(devices, out_dir, jobs):
 
                 def attention(q, k, v, *lens, kwargs=kwargs):
                     return am.ring_attention(q, k, v, *lens, axis_name="seq", **kwargs)
+
                 spec = P(None, None, "seq")
-                ring = shard_map(attention, mesh=mesh,
-                                 in_specs=(spec, spec, spec) + lens_spec, out_specs=spec)
+                ring = shard_map(
+                    attention, mesh=mesh, in_specs=(spec, spec, spec) + lens_spec, out_specs=spec
+                )
                 extra = () if lens is None else (jnp.asarray(lens),)
 
                 def loss(q, k, v, ring=ring, extra=extra, g=g):
                     out = ring(q, k, v, *extra)
                     return (out * g).sum(), out
-                (_, out), grads = jax.jit(jax.value_and_grad(
-                    loss, (0, 1, 2), has_aux=True))(q, k, v)
+
+                (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
+                    q, k, v
+                )
                 result[f"{name}.out"] = np.asarray(out)
                 for key, x in zip(("dq", "dk", "dv"), grads):
                     result[f"{name}.{key}"] = np.asarray(x)
@@ -190,8 +209,7 @@ def jax_worker(devices, out_dir, jobs):
             # batch over "data", heads (the projections' output features) over "model"
             mesh = Mesh(np.array(jax.devices()).reshape(2, devices // 2), ("data", "model"))
             x, y, lens = train_data()
-            net = am.MultiHeadAttention(**MHA, dropout=0.0, backend="jax",
-                                        dtype="float64").eval()
+            net = am.MultiHeadAttention(**MHA, dropout=0.0, backend="jax", dtype="float64").eval()
             am.set_params(net, initial_params())
 
             def loss(net, x, y, lens):
@@ -200,8 +218,7 @@ def jax_worker(devices, out_dir, jobs):
             @jax.jit
             def sgd(net, x, y, lens):
                 value, grads = jax.value_and_grad(loss)(net, x, y, lens)
-                return jax.tree_util.tree_map(lambda w, dw: w - TRAIN_LR * dw, net,
-                                              grads), value
+                return jax.tree_util.tree_map(lambda w, dw: w - TRAIN_LR * dw, net, grads), value
 
             def place(net, mesh=mesh):
                 data = NamedSharding(mesh, P("data"))
@@ -212,6 +229,7 @@ def jax_worker(devices, out_dir, jobs):
                     object.__setattr__(child, "weight", jax.device_put(child.weight, rows))
                 object.__setattr__(net.W_o, "weight", jax.device_put(net.W_o.weight, cols))
                 return data
+
             data = place(net)
             xs, ys, ls = (jax.device_put(jnp.asarray(a), data) for a in (x, y, lens))
             losses = []

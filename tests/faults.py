@@ -12,6 +12,7 @@ the temporary file, which is not renamed yet).
 FAULT: ``enospc`` raises ``OSError(ENOSPC)``, as a full disk does; ``hang``
 prints ``FAULT: writing`` and sleeps, for the test to kill or interrupt it.
 """
+
 import errno
 import io
 import os
@@ -31,19 +32,21 @@ def fault(kind, f=None):
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     print(MARKER, flush=True)
-    time.sleep(120)      # killed or interrupted long before
+    time.sleep(120)  # killed or interrupted long before
     raise SystemExit("faults.py: not killed")
 
 
 def half_then_fault(kind, produce, binary=True):
     """A writer ``(obj, f)`` that writes half of what ``produce(obj, buffer)``
     writes, then faults."""
+
     def write(obj, f, *args, **kwargs):
         buffer = io.BytesIO() if binary else io.StringIO()
         produce(obj, buffer, *args, **kwargs)
         data = buffer.getvalue()
-        f.write(data[:len(data) // 2])
+        f.write(data[: len(data) // 2])
         fault(kind, f)
+
     return write
 
 
@@ -51,17 +54,21 @@ def inject(kind, writer):
     if writer == "npz":
         write_array = np.lib.format.write_array
         np.lib.format.write_array = lambda f, a, *r, **k: half_then_fault(
-            kind, lambda a, b: write_array(b, a, *r, **k))(a, f)
+            kind, lambda a, b: write_array(b, a, *r, **k)
+        )(a, f)
     elif writer == "torch":
         import torch
+
         torch.save = half_then_fault(kind, torch.save)
     elif writer == "png":
         from matplotlib.figure import Figure
+
         savefig = Figure.savefig
         write = half_then_fault(kind, lambda fig, buffer, **k: savefig(fig, buffer, **k))
         Figure.savefig = lambda fig, f, **k: write(fig, f, **k)
     elif writer == "json":
         import json
+
         json.dump = half_then_fault(kind, json.dump, binary=False)
     elif writer == "fsync":
         fsync = os.fsync
@@ -71,9 +78,10 @@ def inject(kind, writer):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)   # even if inherited ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if inherited ignored
     os.environ.setdefault("MPLBACKEND", "Agg")
     kind, writer, *argv = sys.argv[1:]
     inject(kind, writer)
     from attention_multi.cli import main
+
     raise SystemExit(main(argv))

@@ -1,4 +1,5 @@
 """Gradients through each framework's own autodiff, for the tests."""
+
 import numpy as np
 
 

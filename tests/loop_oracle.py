@@ -6,6 +6,7 @@ It never imports attention_multi or backends.
 Lengths: ``lens[b][i]`` is the number of valid keys for query ``i`` of batch
 ``b`` (None: all). A row with no valid key has zero weights and zero output.
 """
+
 import math
 
 import numpy as np
@@ -37,8 +38,9 @@ def masked_softmax(X, valid_lens):
     X = np.asarray(X, dtype=np.float64)
     B, Q, K = X.shape
     lens = per_query_lens(valid_lens, B, Q, K)
-    return np.array([[softmax_prefix(list(X[b, i]), lens[b][i]) for i in range(Q)]
-                     for b in range(B)])
+    return np.array(
+        [[softmax_prefix(list(X[b, i]), lens[b][i]) for i in range(Q)] for b in range(B)]
+    )
 
 
 def sequence_mask(X, valid_len, value=0.0):
@@ -97,8 +99,7 @@ def additive_attention(params, queries, keys, values, valid_lens):
     for b in range(B):
         for i in range(Q):
             for j in range(K):
-                scores[b, i, j] = sum(w_v[t] * math.tanh(q[b, i, t] + k[b, j, t])
-                                      for t in range(h))
+                scores[b, i, j] = sum(w_v[t] * math.tanh(q[b, i, t] + k[b, j, t]) for t in range(h))
     lens = per_query_lens(valid_lens, B, Q, K)
     weights = masked_softmax(scores, valid_lens)
     return weighted_values(weights, np.asarray(values, np.float64), lens), weights
@@ -106,8 +107,10 @@ def additive_attention(params, queries, keys, values, valid_lens):
 
 def multi_head_attention(params, queries, keys, values, valid_lens, num_heads):
     """Returns (output, weights) with weights (B * num_heads, Q, K) as d2l."""
+
     def proj(name, x):
         return linear(x, params[f"{name}.weight"], params.get(f"{name}.bias"))
+
     q, k, v = proj("W_q", queries), proj("W_k", keys), proj("W_v", values)
     B, Q, H = q.shape
     size = H // num_heads
@@ -116,9 +119,10 @@ def multi_head_attention(params, queries, keys, values, valid_lens, num_heads):
     for b in range(B):
         for head in range(num_heads):
             cols = slice(head * size, (head + 1) * size)
-            lens = None if valid_lens is None else np.asarray(valid_lens)[b:b + 1]
-            out, w = dot_product_attention(q[b:b + 1, :, cols], k[b:b + 1, :, cols],
-                                           v[b:b + 1, :, cols], lens)
+            lens = None if valid_lens is None else np.asarray(valid_lens)[b : b + 1]
+            out, w = dot_product_attention(
+                q[b : b + 1, :, cols], k[b : b + 1, :, cols], v[b : b + 1, :, cols], lens
+            )
             concat[b, :, cols] = out[0]
             all_weights.append(w[0])
     return proj("W_o", concat), np.array(all_weights)
@@ -147,15 +151,15 @@ def nadaraya_watson(x_train, y_train, x_query, w=1.0):
 
 def nw_kernel_regression(w, queries, keys, values):
     """Seed 003's forward: row n attends its own keys[n] and values[n]."""
-    return np.array([nadaraya_watson(keys[n], values[n], [queries[n]], w)[0]
-                     for n in range(len(queries))])
+    return np.array(
+        [nadaraya_watson(keys[n], values[n], [queries[n]], w)[0] for n in range(len(queries))]
+    )
 
 
-def visible(b, h, i, j, Q, K, lens=None, mask=None, bias=None, causal=False,
-            window=None):
+def visible(b, h, i, j, Q, K, lens=None, mask=None, bias=None, causal=False, window=None):
     """Whether query ``i`` of batch ``b``, head ``h``, may attend key ``j``:
     every condition must hold. ``mask``/``bias`` are full (B, H, Q, K) arrays."""
-    p = i + K - Q                                  # bottom-right alignment
+    p = i + K - Q  # bottom-right alignment
     if lens is not None and not j < lens[b][i]:
         return False
     if causal and not j <= p:
@@ -173,8 +177,17 @@ def visible(b, h, i, j, Q, K, lens=None, mask=None, bias=None, causal=False,
     return True
 
 
-def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
-              causal=False, window=None, scale=None):
+def attention(
+    queries,
+    keys,
+    values,
+    valid_lens=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    scale=None,
+):
     """Loops over (batch, head, query): queries (B, H, Q, d), keys/values
     (B, H_kv, K, d|dv), kv head ``h // (H // H_kv)`` for query head ``h``.
     ``mask``/``bias`` given as full (B, H, Q, K). Returns (output, weights)."""
@@ -182,18 +195,24 @@ def attention(queries, keys, values, valid_lens=None, mask=None, bias=None,
     B, H, Q, d = q.shape
     kv_heads, K = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
-    lens = None if valid_lens is None else [
-        [int(n) for n in row] for row in per_query_lens(valid_lens, B, Q, 10**9)]
+    lens = (
+        None
+        if valid_lens is None
+        else [[int(n) for n in row] for row in per_query_lens(valid_lens, B, Q, 10**9)]
+    )
     out = np.zeros((B, H, Q, v.shape[3]))
     weights = np.zeros((B, H, Q, K))
     for b in range(B):
         for h in range(H):
             g = h // (H // kv_heads)
             for i in range(Q):
-                seen = [j for j in range(K) if visible(b, h, i, j, Q, K, lens, mask, bias,
-                                                       causal, window)]
+                seen = [
+                    j
+                    for j in range(K)
+                    if visible(b, h, i, j, Q, K, lens, mask, bias, causal, window)
+                ]
                 if not seen:
-                    continue                      # no allowed key: zeros
+                    continue  # no allowed key: zeros
                 scores = {}
                 for j in seen:
                     s = sum(q[b, h, i, t] * k[b, g, j, t] for t in range(d)) * scale

@@ -1,5 +1,6 @@
 """Protocol conformance: every backend method, on CPU, across dtypes,
 checked against NumPy float64 computed here."""
+
 import numpy as np
 import pytest
 
@@ -81,8 +82,12 @@ def test_where_with_arrays_and_scalars(backend, dtype):
     x, y = rounded(rng.normal(size=(2, 3)), dtype), rounded(rng.normal(size=(2, 3)), dtype)
     cond = backend.arange(3).reshape((1, 3)) < put(backend, [[1], [2]], "int32")
     want_cond = np.arange(3)[None, :] < np.array([[1], [2]])
-    close(backend, backend.where(cond, put(backend, x, dtype), put(backend, y, dtype)),
-          np.where(want_cond, x, y), dtype)
+    close(
+        backend,
+        backend.where(cond, put(backend, x, dtype), put(backend, y, dtype)),
+        np.where(want_cond, x, y),
+        dtype,
+    )
     got = backend.where(cond, put(backend, x, dtype), 0.0)
     assert backend.dtype_name(got) == dtype
     close(backend, got, np.where(want_cond, x, 0.0), dtype)
@@ -147,6 +152,7 @@ def test_dropout_key_is_only_for_jax(backend):
 
 def test_value_and_grad_or_a_clear_error(backend):
     import attention_multi as am
+
     net = am.NWKernelRegression(backend=backend)
     am.set_params(net, {"w": np.array([0.5])})
     q = put(backend, np.array([0.0, 1.0]), "float32")
@@ -160,15 +166,17 @@ def test_value_and_grad_or_a_clear_error(backend):
             backend.value_and_grad(net, loss_fn)
         return
     loss, grads = backend.value_and_grad(net, loss_fn)
+
     # d/dw of sum_n softmax(-((q_n - k)w)^2/2) . v_n, by central differences
     def f(w):
         out = 0.0
         for n, x in enumerate([0.0, 1.0]):
             keys = np.array([[0.0, 2.0], [1.0, 3.0]])[n]
-            s = -((x - keys) * w) ** 2 / 2
+            s = -(((x - keys) * w) ** 2) / 2
             e = np.exp(s - s.max())
             out += (e / e.sum()) @ keys
         return out
+
     assert loss == pytest.approx(f(0.5), rel=1e-5)
     assert set(grads) == {"w"}
     numeric = (f(0.5 + 1e-6) - f(0.5 - 1e-6)) / 2e-6
@@ -177,6 +185,7 @@ def test_value_and_grad_or_a_clear_error(backend):
 
 def test_native_class_is_cached_and_native(backend):
     import attention_multi as am
+
     cls = backend.native_class(am.DotProductAttention)
     assert cls is backend.native_class(am.DotProductAttention)
     assert issubclass(cls, am.DotProductAttention) and issubclass(cls, backend.module_base)

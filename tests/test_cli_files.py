@@ -5,6 +5,7 @@ Every file that ``port``, ``report`` and ``bench --json`` write goes through
 ``tests/faults.py`` injects a full disk (ENOSPC) or a hang part-way through a
 write, which the tests then kill (SIGKILL) or interrupt (SIGINT).
 """
+
 import errno
 import json
 import os
@@ -28,8 +29,17 @@ FIXTURES = REPO / "tests" / "fixtures" / "mxnet"
 FAULTS = REPO / "tests" / "faults.py"
 OLD = b"the user's previous file\n"
 TEMP = re.compile(r"\.(.+)\.[0-9a-f]{8}\.tmp")
-FAST_BENCH = ["bench", "--backends", "numpy", "--shapes", "small", "--seconds", "0.05",
-              "--long-length", "0"]
+FAST_BENCH = [
+    "bench",
+    "--backends",
+    "numpy",
+    "--shapes",
+    "small",
+    "--seconds",
+    "0.05",
+    "--long-length",
+    "0",
+]
 FAST_REPORT = ["report", "--backends", "numpy", "--devices", "cpu"]
 
 
@@ -44,8 +54,14 @@ def environment():
 def run(*args, fault=None, cwd=REPO):
     """``attention-multi ARGS`` (through tests/faults.py with ``fault=(kind, writer)``)."""
     prefix = [str(FAULTS), *fault] if fault else ["-m", "attention_multi"]
-    return subprocess.run([sys.executable, *prefix, *map(str, args)], cwd=cwd,
-                          env=environment(), capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *prefix, *map(str, args)],
+        cwd=cwd,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_one_line_error(result, command, code, message):
@@ -70,24 +86,35 @@ def load_output(path, to):
         with np.load(path) as z:
             return dict(z)
     import torch
+
     return {k: v.numpy() for k, v in torch.load(path).items()}
 
 
 # -- port: never over its input, never over an existing OUT without --force ---------
 
+
 @pytest.mark.parametrize("to", ["numpy", "torch"])
-@pytest.mark.parametrize("how", ["same", "dot-slash", "symlink-out", "symlink-in",
-                                 "default-out", "hard-link"])
+@pytest.mark.parametrize(
+    "how", ["same", "dot-slash", "symlink-out", "symlink-in", "default-out", "hard-link"]
+)
 def test_port_refuses_to_write_over_its_input(tmp_path, to, how):
-    src = port_input(tmp_path, "m.pt" if how == "default-out" and to == "torch" else
-                     "m.npz" if how == "default-out" else "m.params")
+    src = port_input(
+        tmp_path,
+        "m.pt"
+        if how == "default-out" and to == "torch"
+        else "m.npz"
+        if how == "default-out"
+        else "m.params",
+    )
     original = src.read_bytes()
-    args = {"same": (src.name, "--out", src.name),
-            "dot-slash": (src.name, "--out", f"./{src.name}"),
-            "symlink-out": (src.name, "--out", "link"),
-            "symlink-in": ("link", "--out", src.name),
-            "default-out": (src.name,),
-            "hard-link": (src.name, "--out", "hard")}[how]
+    args = {
+        "same": (src.name, "--out", src.name),
+        "dot-slash": (src.name, "--out", f"./{src.name}"),
+        "symlink-out": (src.name, "--out", "link"),
+        "symlink-in": ("link", "--out", src.name),
+        "default-out": (src.name,),
+        "hard-link": (src.name, "--out", "hard"),
+    }[how]
     if how.startswith("symlink"):
         (tmp_path / "link").symlink_to(src.name)
     if how == "hard-link":
@@ -95,8 +122,13 @@ def test_port_refuses_to_write_over_its_input(tmp_path, to, how):
     before = entries(tmp_path)
     result = run("port", *args, "--to", to, "--force", cwd=tmp_path)
     named = f"--out {args[2]}" if len(args) == 3 else f"the default OUT {src.name}"
-    assert_one_line_error(result, "port", 1, f"{named} is the input file; choose another "
-                          "name with --out (--force does not override this)")
+    assert_one_line_error(
+        result,
+        "port",
+        1,
+        f"{named} is the input file; choose another "
+        "name with --out (--force does not override this)",
+    )
     assert src.read_bytes() == original and entries(tmp_path) == before
 
 
@@ -107,8 +139,9 @@ def test_port_replaces_an_existing_out_only_with_force(tmp_path, to, suffix):
     out.write_bytes(OLD)
     out.chmod(0o600)
     result = run("port", src, "--to", to, "--out", out)
-    assert_one_line_error(result, "port", 1, f"{out} exists; add --force to replace it, "
-                          "or choose another --out")
+    assert_one_line_error(
+        result, "port", 1, f"{out} exists; add --force to replace it, or choose another --out"
+    )
     assert out.read_bytes() == OLD
 
     result = run("port", src, "--to", to, "--out", out, "--force")
@@ -117,38 +150,50 @@ def test_port_replaces_an_existing_out_only_with_force(tmp_path, to, suffix):
     want, got = load_mxnet_params(src), load_output(out, to)
     assert sorted(got) == sorted(want)
     assert all(np.array_equal(got[k], want[k]) for k in want)
-    assert stat.S_IMODE(out.stat().st_mode) == 0o600     # the replaced file's mode
+    assert stat.S_IMODE(out.stat().st_mode) == 0o600  # the replaced file's mode
     assert entries(tmp_path) == ["existing" + suffix, "m.params"]
 
 
-@pytest.mark.parametrize("to,out,reason", [
-    ("torch", "/nonexistent-attention-multi/dir/x.pt",
-     "directory /nonexistent-attention-multi/dir does not exist"),
-    ("numpy", "/nonexistent-attention-multi/dir/x.npz",
-     "directory /nonexistent-attention-multi/dir does not exist"),
-    ("numpy", "{tmp}/afile/x.npz", "{tmp}/afile is not a directory"),
-    ("numpy", "/proc/attention-multi-x.npz", "No such file or directory"),
-    ("numpy", "{tmp}/adir", "Is a directory"),
-])
+@pytest.mark.parametrize(
+    "to,out,reason",
+    [
+        (
+            "torch",
+            "/nonexistent-attention-multi/dir/x.pt",
+            "directory /nonexistent-attention-multi/dir does not exist",
+        ),
+        (
+            "numpy",
+            "/nonexistent-attention-multi/dir/x.npz",
+            "directory /nonexistent-attention-multi/dir does not exist",
+        ),
+        ("numpy", "{tmp}/afile/x.npz", "{tmp}/afile is not a directory"),
+        ("numpy", "/proc/attention-multi-x.npz", "No such file or directory"),
+        ("numpy", "{tmp}/adir", "Is a directory"),
+    ],
+)
 def test_port_unwritable_out_is_one_line_exit_1(tmp_path, to, out, reason):
     (tmp_path / "afile").write_bytes(OLD)
     (tmp_path / "adir").mkdir()
     out, reason = out.format(tmp=tmp_path), reason.format(tmp=tmp_path)
-    result = run("port", FIXTURES / "mha_bias.params", "--to", to, "--out", out,
-                 "--force")
+    result = run("port", FIXTURES / "mha_bias.params", "--to", to, "--out", out, "--force")
     assert_one_line_error(result, "port", 1, f"cannot write {out}: {reason}")
     assert entries(tmp_path) == ["adir", "afile"] and entries(tmp_path / "adir") == []
 
 
 def test_port_permission_denied_is_one_line_exit_1():
     # sysfs refuses new files, to root too (a chmod'ed directory would not stop root)
-    result = run("port", FIXTURES / "mha_bias.params", "--to", "numpy", "--out",
-                 "/sys/attention-multi-x.npz")
+    result = run(
+        "port", FIXTURES / "mha_bias.params", "--to", "numpy", "--out", "/sys/attention-multi-x.npz"
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    assert re.fullmatch(r"attention-multi port: error: cannot write /sys/attention-multi-x"
-                        r"\.npz: (Permission denied|Operation not permitted|Read-only file "
-                        r"system)\n", result.stderr), result.stderr
+    assert re.fullmatch(
+        r"attention-multi port: error: cannot write /sys/attention-multi-x"
+        r"\.npz: (Permission denied|Operation not permitted|Read-only file "
+        r"system)\n",
+        result.stderr,
+    ), result.stderr
 
 
 def test_port_help_mentions_force():
@@ -161,25 +206,28 @@ def test_port_help_mentions_force():
 
 # -- a full disk and an interrupted write leave the previous file ---------------------
 
-@pytest.mark.parametrize("to,writer", [("numpy", "npz"), ("torch", "torch"),
-                                       ("numpy", "fsync")])
+
+@pytest.mark.parametrize("to,writer", [("numpy", "npz"), ("torch", "torch"), ("numpy", "fsync")])
 def test_port_full_disk_keeps_the_previous_file(tmp_path, to, writer):
     src = port_input(tmp_path)
     out = tmp_path / "out.bin"
     out.write_bytes(OLD)
-    result = run("port", src, "--to", to, "--out", out, "--force",
-                 fault=("enospc", writer))
-    assert_one_line_error(result, "port", 1,
-                          f"cannot write {out}: No space left on device")
+    result = run("port", src, "--to", to, "--out", out, "--force", fault=("enospc", writer))
+    assert_one_line_error(result, "port", 1, f"cannot write {out}: No space left on device")
     assert out.read_bytes() == OLD
-    assert entries(tmp_path) == ["m.params", "out.bin"]     # the temporary file is gone
+    assert entries(tmp_path) == ["m.params", "out.bin"]  # the temporary file is gone
 
 
 def start_hanging(tmp_path, writer, *args):
     """A subprocess that hangs part-way through a write (tests/faults.py)."""
-    proc = subprocess.Popen([sys.executable, str(FAULTS), "hang", writer, *map(str, args)],
-                            cwd=tmp_path, env=environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(FAULTS), "hang", writer, *map(str, args)],
+        cwd=tmp_path,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:
         if line.strip() == "FAULT: writing":
             return proc
@@ -187,20 +235,20 @@ def start_hanging(tmp_path, writer, *args):
     raise AssertionError("never reached the write: " + proc.communicate()[1])
 
 
-@pytest.mark.parametrize("to,writer", [("numpy", "npz"), ("torch", "torch"),
-                                       ("torch", "fsync")])
+@pytest.mark.parametrize("to,writer", [("numpy", "npz"), ("torch", "torch"), ("torch", "fsync")])
 def test_port_killed_mid_write_keeps_the_previous_file(tmp_path, to, writer):
     src = port_input(tmp_path)
     (tmp_path / "out.bin").write_bytes(OLD)
-    proc = start_hanging(tmp_path, writer, "port", src.name, "--to", to, "--out",
-                         "out.bin", "--force")
-    proc.kill()                                        # SIGKILL: no clean-up runs
+    proc = start_hanging(
+        tmp_path, writer, "port", src.name, "--to", to, "--out", "out.bin", "--force"
+    )
+    proc.kill()  # SIGKILL: no clean-up runs
     proc.communicate(timeout=60)
     assert (tmp_path / "out.bin").read_bytes() == OLD
     # what SIGKILL leaves is hidden and named .out.bin.XXXXXXXX.tmp: never the output
     leftovers = [n for n in entries(tmp_path) if n not in ("m.params", "out.bin")]
     assert len(leftovers) == 1 and TEMP.fullmatch(leftovers[0]).group(1) == "out.bin"
-    if writer != "npz":       # the other writers flush: the partial bytes are on disk
+    if writer != "npz":  # the other writers flush: the partial bytes are on disk
         assert (tmp_path / leftovers[0]).stat().st_size > 0
 
 
@@ -208,9 +256,10 @@ def test_port_killed_mid_write_keeps_the_previous_file(tmp_path, to, writer):
 def test_port_interrupted_mid_write_cleans_up(tmp_path, to, writer):
     src = port_input(tmp_path)
     (tmp_path / "out.bin").write_bytes(OLD)
-    proc = start_hanging(tmp_path, writer, "port", src.name, "--to", to, "--out",
-                         "out.bin", "--force")
-    proc.send_signal(signal.SIGINT)                   # Ctrl-C
+    proc = start_hanging(
+        tmp_path, writer, "port", src.name, "--to", to, "--out", "out.bin", "--force"
+    )
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert stderr == "attention-multi port: interrupted; no partial file was left\n"
@@ -229,30 +278,38 @@ def test_port_interrupted_without_previous_file_leaves_none(tmp_path):
 
 # -- report ----------------------------------------------------------------------------
 
+
 def test_report_creates_out_under_an_existing_parent(tmp_path):
     result = run(*FAST_REPORT, "--out", tmp_path / "new")
     assert result.returncode == 0, result.stderr
     assert entries(tmp_path / "new") == [
-        "heatmap_additive.png", "heatmap_dot_product.png", "heatmap_multihead.png",
-        "nadaraya_watson.png", "report.md"]
+        "heatmap_additive.png",
+        "heatmap_dot_product.png",
+        "heatmap_multihead.png",
+        "nadaraya_watson.png",
+        "report.md",
+    ]
     assert (tmp_path / "new" / "heatmap_additive.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## Result" in (tmp_path / "new" / "report.md").read_text()
 
 
-@pytest.mark.parametrize("out,reason", [
-    ("{tmp}/missing/new", "cannot create directory {tmp}/missing/new: directory "
-                          "{tmp}/missing does not exist"),
-    ("{tmp}/afile", "cannot create directory {tmp}/afile: it exists and is not a "
-                    "directory"),
-    ("/proc/forbidden", "cannot create directory /proc/forbidden: No such file or "
-                        "directory"),
-])
+@pytest.mark.parametrize(
+    "out,reason",
+    [
+        (
+            "{tmp}/missing/new",
+            "cannot create directory {tmp}/missing/new: directory {tmp}/missing does not exist",
+        ),
+        ("{tmp}/afile", "cannot create directory {tmp}/afile: it exists and is not a directory"),
+        ("/proc/forbidden", "cannot create directory /proc/forbidden: No such file or directory"),
+    ],
+)
 def test_report_unwritable_out_is_one_line_exit_3(tmp_path, out, reason):
     (tmp_path / "afile").write_bytes(OLD)
     out, reason = out.format(tmp=tmp_path), reason.format(tmp=tmp_path)
     result = run(*FAST_REPORT, "--out", out)
     assert_one_line_error(result, "report", 3, reason)
-    assert result.stdout == ""                     # checked before anything ran
+    assert result.stdout == ""  # checked before anything ran
     assert entries(tmp_path) == ["afile"] and (tmp_path / "afile").read_bytes() == OLD
 
 
@@ -272,8 +329,9 @@ def previous_report(tmp_path):
 def test_report_full_disk_keeps_the_previous_files(tmp_path):
     out = previous_report(tmp_path)
     result = run(*FAST_REPORT, "--out", out, fault=("enospc", "png"))
-    assert_one_line_error(result, "report", 3, f"cannot write {out}/heatmap_additive.png: "
-                          "No space left on device")
+    assert_one_line_error(
+        result, "report", 3, f"cannot write {out}/heatmap_additive.png: No space left on device"
+    )
     assert entries(out) == ["heatmap_additive.png", "report.md"]
     assert all((out / n).read_bytes() == OLD for n in entries(out))
 
@@ -285,20 +343,23 @@ def test_report_interrupted_mid_figure_keeps_the_previous_files(tmp_path):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr
-    assert stderr.splitlines()[-1] == ("attention-multi report: interrupted; no partial "
-                                       "file was left")
+    assert stderr.splitlines()[-1] == (
+        "attention-multi report: interrupted; no partial file was left"
+    )
     assert entries(out) == ["heatmap_additive.png", "report.md"]
     assert all((out / n).read_bytes() == OLD for n in entries(out))
 
 
 # -- bench --json ------------------------------------------------------------------------
 
+
 def test_bench_json_unwritable_is_checked_first(tmp_path):
     out = tmp_path / "missing" / "b.json"
     result = run(*FAST_BENCH, "--json", out)
-    assert_one_line_error(result, "bench", 1, f"cannot write {out}: directory "
-                          f"{tmp_path}/missing does not exist")
-    assert result.stdout == ""                     # before any timing
+    assert_one_line_error(
+        result, "bench", 1, f"cannot write {out}: directory {tmp_path}/missing does not exist"
+    )
+    assert result.stdout == ""  # before any timing
 
 
 def test_bench_json_written_whole_or_not_at_all(tmp_path):
@@ -306,7 +367,7 @@ def test_bench_json_written_whole_or_not_at_all(tmp_path):
     out.write_bytes(OLD)
     result = run(*FAST_BENCH, "--json", out, fault=("enospc", "json"))
     assert_one_line_error(result, "bench", 1, f"cannot write {out}: No space left on device")
-    assert "| numpy DotProductAttention |" in result.stdout     # the table came first
+    assert "| numpy DotProductAttention |" in result.stdout  # the table came first
     assert entries(tmp_path) == ["b.json"] and out.read_bytes() == OLD
 
     result = run(*FAST_BENCH, "--json", out)
@@ -317,6 +378,7 @@ def test_bench_json_written_whole_or_not_at_all(tmp_path):
 
 
 # -- the library: atomic_write and save_mxnet_params ----------------------------------
+
 
 def test_atomic_write_replaces_only_on_success(tmp_path):
     path = tmp_path / "f.txt"
@@ -359,15 +421,16 @@ def test_write_error_is_an_oserror_with_one_line(tmp_path):
             f.write(b"x")
     assert isinstance(info.value, OSError) and info.value.errno == errno.ENOENT
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
-    assert str(info.value) == (f"cannot write {tmp_path}/no/x.bin: directory "
-                               f"{tmp_path}/no does not exist")
+    assert str(info.value) == (
+        f"cannot write {tmp_path}/no/x.bin: directory {tmp_path}/no does not exist"
+    )
     with pytest.raises(ValueError, match="mode: expected 'wb' or 'w', got 'a'"):
         with atomic_write(tmp_path / "x", "a"):
             pass
     with pytest.raises(WriteError, match=r"cannot write .*/no/x: directory"):
         check_writable(tmp_path / "no" / "x")
     make_directory(tmp_path / "d")
-    make_directory(tmp_path / "d")                  # an existing directory is fine
+    make_directory(tmp_path / "d")  # an existing directory is fine
     with pytest.raises(WriteError, match=r"cannot create directory .*/no/d: directory"):
         make_directory(tmp_path / "no" / "d")
 
@@ -379,6 +442,7 @@ def test_save_mxnet_params_full_disk_keeps_the_previous_file(tmp_path, monkeypat
 
     def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     with monkeypatch.context() as m:
         m.setattr(os, "fsync", full)
         with pytest.raises(WriteError, match=r"w\.params: No space left on device"):

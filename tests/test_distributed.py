@@ -4,6 +4,7 @@ torch: 2 and 4 CPU processes with gloo (``tests/distributed.py`` workers);
 JAX: 2 and 4 simulated host devices (``--xla_force_host_platform_device_count``)
 in a subprocess. All in float64, so agreement is to rounding.
 """
+
 import os
 import socket
 import subprocess
@@ -41,10 +42,25 @@ def _load(path):
 def run_torch(tmp_path, size, jobs):
     """Results of ``size`` torch worker processes: {job: [per rank dict]}."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, "torch", str(r), str(size), str(port),
-                               str(tmp_path), ",".join(jobs)], env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(size)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                WORKER,
+                "torch",
+                str(r),
+                str(size),
+                str(port),
+                str(tmp_path),
+                ",".join(jobs),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(size)
+    ]
     logs = []
     try:
         for p in procs:
@@ -58,9 +74,13 @@ def run_torch(tmp_path, size, jobs):
 
 
 def run_jax(tmp_path, devices, jobs):
-    result = subprocess.run([sys.executable, WORKER, "jax", str(devices), str(tmp_path),
-                             ",".join(jobs)], env=_env(), capture_output=True, text=True,
-                            timeout=TIMEOUT)
+    result = subprocess.run(
+        [sys.executable, WORKER, "jax", str(devices), str(tmp_path), ",".join(jobs)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return {job: _load(tmp_path / f"{job}-jax{devices}.npz") for job in jobs}
 
@@ -68,15 +88,19 @@ def run_jax(tmp_path, devices, jobs):
 @pytest.fixture(scope="module")
 def torch_runs(tmp_path_factory):
     pytest.importorskip("torch")
-    return {2: run_torch(tmp_path_factory.mktemp("torch2"), 2, ["ring", "ddp", "fsdp"]),
-            4: run_torch(tmp_path_factory.mktemp("torch4"), 4, ["ring"])}
+    return {
+        2: run_torch(tmp_path_factory.mktemp("torch2"), 2, ["ring", "ddp", "fsdp"]),
+        4: run_torch(tmp_path_factory.mktemp("torch4"), 4, ["ring"]),
+    }
 
 
 @pytest.fixture(scope="module")
 def jax_runs(tmp_path_factory):
     pytest.importorskip("jax")
-    return {2: run_jax(tmp_path_factory.mktemp("jax2"), 2, ["ring"]),
-            4: run_jax(tmp_path_factory.mktemp("jax4"), 4, ["ring", "mesh"])}
+    return {
+        2: run_jax(tmp_path_factory.mktemp("jax2"), 2, ["ring"]),
+        4: run_jax(tmp_path_factory.mktemp("jax4"), 4, ["ring", "mesh"]),
+    }
 
 
 def ring_expected(name, size):
@@ -85,20 +109,23 @@ def ring_expected(name, size):
     import torch
 
     import attention_multi as am
+
     q, k, v, g, lens = D.ring_inputs(name, size)
     kwargs = {k: v for k, v in D.RING_CASES[name][0].items() if k != "memory_budget"}
     q, k, v = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
-    out = am.dot_product_attention(q, k, v, None if lens is None else torch.tensor(lens),
-                                   **kwargs)
+    out = am.dot_product_attention(q, k, v, None if lens is None else torch.tensor(lens), **kwargs)
     (out * torch.tensor(g)).sum().backward()
-    return {key: x.detach().numpy() for key, x in
-            (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))}
+    return {
+        key: x.detach().numpy()
+        for key, x in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad))
+    }
 
 
 def ring_oracle(name, size):
     """The float64 oracle's output on the whole sequence, its mask spelled out
     from the rules of README's masking contract."""
     from attention_multi.reference import softmax_where
+
     q, k, v, _, lens = D.ring_inputs(name, size)
     kwargs = D.RING_CASES[name][0]
     num_q, num_k = q.shape[2], k.shape[2]
@@ -112,8 +139,7 @@ def ring_oracle(name, size):
     if "window" in kwargs:
         left, right = kwargs["window"]
         visible &= (j >= p - left) & (j <= p + right)
-    weights = softmax_where(np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1]),
-                            visible)
+    weights = softmax_where(np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1]), visible)
     return np.einsum("bhqk,bhkd->bhqd", weights, v)
 
 
@@ -144,6 +170,7 @@ def test_jax_ring_attention_equals_one_device(jax_runs, name, size):
 
 def one_process_training():
     import torch
+
     x, y, lens = D.train_data()
     net = D.torch_model()
     losses = D.torch_train(net, torch.tensor(x), torch.tensor(y), torch.tensor(lens))
@@ -168,6 +195,7 @@ def test_jax_mesh_sharding_equals_one_device(jax_runs):
     """MultiHeadAttention trained under jax.jit with the batch sharded over
     "data" and the heads over "model" (a 2x2 mesh) equals one device."""
     import torch
+
     got = jax_runs[4]["mesh"]
     assert "model" in str(got["out_sharding"])
     losses, params = one_process_training()
@@ -179,6 +207,7 @@ def test_jax_mesh_sharding_equals_one_device(jax_runs):
 
 def test_ring_attention_needs_a_communicating_backend():
     import attention_multi as am
+
     x = np.ones((1, 4, 2))
     with pytest.raises(NotImplementedError, match="numpy backend has none"):
         am.ring_attention(x, x, x)
@@ -190,5 +219,5 @@ def test_ring_attention_needs_a_communicating_backend():
     j = jnp.ones((1, 4, 2))
     with pytest.raises(ValueError, match="pass axis_name="):
         am.ring_attention(j, j, j)
-    with pytest.raises(ValueError, match="batch sizes differ"):     # shapes checked first
+    with pytest.raises(ValueError, match="batch sizes differ"):  # shapes checked first
         am.ring_attention(t, t[:0], t)

@@ -12,6 +12,7 @@ write land there.
 The reference pages are ``::: module`` directives that mkdocstrings fills in
 (``make docs``); here every public module is checked to have one.
 """
+
 import importlib
 import importlib.util
 import os
@@ -31,7 +32,7 @@ PORTING = DOCS / "porting.md"
 PAGES = sorted(DOCS.rglob("*.md"))
 BLOCK = re.compile(r"(<!-- requires: (\w+) -->\n)?```(python|sh)\n(.*?)```", re.S)
 FENCE = re.compile(r"^```(\S*)", re.M)
-SHOWN = {"bash", "text", "console"}   # fences that are shown, not run
+SHOWN = {"bash", "text", "console"}  # fences that are shown, not run
 PROLOGUE = """\
 import warnings
 import numpy
@@ -76,8 +77,14 @@ def run_doc(doc, tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -89,8 +96,7 @@ def test_readme_snippets_run(tmp_path):
 
 def test_porting_doc_snippets_run(tmp_path):
     stdout = run_doc(PORTING, tmp_path)
-    errors = [float(line) for line in stdout.splitlines()
-              if re.fullmatch(r"[0-9.e+-]+", line)]
+    errors = [float(line) for line in stdout.splitlines() if re.fullmatch(r"[0-9.e+-]+", line)]
     assert len(errors) == 3 and max(errors) < 2e-5, stdout
     assert "mapped 64 arrays onto EncoderDecoder" in stdout
     # the user's test ran once per installed backend, through the pytest plugin
@@ -104,21 +110,24 @@ def test_porting_doc_snippets_run(tmp_path):
 
 # ---- every page of the documentation site ----
 
+
 def page_id(path):
     return str(path.relative_to(DOCS))
 
 
-@pytest.mark.parametrize("doc", [README] + PAGES, ids=lambda p: p.name if p == README
-                         else page_id(p))
+@pytest.mark.parametrize(
+    "doc", [README] + PAGES, ids=lambda p: p.name if p == README else page_id(p)
+)
 def test_every_fence_is_run_or_shown(doc):
     """No block is silently left out: each fence is python/sh (found by the
     harness) or a shown-only language, and every opening fence is found."""
     text = doc.read_text()
-    openings = FENCE.findall(text)[::2]   # fences alternate: opening, closing
+    openings = FENCE.findall(text)[::2]  # fences alternate: opening, closing
     assert len(FENCE.findall(text)) % 2 == 0, f"{doc}: unbalanced fences"
     unknown = [lang for lang in openings if lang not in SHOWN | {"python", "sh"}]
-    assert not unknown, f"{doc}: fences of unknown language {unknown} (run: python, sh; " \
-                        f"shown: {sorted(SHOWN)})"
+    assert not unknown, (
+        f"{doc}: fences of unknown language {unknown} (run: python, sh; shown: {sorted(SHOWN)})"
+    )
     runnable = sum(1 for lang in openings if lang in ("python", "sh"))
     assert runnable == len(blocks(doc)), f"{doc}: a python/sh block is not found by BLOCK"
     for requirement, _, _ in blocks(doc):
@@ -153,18 +162,23 @@ def test_every_public_module_has_a_reference_page():
     in the guide) and backends' package and protocol are rendered."""
     package = REPO / "attention_multi"
     public = {"attention_multi", "backends", "backends.protocol", "backends.types"}
-    public |= {f"attention_multi.{p.stem}" for p in package.glob("*.py")
-               if not p.name.startswith("_")}
-    public |= {f"attention_multi.{p.name}" for p in package.iterdir()
-               if (p / "__init__.py").exists() and p.name != "cli"}
+    public |= {
+        f"attention_multi.{p.stem}" for p in package.glob("*.py") if not p.name.startswith("_")
+    }
+    public |= {
+        f"attention_multi.{p.name}"
+        for p in package.iterdir()
+        if (p / "__init__.py").exists() and p.name != "cli"
+    }
     documented = documented_modules()
     assert public <= documented, f"no reference page for {sorted(public - documented)}"
     for name in documented:
-        importlib.import_module(name)   # every directive names a real module
+        importlib.import_module(name)  # every directive names a real module
 
 
 def test_every_public_name_is_on_the_package_page():
     import attention_multi
+
     assert set(attention_multi.__all__) <= set(dir(attention_multi))
     page = (DOCS / "reference" / "attention_multi.md").read_text()
     assert re.search(r"^::: attention_multi\s*$", page, re.M)

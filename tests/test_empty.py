@@ -6,6 +6,7 @@ MXNet 1.9.1 crashed the interpreter on some zero-size arrays (a segfault in
 masked_softmax with no keys, an abort with batch 0), so each backend's cases
 run in a subprocess, where a crash fails the test instead of the run.
 """
+
 import json
 import os
 import subprocess
@@ -13,7 +14,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import attention_multi as am
 
@@ -60,7 +60,7 @@ def _functional_case(B, name, axis):
     if name == "transpose_output":
         return am.transpose_output(_arr(B, (2 * b, nq, 3)), 2), (b, nq, 6)
     if name == "positional_encoding":
-        pe = am.PositionalEncoding(6, 0.1, backend=B)      # training mode: dropout on
+        pe = am.PositionalEncoding(6, 0.1, backend=B)  # training mode: dropout on
         return pe(_arr(B, (b, nq, 6)), key=B.dropout_key(0)), (b, nq, 6)
     if name == "nadaraya_watson":
         x_train, x_query = _arr(B, (nk,)), _arr(B, (nq,))
@@ -72,16 +72,25 @@ def _functional_case(B, name, axis):
     raise KeyError(name)
 
 
-FUNCTIONS = ("masked_softmax", "sequence_mask", "dot_product_attention", "transpose_qkv",
-             "transpose_output", "positional_encoding", "nadaraya_watson",
-             "nw_kernel_regression")
+FUNCTIONS = (
+    "masked_softmax",
+    "sequence_mask",
+    "dot_product_attention",
+    "transpose_qkv",
+    "transpose_output",
+    "positional_encoding",
+    "nadaraya_watson",
+    "nw_kernel_regression",
+)
 MODULE_CASES = [(kind, path) for kind in ("dot", "multi_head") for path in PATHS] + [
-    ("additive", "full")]
+    ("additive", "full")
+]
 
 
 def run_cases(backend_name):
     """Every case on one backend: ``{case: [shape, want, zero, finite, grads ok]}``."""
     import backends
+
     B = backends.get_backend(backend_name)
     results = {}
     for axis in EMPTY:
@@ -90,43 +99,63 @@ def run_cases(backend_name):
             got = B.to_numpy(out)
             grads_ok = True
             if B.autodiff:
-                def loss_fn(module, *xs):
+
+                def loss_fn(module, *xs, lens=lens):
                     y = module(*xs, lens)
                     return B.sum(y.reshape((int(np.prod(tuple(y.shape))),)), 0)
+
                 _, g_params, g_inputs = B.gradients(loss_fn, m, *inputs)
                 grads = [g for g in list(g_params.values()) + list(g_inputs) if g is not None]
                 grads_ok = all(np.isfinite(B.to_numpy(g)).all() for g in grads)
             results[f"{kind}/{path}/{axis}"] = [
-                list(got.shape), list(want), bool((got == 0).all()),
-                [list(B.to_numpy(w).shape), list(want_w)], grads_ok, m.last_path]
+                list(got.shape),
+                list(want),
+                bool((got == 0).all()),
+                [list(B.to_numpy(w).shape), list(want_w)],
+                grads_ok,
+                m.last_path,
+            ]
         for name in FUNCTIONS:
             out, want = _functional_case(B, name, axis)
             got = B.to_numpy(out)
             # zero unless the case is not empty for this function (its rows see keys)
-            nonempty_result = name in ("transpose_qkv", "transpose_output",
-                                       "positional_encoding") or (
-                name == "nadaraya_watson" and axis == "batch")
+            nonempty_result = name in (
+                "transpose_qkv",
+                "transpose_output",
+                "positional_encoding",
+            ) or (name == "nadaraya_watson" and axis == "batch")
             zero = nonempty_result or bool((got == 0).all())
             results[f"{name}/{axis}"] = [list(got.shape), list(want), zero, None, True, None]
     return results
 
 
 def _check(results):
-    bad = {case: r for case, r in results.items()
-           if r[0] != r[1] or not r[2] or (r[3] is not None and r[3][0] != r[3][1])
-           or not r[4] or (r[5] is not None and r[5] != "empty")}
+    bad = {
+        case: r
+        for case, r in results.items()
+        if r[0] != r[1]
+        or not r[2]
+        or (r[3] is not None and r[3][0] != r[3][1])
+        or not r[4]
+        or (r[5] is not None and r[5] != "empty")
+    }
     assert not bad, bad
     assert len(results) == 3 * (len(MODULE_CASES) + len(FUNCTIONS))
 
 
 def test_empty_inputs(backend):
     """In a subprocess per backend, so that an interpreter crash fails the test."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    code = ("import json\nfrom tests.test_empty import run_cases\n"
-            f"print('RESULTS' + json.dumps(run_cases({backend.name!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
+    code = (
+        "import json\nfrom tests.test_empty import run_cases\n"
+        f"print('RESULTS' + json.dumps(run_cases({backend.name!r})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-3000:]}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS"))
-    _check(json.loads(line[len("RESULTS"):]))
+    _check(json.loads(line[len("RESULTS") :]))

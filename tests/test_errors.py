@@ -1,5 +1,6 @@
 """Bad input raises ValueError or TypeError naming the argument and showing
 the shapes or values, before any framework error."""
+
 import numpy as np
 import pytest
 
@@ -32,14 +33,20 @@ def test_wrong_rank(backend, dot, mha):
 
 
 def test_batch_sizes_differ(backend, dot):
-    with pytest.raises(ValueError, match=r"batch sizes differ: queries \(2, 3, 4\), "
-                                         r"keys \(3, 5, 4\), values \(2, 5, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"batch sizes differ: queries \(2, 3, 4\), "
+        r"keys \(3, 5, 4\), values \(2, 5, 4\)",
+    ):
         dot(arr(backend, 2, 3, 4), arr(backend, 3, 5, 4), arr(backend, 2, 5, 4))
 
 
 def test_query_key_feature_mismatch(backend, dot):
-    with pytest.raises(ValueError, match=r"same feature size, got queries \(2, 3, 4\) "
-                                         r"and keys \(2, 5, 6\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"same feature size, got queries \(2, 3, 4\) "
+        r"and keys \(2, 5, 6\)",
+    ):
         dot(arr(backend, 2, 3, 4), arr(backend, 2, 5, 6), arr(backend, 2, 5, 4))
 
 
@@ -49,18 +56,24 @@ def test_module_feature_sizes(backend, mha):
 
 
 def test_keys_values_length_mismatch(backend, dot):
-    with pytest.raises(ValueError, match=r"same length .*keys \(2, 5, 4\) and values "
-                                         r"\(2, 6, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"same length .*keys \(2, 5, 4\) and values "
+        r"\(2, 6, 4\)",
+    ):
         dot(arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 6, 4))
 
 
-@pytest.mark.parametrize("lens, error, pattern", [
-    ([1, 2, 3], ValueError, r"valid_lens must have shape \(2,\) .* or \(2, 3\) .*got \(3,\)"),
-    ([[1, 2], [3, 4]], ValueError, r"got \(2, 2\)"),
-    ([1, -1], ValueError, r"valid_lens must be >= 0, got \[1, -1\]"),
-    ([1.5, 2.0], ValueError, r"valid_lens must hold whole numbers, got \[1.5, 2.0\]"),
-    ([True, False], TypeError, r"valid_lens must have an integer or float dtype, got bool"),
-])
+@pytest.mark.parametrize(
+    "lens, error, pattern",
+    [
+        ([1, 2, 3], ValueError, r"valid_lens must have shape \(2,\) .* or \(2, 3\) .*got \(3,\)"),
+        ([[1, 2], [3, 4]], ValueError, r"got \(2, 2\)"),
+        ([1, -1], ValueError, r"valid_lens must be >= 0, got \[1, -1\]"),
+        ([1.5, 2.0], ValueError, r"valid_lens must hold whole numbers, got \[1.5, 2.0\]"),
+        ([True, False], TypeError, r"valid_lens must have an integer or float dtype, got bool"),
+    ],
+)
 def test_valid_lens_problems(backend, dot, lens, error, pattern):
     q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4)
     lens = np.array(lens)
@@ -87,8 +100,11 @@ def test_heads_must_divide_num_hiddens(backend):
 
 def test_positional_encoding_limits(backend):
     pe = am.PositionalEncoding(8, 0.0, max_len=5, backend=backend).eval()
-    with pytest.raises(ValueError, match=r"X has 6 steps \(shape \(1, 6, 8\)\), more than "
-                                         r"max_len=5"):
+    with pytest.raises(
+        ValueError,
+        match=r"X has 6 steps \(shape \(1, 6, 8\)\), more than "
+        r"max_len=5",
+    ):
         pe(arr(backend, 1, 6, 8))
     with pytest.raises(ValueError, match=r"X has feature size 7 .*num_hiddens=8"):
         pe(arr(backend, 1, 3, 7))
@@ -106,17 +122,24 @@ def test_unknown_backend_and_device(backend):
 def other_backend(backend):
     """A second backend to mix with ``backend`` (torch for the numpy row)."""
     import backends
+
     return backends.get_backend("torch" if backend.name == "numpy" else "numpy")
 
 
 def test_arrays_of_two_backends(backend):
     other = other_backend(backend)
     q = arr(backend, 2, 3, 4)
-    with pytest.raises(TypeError, match=rf"keys must be a {backend.name} array .*got a "
-                                        rf"{other.name} array"):
+    with pytest.raises(
+        TypeError,
+        match=rf"keys must be a {backend.name} array .*got a "
+        rf"{other.name} array",
+    ):
         am.DotProductAttention(0.0, backend=backend)(q, arr(other, 2, 5, 4), q)
-    with pytest.raises(TypeError, match=rf"different backends .*x_train is {backend.name}, "
-                                        rf"y_train is {other.name}"):
+    with pytest.raises(
+        TypeError,
+        match=rf"different backends .*x_train is {backend.name}, "
+        rf"y_train is {other.name}",
+    ):
         am.nadaraya_watson(arr(backend, 5), arr(other, 5), arr(backend, 3))
 
 
@@ -124,8 +147,11 @@ def test_module_backend_vs_input_backend(backend):
     other = other_backend(backend)
     module = am.DotProductAttention(0.0, backend=other)
     q = arr(backend, 2, 3, 4)
-    with pytest.raises(TypeError, match=rf"queries must be a {other.name} array .*got a "
-                                        rf"{backend.name} array"):
+    with pytest.raises(
+        TypeError,
+        match=rf"queries must be a {other.name} array .*got a "
+        rf"{backend.name} array",
+    ):
         module(q, q, q)
 
 
@@ -134,8 +160,11 @@ def test_dtype_mismatch_with_parameters(backend):
     other = "float64" if "float64" in backend.float_dtypes else "float16"
     backend.enable_float64()
     x = arr(backend, 2, 3, 4, dtype=other)
-    with pytest.raises(TypeError, match=rf"dtypes differ \(queries {other}, keys {other}, "
-                                        rf"values {other}, parameters float32\)"):
+    with pytest.raises(
+        TypeError,
+        match=rf"dtypes differ \(queries {other}, keys {other}, "
+        rf"values {other}, parameters float32\)",
+    ):
         mha(x, x, x)
 
 
@@ -147,8 +176,11 @@ def test_set_params_is_strict(backend, mha):
         am.set_params(mha, missing)
     with pytest.raises(ValueError, match=r"missing \[\], unknown \['W_x.weight'\]"):
         am.set_params(mha, {**params, "W_x.weight": params["W_q.weight"]})
-    with pytest.raises(ValueError, match=r"'W_q.weight' has shape \(8, 5\), the module "
-                                         r"expects \(8, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'W_q.weight' has shape \(8, 5\), the module "
+        r"expects \(8, 4\)",
+    ):
         am.set_params(mha, {**params, "W_q.weight": np.zeros((8, 5))})
 
 
@@ -161,12 +193,16 @@ def test_non_array_inputs(backend):
 
 # -- the modern forms: mask, bias, causal, window, grouped-query heads ---------------------
 
+
 def test_mask_must_be_boolean_and_broadcast(backend, dot, mha):
     q, k = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4)
     v = arr(backend, 2, 5, 3)
     floats = arr(backend, 2, 3, 5)
-    with pytest.raises(TypeError, match=r"mask must be boolean \(True = may attend\), got "
-                                        r"dtype float32; for an additive float mask use bias="):
+    with pytest.raises(
+        TypeError,
+        match=r"mask must be boolean \(True = may attend\), got "
+        r"dtype float32; for an additive float mask use bias=",
+    ):
         am.dot_product_attention(q, k, v, mask=floats)
     with pytest.raises(TypeError, match="mask must be boolean"):
         dot(q, k, v, mask=floats)
@@ -176,16 +212,25 @@ def test_mask_must_be_boolean_and_broadcast(backend, dot, mha):
         am.dot_product_attention(q, k, v, mask=wrong)
     with pytest.raises(ValueError, match=pattern):
         dot(q, k, v, mask=wrong)
-    heads = backend.asarray(np.ones((2, 3, 3, 5), bool))     # mha has 2 heads, not 3
-    with pytest.raises(ValueError, match=r"mask of shape \(2, 3, 3, 5\) does not broadcast "
-                                         r"to \(batch=2, heads=2, queries=3, keys=5\)"):
+    heads = backend.asarray(np.ones((2, 3, 3, 5), bool))  # mha has 2 heads, not 3
+    with pytest.raises(
+        ValueError,
+        match=r"mask of shape \(2, 3, 3, 5\) does not broadcast "
+        r"to \(batch=2, heads=2, queries=3, keys=5\)",
+    ):
         mha(q, k, arr(backend, 2, 5, 3), mask=heads)
     q4, k4 = arr(backend, 2, 2, 3, 4), arr(backend, 2, 2, 5, 4)
-    with pytest.raises(ValueError, match=r"mask of shape \(3, 1, 1, 5\) does not broadcast "
-                                         r"to \(batch=2, heads=2, queries=3, keys=5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"mask of shape \(3, 1, 1, 5\) does not broadcast "
+        r"to \(batch=2, heads=2, queries=3, keys=5\)",
+    ):
         am.dot_product_attention(q4, k4, k4, mask=backend.asarray(np.ones((3, 1, 1, 5), bool)))
-    with pytest.raises(TypeError, match=r"mask must be a \w+ array or a NumPy array, got an "
-                                        r"object of type str"):
+    with pytest.raises(
+        TypeError,
+        match=r"mask must be a \w+ array or a NumPy array, got an "
+        r"object of type str",
+    ):
         am.dot_product_attention(q, k, v, mask="causal")
 
 
@@ -195,8 +240,11 @@ def test_bias_shape_and_dtype(backend, dot):
         am.dot_product_attention(q, k, v, bias=backend.asarray(np.zeros((2, 3, 5), np.int32)))
     with pytest.raises(TypeError, match="bias must have a floating dtype, got bool"):
         dot(q, k, v, bias=backend.asarray(np.zeros((3, 5), bool)))
-    with pytest.raises(ValueError, match=r"bias of shape \(2, 3, 4\) does not broadcast to "
-                                         r"\(batch=2, queries=3, keys=5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"bias of shape \(2, 3, 4\) does not broadcast to "
+        r"\(batch=2, queries=3, keys=5\)",
+    ):
         am.dot_product_attention(q, k, v, bias=arr(backend, 2, 3, 4))
     with pytest.raises(ValueError, match=r"bias of shape \(1, 2, 1, 3, 5\) does not broadcast"):
         dot(q, k, v, bias=arr(backend, 1, 2, 1, 3, 5))
@@ -205,8 +253,11 @@ def test_bias_shape_and_dtype(backend, dot):
 @pytest.mark.parametrize("window", [-1, (2, -3), (1, 2, 3), 1.5, True, "2"])
 def test_bad_window(backend, dot, window):
     q, k = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4)
-    with pytest.raises(ValueError, match=r"window must be a(n int or a pair| non-negative "
-                                         r"int).*got " + __import__("re").escape(repr(window))):
+    with pytest.raises(
+        ValueError,
+        match=r"window must be a(n int or a pair| non-negative "
+        r"int).*got " + __import__("re").escape(repr(window)),
+    ):
         am.dot_product_attention(q, k, k, window=window)
     with pytest.raises(ValueError, match="window must be"):
         dot(q, k, k, window=window)
@@ -220,9 +271,12 @@ def test_causal_must_be_a_bool(backend):
 
 def test_kv_heads_must_divide_heads(backend):
     q, k = arr(backend, 2, 4, 3, 4), arr(backend, 2, 3, 5, 4)
-    with pytest.raises(ValueError, match=r"the heads of queries \(4\) must be a multiple of "
-                                         r"the heads of keys and values \(3\): queries "
-                                         r"\(2, 4, 3, 4\), keys \(2, 3, 5, 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the heads of queries \(4\) must be a multiple of "
+        r"the heads of keys and values \(3\): queries "
+        r"\(2, 4, 3, 4\), keys \(2, 3, 5, 4\)",
+    ):
         am.dot_product_attention(q, k, k)
     with pytest.raises(ValueError, match=r"num_heads=2 is not divisible by num_kv_heads=3"):
         am.MultiHeadAttention(4, 4, 3, 8, 2, 0.0, num_kv_heads=3, backend=backend)

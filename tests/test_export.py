@@ -2,6 +2,7 @@
 torch.jit.trace and ONNX export on torch; jax.jit, jax.vmap and jax.export
 (serialized and read back) on JAX. Each traced program is compared with the
 eager module on lengths it was not traced with."""
+
 import importlib.util
 import warnings
 
@@ -13,13 +14,19 @@ from attention_multi.testing import assert_close
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 X = np.random.default_rng(0).standard_normal((2, 5, 8)).astype(np.float32)
-LENS = {1: (np.array([3, 5]), np.array([1, 4])),
-        2: (np.array([[0, 2, 5, 3, 1], [4, 4, 4, 4, 4]]),
-            np.array([[5, 0, 1, 2, 3], [1, 2, 3, 4, 9]]))}
+LENS = {
+    1: (np.array([3, 5]), np.array([1, 4])),
+    2: (np.array([[0, 2, 5, 3, 1], [4, 4, 4, 4, 4]]), np.array([[5, 0, 1, 2, 3], [1, 2, 3, 4, 9]])),
+}
 MASK = np.random.default_rng(1).random((2, 5, 5)) > 0.3
 BIAS = np.random.default_rng(2).standard_normal((2, 5, 5)).astype(np.float32)
-FORMS = {"lens": {}, "causal": {"causal": True}, "window": {"window": (1, 2)},
-         "mask": {"mask": MASK}, "bias": {"bias": BIAS}}
+FORMS = {
+    "lens": {},
+    "causal": {"causal": True},
+    "window": {"window": (1, 2)},
+    "mask": {"mask": MASK},
+    "bias": {"bias": BIAS},
+}
 
 
 def make(name, backend):
@@ -39,8 +46,7 @@ needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 
 def _torch_forms(form):
     """The keyword arguments of a mask form, arrays as tensors (graph inputs)."""
-    return {k: torch.tensor(v) if isinstance(v, np.ndarray) else v
-            for k, v in FORMS[form].items()}
+    return {k: torch.tensor(v) if isinstance(v, np.ndarray) else v for k, v in FORMS[form].items()}
 
 
 class _Call(torch.nn.Module if torch else object):
@@ -60,8 +66,9 @@ def _arrays(form):
     return tuple(torch.tensor(v) for v in FORMS[form].values() if isinstance(v, np.ndarray))
 
 
-CASES = [(name, dim, form) for name in ("dot", "mha") for dim in (1, 2) for form in FORMS] + \
-        [("additive", dim, "lens") for dim in (1, 2)]
+CASES = [(name, dim, form) for name in ("dot", "mha") for dim in (1, 2) for form in FORMS] + [
+    ("additive", dim, "lens") for dim in (1, 2)
+]
 
 
 @needs_torch
@@ -103,7 +110,7 @@ def test_torch_traced_lengths_act_as_clipped():
     got = program.module()(x, torch.tensor([-1, 99]))
     assert_close(got, call(x, torch.tensor([0, 5])), **TOL)
     assert float(got[0].abs().max()) == 0.0
-    with pytest.raises(ValueError, match="valid_lens must be >= 0"):   # eager still checks
+    with pytest.raises(ValueError, match="valid_lens must be >= 0"):  # eager still checks
         call(x, torch.tensor([-1, 99]))
 
 
@@ -115,9 +122,16 @@ def test_torch_export_still_checks_shapes():
 
 
 @needs_torch
-@pytest.mark.parametrize("name,dim,form", [("mha", 1, "lens"), ("mha", 2, "causal"),
-                                           ("dot", 2, "window"), ("dot", 1, "bias"),
-                                           ("additive", 2, "lens")])
+@pytest.mark.parametrize(
+    "name,dim,form",
+    [
+        ("mha", 1, "lens"),
+        ("mha", 2, "causal"),
+        ("dot", 2, "window"),
+        ("dot", 1, "bias"),
+        ("additive", 2, "lens"),
+    ],
+)
 def test_torch_compile_fullgraph_forward_backward(name, dim, form):
     """One graph (``fullgraph=True``: a graph break is an error), forward and
     backward equal to eager, also on lengths it was not compiled with.
@@ -177,22 +191,28 @@ def _onnx_required():
 
 
 @needs_torch
-@pytest.mark.parametrize("name,dim,form", [("mha", 1, "lens"), ("mha", 2, "causal"),
-                                           ("dot", 1, "mask"), ("additive", 2, "lens")])
+@pytest.mark.parametrize(
+    "name,dim,form",
+    [("mha", 1, "lens"), ("mha", 2, "causal"), ("dot", 1, "mask"), ("additive", 2, "lens")],
+)
 def test_onnx_export_runs_in_onnxruntime(name, dim, form, tmp_path):
     missing = [m for m in ("onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
     if missing:
         if _onnx_required():
             pytest.fail(f"the modern stack requires {missing} (requirements/modern.txt)")
-        pytest.skip(f"{', '.join(missing)} not installed: the onnx extra is not part "
-                    f"of this stack (requirements/legacy.txt)")
+        pytest.skip(
+            f"{', '.join(missing)} not installed: the onnx extra is not part "
+            f"of this stack (requirements/legacy.txt)"
+        )
     import onnxruntime
+
     call = _Call(make(name, "torch"), form)
     x = torch.tensor(X)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.onnx.export(call, (x, torch.tensor(LENS[dim][0])) + _arrays(form),
-                                    dynamo=True, verbose=False)
+        program = torch.onnx.export(
+            call, (x, torch.tensor(LENS[dim][0])) + _arrays(form), dynamo=True, verbose=False
+        )
     path = tmp_path / "model.onnx"
     program.save(str(path))
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -211,24 +231,29 @@ needs_jax = pytest.mark.skipif(jax is None, reason="jax is not installed")
 
 
 def _jax_modules():
-    return {"dot": make("dot", "jax"), "mha": make("mha", "jax"),
-            "additive": make("additive", "jax")}
+    return {
+        "dot": make("dot", "jax"),
+        "mha": make("mha", "jax"),
+        "additive": make("additive", "jax"),
+    }
 
 
 @needs_jax
 @pytest.mark.parametrize("dim", [1, 2])
 def test_jax_jit_and_vmap_of_modules(dim):
     import jax.numpy as jnp
+
     x = jnp.asarray(X)
     for module in _jax_modules().values():
+
         def f(m, x, lens):
             return m(x, x, x, lens)
+
         for lens in LENS[dim][1:]:
             lens = jnp.asarray(lens)
             assert_close(jax.jit(f)(module, x, lens), f(module, x, lens), **TOL)
             # vmap over the batch: one element at a time, the module shared
-            per_row = jax.vmap(lambda x, n, m=module: m(x[None], x[None], x[None],
-                                                        n[None])[0])
+            per_row = jax.vmap(lambda x, n, m=module: m(x[None], x[None], x[None], n[None])[0])
             assert_close(per_row(x, lens), f(module, x, lens), **TOL)
 
 
@@ -241,6 +266,7 @@ def test_jax_export_serialize_round_trip(name):
         pytest.fail("jax.export serialization needs flatbuffers (requirements/*.txt)")
     import jax.numpy as jnp
     from jax import export
+
     x = jnp.asarray(X)
     if name == "pe":
         module = am.PositionalEncoding(8, 0.0, max_len=10, backend="jax").eval()
@@ -261,6 +287,7 @@ def test_jax_export_serialize_round_trip(name):
 
         def f(m, x, lens):
             return m(x, x, x, lens)
+
     exported = export.export(jax.jit(f))(module, *args)
     restored = export.deserialize(exported.serialize())
     assert_close(restored.call(module, *new_args), f(module, *new_args), **TOL)
@@ -272,7 +299,10 @@ def test_jax_export_serialize_round_trip(name):
 @needs_jax
 def test_jax_export_serialized_names_are_stable():
     from backends import jax_module
+
     mha = make("mha", "jax")
-    assert jax_module.serialized_name(type(mha)) == \
-        "attention_multi.modules.attention.MultiHeadAttention"
+    assert (
+        jax_module.serialized_name(type(mha))
+        == "attention_multi.modules.attention.MultiHeadAttention"
+    )
     assert jax_module.serialized_name(type(mha.W_q)) == "attention_multi.modules.base.Linear"

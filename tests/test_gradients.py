@@ -1,6 +1,7 @@
 """Gradient parity: torch, JAX and MXNet gradients of one scalar loss, with
 respect to parameters and inputs, agree with central differences of the
 float64 oracle (and so with each other)."""
+
 import functools
 
 import numpy as np
@@ -19,12 +20,17 @@ def setup(mechanism):
     inputs = [rng.normal(size=s) for s in SHAPES.values()]
     loss_weights = rng.normal(size=(2, 3, 3 if mechanism != "multi_head" else 6))
     if mechanism == "additive":
-        params = {"W_q.weight": rng.normal(size=(6, 4)), "W_k.weight": rng.normal(size=(6, 4)),
-                  "w_v.weight": rng.normal(size=(1, 6))}
+        params = {
+            "W_q.weight": rng.normal(size=(6, 4)),
+            "W_k.weight": rng.normal(size=(6, 4)),
+            "w_v.weight": rng.normal(size=(1, 6)),
+        }
     elif mechanism == "multi_head":
-        params = {f"W_{c}.{kind}": rng.normal(scale=0.5, size=shape)
-                  for c, n_in in zip("qkvo", (4, 4, 3, 6))
-                  for kind, shape in (("weight", (6, n_in)), ("bias", (6,)))}
+        params = {
+            f"W_{c}.{kind}": rng.normal(scale=0.5, size=shape)
+            for c, n_in in zip("qkvo", (4, 4, 3, 6))
+            for kind, shape in (("weight", (6, n_in)), ("bias", (6,)))
+        }
     else:
         params = {}
     return inputs, params, loss_weights
@@ -40,7 +46,7 @@ def oracle_loss(mechanism, inputs, params, loss_weights, lens):
     return float((out * loss_weights).sum())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def numeric_gradients(mechanism, mask):
     inputs, params, R = setup(mechanism)
     lens, eps = LENS[mask], 1e-6
@@ -62,10 +68,11 @@ def numeric_gradients(mechanism, mask):
 
 def build(mechanism, backend, params):
     options = dict(backend=backend, dtype="float64")
-    module = {"dot_product": lambda: am.DotProductAttention(0.0, **options),
-              "additive": lambda: am.AdditiveAttention(4, 4, 6, 0.0, **options),
-              "multi_head": lambda: am.MultiHeadAttention(4, 4, 3, 6, 2, 0.0, bias=True,
-                                                          **options)}[mechanism]()
+    module = {
+        "dot_product": lambda: am.DotProductAttention(0.0, **options),
+        "additive": lambda: am.AdditiveAttention(4, 4, 6, 0.0, **options),
+        "multi_head": lambda: am.MultiHeadAttention(4, 4, 3, 6, 2, 0.0, bias=True, **options),
+    }[mechanism]()
     return am.set_params(module, params).eval()
 
 
@@ -78,8 +85,13 @@ def test_gradients_match_the_oracle(backend, mechanism, mask):
         return
     inputs, params, R = setup(mechanism)
     module = build(mechanism, backend, params)
-    got = gradients(backend, module, [backend.asarray(x, "float64") for x in inputs], R,
-                    backend.asarray(LENS[mask]))
+    got = gradients(
+        backend,
+        module,
+        [backend.asarray(x, "float64") for x in inputs],
+        R,
+        backend.asarray(LENS[mask]),
+    )
     want = numeric_gradients(mechanism, mask)
     assert set(got) == set(want)
     for name in want:

@@ -3,6 +3,7 @@
 get_params/set_params, Nadaraya-Watson training, heatmaps and
 ``attention_weights`` on every backend. Expected numbers come from
 tests/oracle.py or from float64 NumPy written here."""
+
 import copy
 import io
 import math
@@ -11,13 +12,21 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-from conftest import load_backend
 from attention_multi import reference as oracle
+from conftest import load_backend
 
 P_DROP = 0.3
 MHA_NAMES = ["W_q.weight", "W_k.weight", "W_v.weight", "W_o.weight"]
-MHA_BIAS_NAMES = ["W_q.weight", "W_q.bias", "W_k.weight", "W_k.bias",
-                  "W_v.weight", "W_v.bias", "W_o.weight", "W_o.bias"]
+MHA_BIAS_NAMES = [
+    "W_q.weight",
+    "W_q.bias",
+    "W_k.weight",
+    "W_k.bias",
+    "W_v.weight",
+    "W_v.bias",
+    "W_o.weight",
+    "W_o.bias",
+]
 
 
 def put(B, x, dtype="float32"):
@@ -36,9 +45,11 @@ def drop_key(B, seed=0):
 
 def qkv(seed=0, batch=2, nq=3, nk=5, dq=4, dk=5, dv=6):
     r = np.random.default_rng(seed)
-    return (r.normal(size=(batch, nq, dq)).astype(np.float32),
-            r.normal(size=(batch, nk, dk)).astype(np.float32),
-            r.normal(size=(batch, nk, dv)).astype(np.float32))
+    return (
+        r.normal(size=(batch, nq, dq)).astype(np.float32),
+        r.normal(size=(batch, nk, dk)).astype(np.float32),
+        r.normal(size=(batch, nk, dv)).astype(np.float32),
+    )
 
 
 def mha(B, bias=True, dropout=0.0, dtype="float32"):
@@ -59,16 +70,25 @@ def squared_output(B, module, q, k, v, lens):
 # ---------------------------------------------------------------------------
 # 1. torch: a module IS a torch.nn.Module
 
+
 def test_torch_modules_are_nn_modules_with_d2l_state_dict_keys():
     load_backend("torch")
     import torch
+
     m = mha("torch")
     assert isinstance(m, torch.nn.Module) and isinstance(m, am.MultiHeadAttention)
     assert list(m.state_dict()) == MHA_BIAS_NAMES
     shapes = {n: tuple(t.shape) for n, t in m.state_dict().items()}
-    assert shapes == {"W_q.weight": (8, 4), "W_q.bias": (8,), "W_k.weight": (8, 5),
-                      "W_k.bias": (8,), "W_v.weight": (8, 6), "W_v.bias": (8,),
-                      "W_o.weight": (8, 8), "W_o.bias": (8,)}
+    assert shapes == {
+        "W_q.weight": (8, 4),
+        "W_q.bias": (8,),
+        "W_k.weight": (8, 5),
+        "W_k.bias": (8,),
+        "W_v.weight": (8, 6),
+        "W_v.bias": (8,),
+        "W_o.weight": (8, 8),
+        "W_o.bias": (8,),
+    }
     params = list(m.parameters())
     assert len(params) == 8 and all(isinstance(p, torch.nn.Parameter) for p in params)
     assert all(p.requires_grad for p in params)
@@ -79,7 +99,10 @@ def test_torch_modules_are_nn_modules_with_d2l_state_dict_keys():
     assert list(mha("torch", bias=False).state_dict()) == MHA_NAMES
     a = additive("torch")
     assert [(n, tuple(t.shape)) for n, t in a.state_dict().items()] == [
-        ("W_k.weight", (7, 5)), ("W_q.weight", (7, 4)), ("w_v.weight", (1, 7))]
+        ("W_k.weight", (7, 5)),
+        ("W_q.weight", (7, 4)),
+        ("w_v.weight", (1, 7)),
+    ]
     nw = am.NWKernelRegression(backend="torch")
     assert [(n, tuple(t.shape)) for n, t in nw.state_dict().items()] == [("w", (1,))]
     assert isinstance(nw.w, torch.nn.Parameter)
@@ -91,6 +114,7 @@ def test_torch_modules_are_nn_modules_with_d2l_state_dict_keys():
 def test_torch_to_cpu_float64_and_double():
     load_backend("torch")
     import torch
+
     q, k, v = qkv(1)
     lens = np.array([2, 4])
     m = mha("torch")
@@ -113,13 +137,15 @@ def test_torch_to_cpu_float64_and_double():
     pe = am.PositionalEncoding(6, 0.0, max_len=20, backend="torch").double()
     assert pe.P.dtype == torch.float64
     X = np.random.default_rng(2).normal(size=(2, 9, 6))
-    np.testing.assert_allclose(pe(torch.tensor(X)).numpy(), oracle.positional_encoding(X),
-                               rtol=0, atol=1e-7)
+    np.testing.assert_allclose(
+        pe(torch.tensor(X)).numpy(), oracle.positional_encoding(X), rtol=0, atol=1e-7
+    )
 
 
 def test_torch_sgd_step_changes_parameters_and_lowers_the_loss():
     load_backend("torch")
     import torch
+
     torch.manual_seed(0)
     q, k, v = (torch.tensor(a) for a in qkv(3))
     target = torch.tensor(np.random.default_rng(4).normal(size=(2, 3, 8)).astype(np.float32))
@@ -141,18 +167,20 @@ def test_torch_sgd_step_changes_parameters_and_lowers_the_loss():
     opt.step()
     for n, p in m.named_parameters():
         assert n == "W_k.bias" or not torch.equal(p.detach(), before[n]), n
-        np.testing.assert_allclose(p.detach().numpy(),
-                                   (before[n] - 0.05 * p.grad).numpy(), rtol=1e-6)
+        np.testing.assert_allclose(
+            p.detach().numpy(), (before[n] - 0.05 * p.grad).numpy(), rtol=1e-6
+        )
     assert loss_fn().item() < first.item()
 
 
 def test_torch_state_dict_round_trip_deepcopy_and_save():
     load_backend("torch")
     import torch
+
     q, k, v = (torch.tensor(a) for a in qkv(5))
     lens = torch.tensor([2, 5])
     m = mha("torch")
-    out = m(q, k, v, lens)           # holds attention weights from a call
+    out = m(q, k, v, lens)  # holds attention weights from a call
     buf = io.BytesIO()
     torch.save(m.state_dict(), buf)
     buf.seek(0)
@@ -166,9 +194,9 @@ def test_torch_state_dict_round_trip_deepcopy_and_save():
         assert torch.equal(p, m.get_parameter(n)), n
     torch.testing.assert_close(other(q, k, v, lens), out, rtol=0, atol=0)
 
-    twin = copy.deepcopy(m)          # after a call, as when snapshotting a model
+    twin = copy.deepcopy(m)  # after a call, as when snapshotting a model
     assert type(twin) is type(m) and twin is not m
-    assert twin.attention_weights is None    # the copy has made no call yet
+    assert twin.attention_weights is None  # the copy has made no call yet
     for (n, p), (_, p2) in zip(m.named_parameters(), twin.named_parameters()):
         assert torch.equal(p, p2) and p.data_ptr() != p2.data_ptr(), n
     torch.testing.assert_close(twin(q, k, v, lens), out, rtol=0, atol=0)
@@ -181,15 +209,18 @@ def test_torch_state_dict_round_trip_deepcopy_and_save():
 # ---------------------------------------------------------------------------
 # 2. MXNet: a module IS a gluon.Block
 
+
 def test_mxnet_modules_are_blocks_with_params_and_gradients():
     B = load_backend("mxnet")
     from mxnet import autograd, gluon
+
     m = mha(B)
     assert isinstance(m, gluon.Block) and isinstance(m, am.MultiHeadAttention)
     params = m.collect_params()
     assert len(list(params.keys())) == 8
     assert sorted(p.shape for p in params.values()) == sorted(
-        [(8, 4), (8, 5), (8, 6), (8, 8)] + [(8,)] * 4)
+        [(8, 4), (8, 5), (8, 6), (8, 8)] + [(8,)] * 4
+    )
     assert len(list(additive(B).collect_params().keys())) == 3
     nw_params = am.NWKernelRegression(backend=B).collect_params()
     assert [p.shape for p in nw_params.values()] == [(1,)]
@@ -205,10 +236,13 @@ def test_mxnet_modules_are_blocks_with_params_and_gradients():
 def test_mxnet_save_and_load_parameters_use_d2l_names(tmp_path):
     B = load_backend("mxnet")
     from attention_multi.port import load_mxnet_params
+
     q, k, v = (put(B, a) for a in qkv(7))
-    for make, names in ((mha, MHA_BIAS_NAMES),
-                        (additive, ["W_k.weight", "W_q.weight", "w_v.weight"]),
-                        (lambda B: am.NWKernelRegression(backend=B), ["w"])):
+    for make, names in (
+        (mha, MHA_BIAS_NAMES),
+        (additive, ["W_k.weight", "W_q.weight", "w_v.weight"]),
+        (lambda B: am.NWKernelRegression(backend=B), ["w"]),
+    ):
         m = make(B)
         path = tmp_path / "m.params"
         m.save_parameters(str(path))
@@ -224,13 +258,15 @@ def test_mxnet_save_and_load_parameters_use_d2l_names(tmp_path):
             np.testing.assert_array_equal(value, want[n])
         if make is not mha:
             continue
-        np.testing.assert_array_equal(B.to_numpy(fresh(q, k, v, np.array([2, 3]))),
-                                      B.to_numpy(m(q, k, v, np.array([2, 3]))))
+        np.testing.assert_array_equal(
+            B.to_numpy(fresh(q, k, v, np.array([2, 3]))), B.to_numpy(m(q, k, v, np.array([2, 3])))
+        )
 
 
 def test_mxnet_where_with_a_scalar_sends_gradients_to_the_chosen_branch():
     B = load_backend("mxnet")
     from mxnet import autograd
+
     cond = B.arange(4).reshape((1, 4)) < put(B, [[2], [3]], "int32")
     for scalar_first in (False, True):
         x = put(B, np.ones((2, 4)))
@@ -239,25 +275,29 @@ def test_mxnet_where_with_a_scalar_sends_gradients_to_the_chosen_branch():
             picked = B.where(cond, 0.0, x) if scalar_first else B.where(cond, x, 0.0)
             loss = B.sum(B.sum(picked * put(B, np.arange(4.0)), axis=1), axis=0)
         loss.backward()
-        chose_x = ~np.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool) if scalar_first else \
-            np.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool)
+        chose_x = (
+            ~np.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool)
+            if scalar_first
+            else np.array([[1, 1, 0, 0], [1, 1, 1, 0]], bool)
+        )
         np.testing.assert_array_equal(x.grad.asnumpy(), np.where(chose_x, np.arange(4.0), 0))
 
 
 def test_mxnet_initialize_keeps_weights_unless_an_init_is_given():
     B = load_backend("mxnet")
     import mxnet as mx
+
     m = am.MultiHeadAttention(64, 64, 64, 256, 4, 0.0, bias=True, backend=B)
     before = am.get_params(m)
-    m.initialize()                          # as d2l code does after construction
+    m.initialize()  # as d2l code does after construction
     for n, value in am.get_params(m).items():
         np.testing.assert_array_equal(value, before[n])
     m.initialize(init=mx.init.Constant(0.5), force_reinit=True)
     assert all((value == 0.5).all() for value in am.get_params(m).values())
-    m.initialize(mx.init.Normal(0.01))      # an init re-draws
+    m.initialize(mx.init.Normal(0.01))  # an init re-draws
     weight = am.get_params(m)["W_o.weight"]
     assert abs(weight.std() - 0.01) < 0.001 and not (weight == 0.5).any()
-    m.initialize(force_reinit=True)         # no init, forced: Gluon's default init
+    m.initialize(force_reinit=True)  # no init, forced: Gluon's default init
     weight2 = am.get_params(m)["W_o.weight"]
     assert not np.array_equal(weight2, weight) and np.unique(weight2).size > 1000
 
@@ -265,15 +305,17 @@ def test_mxnet_initialize_keeps_weights_unless_an_init_is_given():
 # ---------------------------------------------------------------------------
 # 3. JAX: a module is a registered pytree of its parameters
 
+
 def test_jax_leaves_are_exactly_the_parameters():
     B = load_backend("jax")
     import jax
+
     m = mha(B)
     leaves = jax.tree_util.tree_leaves(m)
     named = m.named_arrays()
     assert list(named) == MHA_BIAS_NAMES
     assert len(leaves) == 8 and all(a is b for a, b in zip(leaves, named.values()))
-    m(*(put(B, a) for a in qkv(8)), np.array([1, 3]))    # keeps attention weights
+    m(*(put(B, a) for a in qkv(8)), np.array([1, 3]))  # keeps attention weights
     assert m.attention_weights is not None
     after = jax.tree_util.tree_leaves(m)
     assert len(after) == 8 and all(a is b for a, b in zip(after, leaves))
@@ -282,9 +324,13 @@ def test_jax_leaves_are_exactly_the_parameters():
     rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
     assert type(rebuilt) is type(m) and list(rebuilt.named_arrays()) == MHA_BIAS_NAMES
     assert [tuple(x.shape) for x in jax.tree_util.tree_leaves(additive(B))] == [
-        (7, 5), (7, 4), (1, 7)]
-    assert [tuple(x.shape) for x in
-            jax.tree_util.tree_leaves(am.NWKernelRegression(backend=B))] == [(1,)]
+        (7, 5),
+        (7, 4),
+        (1, 7),
+    ]
+    assert [
+        tuple(x.shape) for x in jax.tree_util.tree_leaves(am.NWKernelRegression(backend=B))
+    ] == [(1,)]
     assert jax.tree_util.tree_leaves(am.PositionalEncoding(8, 0.1, backend=B)) == []
     assert jax.tree_util.tree_leaves(am.DotProductAttention(0.1, backend=B)) == []
 
@@ -292,11 +338,13 @@ def test_jax_leaves_are_exactly_the_parameters():
 def test_jax_modules_built_alike_have_one_tree_structure():
     B = load_backend("jax")
     import jax
+
     m1, m2 = mha(B), mha(B)
     assert jax.tree_util.tree_structure(m1) == jax.tree_util.tree_structure(m2)
     diff = jax.tree_util.tree_map(lambda a, b: a - b, m1, m2)
-    np.testing.assert_allclose(f64(B, diff.W_k.weight),
-                               f64(B, m1.W_k.weight) - f64(B, m2.W_k.weight), rtol=1e-6)
+    np.testing.assert_allclose(
+        f64(B, diff.W_k.weight), f64(B, m1.W_k.weight) - f64(B, m2.W_k.weight), rtol=1e-6
+    )
     assert jax.tree_util.tree_structure(mha(B, bias=False)) != jax.tree_util.tree_structure(m1)
     assert jax.tree_util.tree_structure(m1.eval()) != jax.tree_util.tree_structure(m2)
 
@@ -304,12 +352,13 @@ def test_jax_modules_built_alike_have_one_tree_structure():
 def test_jax_jit_matches_eager_and_does_not_retrace():
     B = load_backend("jax")
     import jax
+
     q, k, v = (put(B, a) for a in qkv(9))
     lens = np.array([2, 5])
     traces = []
 
     def call(m, q, k, v):
-        traces.append(1)                    # runs only while tracing
+        traces.append(1)  # runs only while tracing
         return m(q, k, v, lens)
 
     jitted = jax.jit(call)
@@ -322,17 +371,20 @@ def test_jax_jit_matches_eager_and_does_not_retrace():
     assert len(traces) == 1
     # New weights are new leaf values, not baked-in constants: same trace.
     am.set_params(m, {n: x * 2 for n, x in am.get_params(m).items()})
-    np.testing.assert_allclose(f64(B, jitted(m, q, k, v)), f64(B, m(q, k, v, lens)),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        f64(B, jitted(m, q, k, v)), f64(B, m(q, k, v, lens)), rtol=1e-6, atol=1e-6
+    )
     other = mha(B)
-    np.testing.assert_allclose(f64(B, jitted(other, q, k, v)), f64(B, other(q, k, v, lens)),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        f64(B, jitted(other, q, k, v)), f64(B, other(q, k, v, lens)), rtol=1e-6, atol=1e-6
+    )
     assert len(traces) == 1
 
 
 def test_jax_dropout_needs_a_key_and_is_deterministic_per_key():
     B = load_backend("jax")
     import jax
+
     q, k, v = (put(B, a) for a in qkv(10))
     m = mha(B, dropout=0.5)
     with pytest.raises(ValueError, match="PRNG key"):
@@ -341,8 +393,7 @@ def test_jax_dropout_needs_a_key_and_is_deterministic_per_key():
     np.testing.assert_array_equal(f64(B, m(q, k, v, key=jax.random.PRNGKey(1))), one)
     assert not np.allclose(f64(B, m(q, k, v, key=jax.random.PRNGKey(2))), one)
     jitted = jax.jit(lambda m, key: m(q, k, v, key=key))
-    np.testing.assert_allclose(f64(B, jitted(m, jax.random.PRNGKey(1))), one,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(f64(B, jitted(m, jax.random.PRNGKey(1))), one, rtol=1e-6, atol=1e-6)
     m.eval()
     want, _ = oracle.multi_head_attention(am.get_params(m), *qkv(10), None, 2)
     np.testing.assert_allclose(f64(B, m(q, k, v)), want, rtol=1e-5, atol=1e-6)
@@ -350,6 +401,7 @@ def test_jax_dropout_needs_a_key_and_is_deterministic_per_key():
 
 # Gradients of sum(out^2) match torch's for the same weights (JAX: jax.grad
 # returns a module-shaped pytree; MXNet: autograd.record + backward).
+
 
 @pytest.mark.parametrize("name", ["jax", "mxnet"])
 @pytest.mark.parametrize("make", [mha, additive], ids=["mha", "additive"])
@@ -364,11 +416,13 @@ def test_gradients_match_torch(name, make):
     m = am.set_params(make(B), am.get_params(src))
     if name == "jax":
         import jax
+
         grads = jax.jit(jax.grad(lambda mod: squared_output(B, mod, q, k, v, lens)))(m)
         assert type(grads) is type(m)
         got = {n: B.to_numpy(g) for n, g in grads.named_arrays().items()}
     else:
         from mxnet import autograd
+
         with autograd.record():
             loss = squared_output(B, m, q, k, v, lens)
         loss.backward()
@@ -382,12 +436,13 @@ def test_gradients_match_torch(name, make):
 # ---------------------------------------------------------------------------
 # 4. NumPy: a plain object that cannot train
 
+
 def test_numpy_modules_are_plain_objects_that_cannot_train():
     B = load_backend("numpy")
     from backends.plain_module import PlainModule
+
     m = mha(B)
-    bases = [c for c in type(m).__mro__
-             if c.__module__.split(".")[0] not in ("attention_multi",)]
+    bases = [c for c in type(m).__mro__ if c.__module__.split(".")[0] not in ("attention_multi",)]
     assert bases == [PlainModule, object]
     assert all(isinstance(x, np.ndarray) for x in am.get_params(m).values())
     nw = am.NWKernelRegression(backend=B)
@@ -401,6 +456,7 @@ def test_numpy_modules_are_plain_objects_that_cannot_train():
 # ---------------------------------------------------------------------------
 # 5. Ready after construction, initialized as nn.Linear
 
+
 def test_parameters_are_initialized_like_nn_linear(backend):
     layer = am.Linear(1024, 256, backend=backend)
     w, b = (f64(backend, layer.named_arrays()[n]) for n in ("weight", "bias"))
@@ -413,7 +469,7 @@ def test_parameters_are_initialized_like_nn_linear(backend):
 
     m = mha(backend)
     fan_in = {"W_q": 4, "W_k": 5, "W_v": 6, "W_o": 8}
-    scaled = []                               # each value / its bound: U(-1, 1)
+    scaled = []  # each value / its bound: U(-1, 1)
     for name, value in am.get_params(m).items():
         bound = 1 / math.sqrt(fan_in[name.split(".")[0]])
         assert np.abs(value).max() <= bound, name
@@ -425,8 +481,7 @@ def test_parameters_are_initialized_like_nn_linear(backend):
         value = am.get_params(a)[name]
         assert np.abs(value).max() <= 1 / math.sqrt(n_in), name
         assert np.unique(value).size > value.size // 2, name
-    ws = [float(am.get_params(am.NWKernelRegression(backend=backend))["w"][0])
-          for _ in range(20)]
+    ws = [float(am.get_params(am.NWKernelRegression(backend=backend))["w"][0]) for _ in range(20)]
     assert all(0 <= w < 1 for w in ws) and len(set(ws)) > 1
     # Ready: a call works without initialize().
     out = m(*(put(backend, a) for a in qkv(12)))
@@ -436,9 +491,10 @@ def test_parameters_are_initialized_like_nn_linear(backend):
 # ---------------------------------------------------------------------------
 # 6. train() / eval() switch dropout
 
+
 def test_dot_product_dropout_eval_is_exact_train_drops_p(backend):
     r = np.random.default_rng(13)
-    batch, n = 5, 50                          # 12500 weights
+    batch, n = 5, 50  # 12500 weights
     q = r.normal(size=(batch, n, 8)).astype(np.float32)
     k = r.normal(size=(batch, n, 8)).astype(np.float32)
     eye = np.tile(np.eye(n, dtype=np.float32), (batch, 1, 1))
@@ -471,7 +527,7 @@ def test_multi_head_train_eval_reaches_the_inner_attention(backend):
     assert m.training and m.attention.training
     trained = f64(backend, m(*args, lens, **drop_key(backend)))
     assert np.abs(trained - want).max() > 1e-3
-    m.attention.eval()                        # only the inner dropout matters
+    m.attention.eval()  # only the inner dropout matters
     np.testing.assert_allclose(f64(backend, m(*args, lens)), want, rtol=1e-5, atol=1e-6)
 
 
@@ -485,12 +541,12 @@ def test_positional_encoding_dropout(backend):
     out = f64(backend, pe(put(backend, X), **drop_key(backend)))
     dropped = out == 0
     assert abs(dropped.mean() - P_DROP) < 0.03
-    np.testing.assert_allclose(out[~dropped], want[~dropped] / (1 - P_DROP),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[~dropped], want[~dropped] / (1 - P_DROP), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
 # 7. get_params / set_params
+
 
 def test_get_params_is_numpy_in_out_in_layout(backend):
     m = mha(backend)
@@ -501,9 +557,12 @@ def test_get_params_is_numpy_in_out_in_layout(backend):
     assert params["W_v.weight"].shape == (8, 6) and params["W_o.weight"].shape == (8, 8)
     # (out, in): y = x W^T + b
     x = np.random.default_rng(16).normal(size=(2, 3, 4)).astype(np.float32)
-    np.testing.assert_allclose(f64(backend, m.W_q(put(backend, x))),
-                               oracle.linear(x, params["W_q.weight"], params["W_q.bias"]),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        f64(backend, m.W_q(put(backend, x))),
+        oracle.linear(x, params["W_q.weight"], params["W_q.bias"]),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_set_params_is_strict_and_atomic(backend):
@@ -521,7 +580,7 @@ def test_set_params_is_strict_and_atomic(backend):
         am.set_params(m, wrong)
     with pytest.raises(ValueError, match=r"'W_k.weight' has shape \(5, 8\).*expects \(8, 5\)"):
         am.set_params(m, {**good, "W_k.weight": good["W_k.weight"].T})
-    for n, x in am.get_params(m).items():      # nothing was loaded by the failed calls
+    for n, x in am.get_params(m).items():  # nothing was loaded by the failed calls
         np.testing.assert_array_equal(x, before[n])
 
     assert am.set_params(m, good) is m
@@ -555,8 +614,12 @@ def test_torch_params_give_identical_outputs(backend, make):
     m = am.set_params(make(backend), am.get_params(src))
     got = f64(backend, m(*(put(backend, a) for a in (q, k, v)), lens))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(f64(backend, m.attention_weights),
-                               f64(torch_backend, src.attention_weights), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        f64(backend, m.attention_weights),
+        f64(torch_backend, src.attention_weights),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -568,7 +631,7 @@ W0, EPOCHS, LR = 0.5, 5, 0.5
 def nw_data():
     r = np.random.default_rng(3)
     x = np.sort(r.uniform(0, 5, 50)).astype(np.float32)
-    y = (2 * np.sin(x) + x ** 0.8 + r.normal(0, 0.5, 50)).astype(np.float32)
+    y = (2 * np.sin(x) + x**0.8 + r.normal(0, 0.5, 50)).astype(np.float32)
     return x, y
 
 
@@ -579,13 +642,13 @@ def nw_loss_and_grad(w, x, y):
     keys = np.tile(x, (n, 1))[others].reshape(n, -1)
     values = np.tile(y, (n, 1))[others].reshape(n, -1)
     d = x[:, None] - keys
-    s = -(d * w) ** 2 / 2
+    s = -((d * w) ** 2) / 2
     a = np.exp(s - s.max(axis=1, keepdims=True))
     a /= a.sum(axis=1, keepdims=True)
     f = (a * values).sum(axis=1)
     err = f - y
-    df_dw = (a * (values - f[:, None]) * (-d * d * w)).sum(axis=1)   # softmax rule
-    return (err ** 2).sum(), (2 * err * df_dw).sum()
+    df_dw = (a * (values - f[:, None]) * (-d * d * w)).sum(axis=1)  # softmax rule
+    return (err**2).sum(), (2 * err * df_dw).sum()
 
 
 def nw_reference():
@@ -645,6 +708,7 @@ def test_nw_training_matches_d2l_torch_loop():
     load_backend("torch")
     import torch
     from torch import nn
+
     x, y = (torch.tensor(a) for a in nw_data())
     n = len(x)
     others = (1 - torch.eye(n)).type(torch.bool)
@@ -656,10 +720,10 @@ def test_nw_training_matches_d2l_torch_loop():
     d2l_losses = []
     for _ in range(EPOCHS):
         trainer.zero_grad()
-        l = loss(net(x, keys, values), y)
-        l.sum().backward()
+        batch_loss = loss(net(x, keys, values), y)
+        batch_loss.sum().backward()
         trainer.step()
-        d2l_losses.append(float(l.sum()))
+        d2l_losses.append(float(batch_loss.sum()))
     losses, w = train(load_backend("torch"))
     np.testing.assert_allclose(losses, d2l_losses, rtol=1e-6)
     assert w == pytest.approx(float(net.w), rel=1e-6)
@@ -669,22 +733,24 @@ def test_nw_training_matches_d2l_torch_loop():
 # ---------------------------------------------------------------------------
 # 9. show_heatmaps
 
+
 def test_show_heatmaps_returns_a_figure(backend):
     mpl = pytest.importorskip("matplotlib")
     mpl.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.figure import Figure
+
     r = np.random.default_rng(18)
     data = r.random((2, 3, 4, 5)).astype(np.float32)
-    fig = am.show_heatmaps(put(backend, data), "Keys", "Queries",
-                           titles=["a", "b", "c"], figsize=(6, 4))
+    fig = am.show_heatmaps(
+        put(backend, data), "Keys", "Queries", titles=["a", "b", "c"], figsize=(6, 4)
+    )
     try:
         assert isinstance(fig, Figure)
-        assert len(fig.axes) == 2 * 3 + 1                 # one per matrix + colorbar
+        assert len(fig.axes) == 2 * 3 + 1  # one per matrix + colorbar
         grid = fig.axes[:6]
         assert [ax.get_title() for ax in grid] == ["a", "b", "c"] * 2
-        np.testing.assert_allclose(np.asarray(grid[5].images[0].get_array()),
-                                   data[1, 2], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(grid[5].images[0].get_array()), data[1, 2], rtol=1e-6)
         assert [ax.get_xlabel() for ax in grid] == ["", "", "", "Keys", "Keys", "Keys"]
         assert [ax.get_ylabel() for ax in grid] == ["Queries", "", "", "Queries", "", ""]
     finally:
@@ -706,6 +772,7 @@ def test_show_heatmaps_returns_a_figure(backend):
 
 # ---------------------------------------------------------------------------
 # 10. attention_weights after a call
+
 
 def test_attention_weights_shapes_and_values(backend):
     q, k, v = qkv(20)
@@ -735,22 +802,26 @@ def test_attention_weights_shapes_and_values(backend):
 
     x, y = nw_data()
     n = 6
-    queries, keys = x[:n], np.stack([x[i:i + 4] for i in range(n)])
-    values = np.stack([y[i:i + 4] for i in range(n)])
+    queries, keys = x[:n], np.stack([x[i : i + 4] for i in range(n)])
+    values = np.stack([y[i : i + 4] for i in range(n)])
     nw = am.set_params(am.NWKernelRegression(backend=backend), {"w": [1.5]})
     out = nw(put(backend, queries), put(backend, keys), put(backend, values))
     assert tuple(nw.attention_weights.shape) == (n, 4)
-    scores = -((queries[:, None].astype(np.float64) - keys) * 1.5) ** 2 / 2
+    scores = -(((queries[:, None].astype(np.float64) - keys) * 1.5) ** 2) / 2
     want = oracle.softmax_where(scores, True)
     np.testing.assert_allclose(f64(backend, nw.attention_weights), want, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(f64(backend, out),
-                               oracle.nw_kernel_regression(1.5, queries, keys, values),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        f64(backend, out),
+        oracle.nw_kernel_regression(1.5, queries, keys, values),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_modules_pickle_and_deepcopy_on_every_backend(backend):
     import copy
     import pickle
+
     module = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, bias=True, backend=backend).eval()
     x = backend.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), "float32")
     want = backend.to_numpy(module(x, x, x, np.array([1, 3])))

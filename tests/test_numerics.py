@@ -1,4 +1,5 @@
 """Half precision, extreme logits, fully masked rows, NaN, and tracing."""
+
 import numpy as np
 import pytest
 
@@ -45,8 +46,9 @@ def test_half_attention_matches_oracle(backend, half):
     rng = np.random.default_rng(1)
     q, k, v = (stored(rng.normal(size=s), half) for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4)))
     attention = am.DotProductAttention(0.0, backend=backend, dtype=half).eval()
-    got = backend.to_numpy(attention(put(backend, q, half), put(backend, k, half),
-                                     put(backend, v, half), LENS)).astype(np.float64)
+    got = backend.to_numpy(
+        attention(put(backend, q, half), put(backend, k, half), put(backend, v, half), LENS)
+    ).astype(np.float64)
     want, _ = oracle.dot_product_attention(q, k, v, LENS)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, atol=HALF_TOL[half], rtol=HALF_TOL[half])
@@ -54,16 +56,17 @@ def test_half_attention_matches_oracle(backend, half):
 
 def test_half_multi_head_matches_oracle(backend, half):
     rng = np.random.default_rng(2)
-    mha = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, bias=True, backend=backend,
-                                dtype=half).eval()
-    params = {n: stored(rng.normal(scale=0.5, size=p.shape), half)
-              for n, p in am.get_params(mha).items()}
+    mha = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, bias=True, backend=backend, dtype=half).eval()
+    params = {
+        n: stored(rng.normal(scale=0.5, size=p.shape), half) for n, p in am.get_params(mha).items()
+    }
     am.set_params(mha, params)
     x = stored(rng.normal(size=(2, 3, 4)), half)
     got = backend.to_numpy(mha(*[put(backend, x, half)] * 3, np.array([0, 2])))
     want, _ = oracle.multi_head_attention(params, x, x, x, [0, 2], 2)
-    np.testing.assert_allclose(got.astype(np.float64), want, atol=4 * HALF_TOL[half],
-                               rtol=4 * HALF_TOL[half])
+    np.testing.assert_allclose(
+        got.astype(np.float64), want, atol=4 * HALF_TOL[half], rtol=4 * HALF_TOL[half]
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -78,15 +81,21 @@ def test_extreme_logits_stay_finite(backend, dtype):
 def test_fully_masked_rows_give_zeros_and_finite_gradients(backend):
     rng = np.random.default_rng(3)
     lens = np.array([0, 2])
-    for module in (am.DotProductAttention(0.0, backend=backend),
-                   am.AdditiveAttention(4, 4, 6, 0.0, backend=backend),
-                   am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, backend=backend)):
+    for module in (
+        am.DotProductAttention(0.0, backend=backend),
+        am.AdditiveAttention(4, 4, 6, 0.0, backend=backend),
+        am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, backend=backend),
+    ):
         module.eval()
-        inputs = [put(backend, rng.normal(size=s), "float32")
-                  for s in ((2, 3, 4), (2, 5, 4), (2, 5, 4))]
+        inputs = [
+            put(backend, rng.normal(size=s), "float32") for s in ((2, 3, 4), (2, 5, 4), (2, 5, 4))
+        ]
         out = backend.to_numpy(module(*inputs, lens))
-        assert (out[0] == 0).all() if not isinstance(module, am.MultiHeadAttention) else \
-            np.isfinite(out).all()
+        assert (
+            (out[0] == 0).all()
+            if not isinstance(module, am.MultiHeadAttention)
+            else np.isfinite(out).all()
+        )
         weights = backend.to_numpy(module.attention_weights)
         heads = 2 if isinstance(module, am.MultiHeadAttention) else 1
         assert (weights[:heads] == 0).all() and np.isfinite(weights).all()
@@ -100,13 +109,17 @@ def test_nan_in_inputs_propagates(backend):
     rng = np.random.default_rng(4)
     q, k, v = rng.normal(size=(1, 2, 4)), rng.normal(size=(1, 3, 4)), rng.normal(size=(1, 3, 2))
     q[0, 1, 0] = np.nan
-    out = backend.to_numpy(am.DotProductAttention(0.0, backend=backend).eval()(
-        *(put(backend, a, "float32") for a in (q, k, v)), np.array([3])))
+    out = backend.to_numpy(
+        am.DotProductAttention(0.0, backend=backend).eval()(
+            *(put(backend, a, "float32") for a in (q, k, v)), np.array([3])
+        )
+    )
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
     x = np.zeros((1, 1, 3))
     x[0, 0, 1] = np.nan
-    assert np.isnan(backend.to_numpy(am.masked_softmax(put(backend, x, "float32"),
-                                                       np.array([3])))).all()
+    assert np.isnan(
+        backend.to_numpy(am.masked_softmax(put(backend, x, "float32"), np.array([3])))
+    ).all()
 
 
 def test_nan_in_masked_keys_and_values_does_not_leak(backend):
@@ -116,31 +129,41 @@ def test_nan_in_masked_keys_and_values_does_not_leak(backend):
     v[:, 2:] = np.nan
     lens = np.array([2, 1])
     want, _ = oracle.dot_product_attention(q[:, :, :], k[:, :2], v[:, :2], lens)
-    for module in (am.DotProductAttention(0.0, backend=backend),
-                   am.AdditiveAttention(4, 4, 5, 0.0, backend=backend)):
-        out = backend.to_numpy(module.eval()(*(put(backend, a, "float32") for a in (q, k, v)),
-                                             lens))
+    for module in (
+        am.DotProductAttention(0.0, backend=backend),
+        am.AdditiveAttention(4, 4, 5, 0.0, backend=backend),
+    ):
+        out = backend.to_numpy(
+            module.eval()(*(put(backend, a, "float32") for a in (q, k, v)), lens)
+        )
         assert np.isfinite(out).all()
         if isinstance(module, am.DotProductAttention):
             np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     scores = rng.normal(size=(1, 2, 4))
     scores[0, :, 3] = np.nan
     w = backend.to_numpy(am.masked_softmax(put(backend, scores, "float32"), np.array([3])))
-    np.testing.assert_allclose(w, oracle.masked_softmax(scores[:, :, :3].tolist() and
-                                                        np.pad(scores[:, :, :3], ((0, 0), (0, 0), (0, 1))),
-                                                        np.array([3])), rtol=1e-6)
+    np.testing.assert_allclose(
+        w,
+        oracle.masked_softmax(
+            scores[:, :, :3].tolist() and np.pad(scores[:, :, :3], ((0, 0), (0, 0), (0, 1))),
+            np.array([3]),
+        ),
+        rtol=1e-6,
+    )
 
 
 def test_under_jit_shapes_are_checked_and_lengths_clipped():
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
+
     x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 3, 4)), jnp.float32)
     f = jax.jit(lambda s, lens: am.masked_softmax(s, lens))
     # traced lengths: no value checks; negative acts as 0, over-long as no mask
     got = np.asarray(f(x, jnp.asarray([-2, 9])))
-    np.testing.assert_allclose(got, oracle.masked_softmax(np.asarray(x), [0, 4]), rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        got, oracle.masked_softmax(np.asarray(x), [0, 4]), rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(ValueError, match=r"valid_lens must have shape \(2,\)"):
         f(x, jnp.asarray([1, 2, 3]))
     with pytest.raises(ValueError, match=r"valid_lens must be >= 0"):
-        am.masked_softmax(x, jnp.asarray([-2, 9]))   # eager: values are checked
+        am.masked_softmax(x, jnp.asarray([-2, 9]))  # eager: values are checked

@@ -4,13 +4,14 @@ Each path is forced explicitly (``path=``; a small ``chunk_size`` makes the
 chunked path run several blocks of queries and of keys), on every backend, for every form of mask.
 No timing here: speed is measured by ``attention-multi bench``.
 """
+
 import numpy as np
 import pytest
 
 import attention_multi as am
 import backends
-from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 from attention_multi import reference as oracle
+from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 
 PATHS = ("fused", "tiled", "chunked", "full")
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -19,7 +20,7 @@ BATCH, NQ, NK, D = 3, 5, 7, 4
 # name -> valid_lens for (BATCH, NQ) queries over NK keys
 MASKS = {
     "none": None,
-    "1d": np.array([0, 4, 7]),                                  # with a 0
+    "1d": np.array([0, 4, 7]),  # with a 0
     "2d": np.array([[0, 3, 0, 7, 1], [5, 0, 2, 2, 0], [7, 6, 5, 4, 3]]),
     "zeros": np.array([0, 0, 0]),
     "full-length": np.array([NK, NK, NK]),
@@ -29,13 +30,22 @@ MASKS = {
 
 def _inputs(seed=0, batch=BATCH, nq=NQ, nk=NK, d=D, dv=D):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((batch, nq, d)), rng.standard_normal((batch, nk, d)),
-            rng.standard_normal((batch, nk, dv)))
+    return (
+        rng.standard_normal((batch, nq, d)),
+        rng.standard_normal((batch, nk, d)),
+        rng.standard_normal((batch, nk, dv)),
+    )
 
 
 def _module(cls, backend, path, *args, dtype="float32", **kw):
-    m = cls(*args, backend=backend, dtype=dtype, path=path,
-            chunk_size=3 if path == "chunked" else None, **kw)
+    m = cls(
+        *args,
+        backend=backend,
+        dtype=dtype,
+        path=path,
+        chunk_size=3 if path == "chunked" else None,
+        **kw,
+    )
     m.eval()
     return m
 
@@ -46,13 +56,12 @@ def _expected_path(backend, path, dv=D, d=D):
     shape, eager) to the full path."""
     if path == "fused" and (not backend.has_fused_attention or (backend.name == "jax" and dv != d)):
         return "full" if backend.compiles_per_shape else "tiled"
-    return path     # (jax.nn.dot_product_attention needs dv == d)
+    return path  # (jax.nn.dot_product_attention needs dv == d)
 
 
 def _attend(backend, q, k, v, lens, **options):
     """attend() on (batch, heads, n, d) arrays with lengths broadcast over heads."""
-    mask = make_mask(backend, q.shape[0], q.shape[1], q.shape[2], k.shape[2],
-                     valid_lens=lens)
+    mask = make_mask(backend, q.shape[0], q.shape[1], q.shape[2], k.shape[2], valid_lens=lens)
     return attend(backend, q, k, v, mask, **options)
 
 
@@ -63,8 +72,10 @@ def test_dot_product_paths_match_oracle(backend, path, mask):
     lens = MASKS[mask]
     ref, ref_w = oracle.dot_product_attention(q, k, v, lens)
     m = _module(am.DotProductAttention, backend, path, 0.0)
-    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
-            None if lens is None else backend.asarray(lens))
+    out = m(
+        *(backend.asarray(x, "float32") for x in (q, k, v)),
+        None if lens is None else backend.asarray(lens),
+    )
     assert m.last_path == _expected_path(backend, path)
     assert tuple(out.shape) == (BATCH, NQ, D)
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
@@ -89,16 +100,17 @@ def test_multi_head_paths_match_oracle(backend, path, mask):
     heads, hidden = 2, 8
     q, k, v = _inputs(2, d=6, dv=6)
     lens = MASKS[mask]
-    m = _module(am.MultiHeadAttention, backend, path, 6, 6, 6, hidden, heads, 0.0,
-                bias=True)
+    m = _module(am.MultiHeadAttention, backend, path, 6, 6, 6, hidden, heads, 0.0, bias=True)
     ref, ref_w = oracle.multi_head_attention(am.get_params(m), q, k, v, lens, heads)
-    out = m(*(backend.asarray(x, "float32") for x in (q, k, v)),
-            None if lens is None else backend.asarray(lens))
+    out = m(
+        *(backend.asarray(x, "float32") for x in (q, k, v)),
+        None if lens is None else backend.asarray(lens),
+    )
     assert m.last_path == _expected_path(backend, path)
     assert tuple(out.shape) == (BATCH, NQ, hidden)
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
     w = m.attention_weights
-    assert tuple(w.shape) == (BATCH * heads, NQ, NK)    # d2l's layout
+    assert tuple(w.shape) == (BATCH * heads, NQ, NK)  # d2l's layout
     np.testing.assert_allclose(backend.to_numpy(w), ref_w, **TOL)
 
 
@@ -110,22 +122,27 @@ def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
     longest = lens if lens.ndim == 1 else lens.max(axis=1)
     k_nan, v_nan = k.copy(), v.copy()
     for b, n in enumerate(longest):
-        k_nan[b, n:] = v_nan[b, n:] = np.nan          # rows that no query may attend
+        k_nan[b, n:] = v_nan[b, n:] = np.nan  # rows that no query may attend
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
     m = _module(am.DotProductAttention, backend, path, 0.0)
     args = [backend.asarray(x, "float32") for x in (q, k_nan, v_nan)]
     out = backend.to_numpy(m(*args, backend.asarray(lens)))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, **TOL)
-    if backend.autodiff:     # nor into the gradients
+    if backend.autodiff:  # nor into the gradients
+
         def loss_fn(module, *xs):
             y = module(*xs, backend.asarray(lens))
             return backend.sum((y * y).reshape((-1,)), 0)
+
         _, _, grads = backend.gradients(loss_fn, m, *args)
         for g, n in zip(grads, ("queries", "keys", "values")):
             g = backend.to_numpy(g)
-            assert np.isfinite(g[:, :NQ] if n == "queries" else
-                               np.concatenate([g[b, :longest[b]] for b in range(BATCH)])).all(), n
+            assert np.isfinite(
+                g[:, :NQ]
+                if n == "queries"
+                else np.concatenate([g[b, : longest[b]] for b in range(BATCH)])
+            ).all(), n
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -133,10 +150,11 @@ def test_float16_large_scores_do_not_overflow(backend, path):
     if "float16" not in backend.float_dtypes:
         pytest.skip(f"{backend.name} has no float16")
     q, k, v = _inputs(4)
-    q, k = q * 30, k * 30                  # scores ~ 1e3 .. 1e4: exp overflows half
+    q, k = q * 30, k * 30  # scores ~ 1e3 .. 1e4: exp overflows half
     lens = MASKS["2d"]
-    ref, _ = oracle.dot_product_attention(q.astype(np.float16), k.astype(np.float16),
-                                          v.astype(np.float16), lens)
+    ref, _ = oracle.dot_product_attention(
+        q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), lens
+    )
     m = _module(am.DotProductAttention, backend, path, 0.0, dtype="float16")
     out = m(*(backend.asarray(x, "float16") for x in (q, k, v)), backend.asarray(lens))
     assert backend.dtype_name(out) == "float16"
@@ -164,10 +182,15 @@ def test_chunked_many_blocks_matches_full(backend, mask):
     rng = np.random.default_rng(6)
     n, T, d = 2, 19, 8
     q, k, v = (rng.standard_normal((n, T, d)).astype(np.float32) for _ in range(3))
-    lens = {"none": None, "1d": np.array([0, 14]), "1d-no-zero": np.array([11, 17]),
-            "some-zero-2d": rng.integers(0, T + 3, (n, T))}[mask]
+    lens = {
+        "none": None,
+        "1d": np.array([0, 14]),
+        "1d-no-zero": np.array([11, 17]),
+        "some-zero-2d": rng.integers(0, T + 3, (n, T)),
+    }[mask]
     args = [backend.asarray(x) for x in (q, k, v)] + [
-        None if lens is None else backend.asarray(lens)]
+        None if lens is None else backend.asarray(lens)
+    ]
     outs = []
     for path, chunk in (("full", None), ("chunked", 6)):
         m = am.DotProductAttention(0.0, backend=backend, path=path, chunk_size=chunk)
@@ -186,19 +209,21 @@ def test_auto_path_choice(backend):
     small = m(q, k, v, lens)
     assert m.last_path == "chunked"
     m.path = "full"
-    np.testing.assert_allclose(backend.to_numpy(small), backend.to_numpy(m(q, k, v, lens)),
-                               **TOL)
+    np.testing.assert_allclose(backend.to_numpy(small), backend.to_numpy(m(q, k, v, lens)), **TOL)
     assert m.last_path == "full"
     # dropout active: a kernel with its own dropout, else the tiles; the
     # weights are those before dropout
     m = am.DotProductAttention(0.5, backend=backend)
     key = backend.dropout_key(0)
     m(q, k, v, lens, **({} if key is None else {"key": key}))
-    assert m.last_path == ("fused" if backend.fused_dropout else
-                           "full" if key is not None else "tiled")
-    np.testing.assert_allclose(backend.to_numpy(m.attention_weights),
-                               oracle.dot_product_attention(*_inputs(7), MASKS["2d"])[1],
-                               **TOL)
+    assert m.last_path == (
+        "fused" if backend.fused_dropout else "full" if key is not None else "tiled"
+    )
+    np.testing.assert_allclose(
+        backend.to_numpy(m.attention_weights),
+        oracle.dot_product_attention(*_inputs(7), MASKS["2d"])[1],
+        **TOL,
+    )
     assert am.DotProductAttention(0.5, backend=backend).eval().path == "auto"
 
 
@@ -230,9 +255,12 @@ def test_dropout_on_every_path(backend, path):
     for i in range(40):
         kw = {} if key is None else {"key": backend.fold_key(key, i)}
         outs.append(backend.to_numpy(m(*args, **kw)))
-    fallback = "full" if key is not None else "tiled"     # (keyed dropout: no tiles)
-    assert m.last_path == (fallback if (path == "fused" and not backend.fused_dropout)
-                           or (path == "tiled" and key is not None) else path)
+    fallback = "full" if key is not None else "tiled"  # (keyed dropout: no tiles)
+    assert m.last_path == (
+        fallback
+        if (path == "fused" and not backend.fused_dropout) or (path == "tiled" and key is not None)
+        else path
+    )
     assert all(np.isfinite(o).all() and (o[2] == 0).all() for o in outs)
     assert not np.allclose(outs[0], outs[1])
     ref, ref_w = oracle.dot_product_attention(q, k, v, lens)
@@ -260,8 +288,11 @@ def test_under_jax_jit(path, mask):
     jax = pytest.importorskip("jax")
     B = backends.get_backend("jax")
     q, k, v = _inputs(10, nk=11)
-    lens = MASKS[mask] if mask == "1d" else np.array(
-        [[0, 3, 0, 11, 1], [5, 0, 2, 2, 0], [9, 6, 5, 4, 3]])
+    lens = (
+        MASKS[mask]
+        if mask == "1d"
+        else np.array([[0, 3, 0, 11, 1], [5, 0, 2, 2, 0], [9, 6, 5, 4, 3]])
+    )
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
     longest = lens if lens.ndim == 1 else lens.max(axis=1)
     k_nan, v_nan = k.copy(), v.copy()
@@ -285,8 +316,12 @@ def test_attend_function_4d_layout(backend):
     flat = [x.reshape(6, 5, 4) for x in (q, k, v)]
     ref, _ = oracle.dot_product_attention(*flat, np.repeat(lens, 3, axis=0))
     for path in PATHS:
-        out, _, taken = _attend(backend, *(backend.asarray(x, "float32") for x in (q, k, v)),
-                                backend.asarray(lens, "int32"), path=path)
+        out, _, taken = _attend(
+            backend,
+            *(backend.asarray(x, "float32") for x in (q, k, v)),
+            backend.asarray(lens, "int32"),
+            path=path,
+        )
         assert taken == _expected_path(backend, path) and tuple(out.shape) == (2, 3, 5, 4)
         np.testing.assert_allclose(backend.to_numpy(out).reshape(6, 5, 4), ref, **TOL)
 
@@ -304,8 +339,9 @@ def test_gradients_agree_across_paths(backend):
     # seconds; the tiled path under jit is checked in test_under_jax_jit)
     paths = ("full", "fused", "chunked") if backend.compiles_per_shape else PATHS
     for path in paths:
-        m = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias=True, backend=backend,
-                                  path=path, chunk_size=3)
+        m = am.MultiHeadAttention(
+            6, 6, 6, 8, 2, 0.0, bias=True, backend=backend, path=path, chunk_size=3
+        )
         if params is None:
             params = am.get_params(m)
         am.set_params(m, params)
@@ -314,13 +350,14 @@ def test_gradients_agree_across_paths(backend):
             out = module(q, k, v, lens)
             return backend.sum((out * out).reshape((-1,)), 0)
 
-        if backend.compiles_per_shape:     # jitted: eager autodiff compiles op by op
+        if backend.compiles_per_shape:  # jitted: eager autodiff compiles op by op
             import jax
+
             g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
         else:
             g = backend.value_and_grad(m, loss_fn)[1]
         grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
-        if not backend.compiles_per_shape:   # (jitted, the call ran on a traced copy)
+        if not backend.compiles_per_shape:  # (jitted, the call ran on a traced copy)
             assert m.last_path == path
     for path in paths[1:]:
         for name, g in grads["full"].items():
@@ -332,29 +369,35 @@ def test_size_dependent_kernel_variants(backend, mask, monkeypatch):
     """Variants that are picked only for large inputs, forced on small ones:
     the tiled path's parallel tiles, MXNet's lengths folded into the product."""
     import attention_multi.core.paths as core_paths
+
     monkeypatch.setattr(core_paths, "PARALLEL_MIN_SCORES", 0)
     if backend.name == "mxnet":
-        monkeypatch.setattr(__import__("backends.mxnet_backend", fromlist=["_"]),
-                            "_FOLD_MIN_SCORES", 0)
+        monkeypatch.setattr(
+            __import__("backends.mxnet_backend", fromlist=["_"]), "_FOLD_MIN_SCORES", 0
+        )
     q, k, v = _inputs(13)
     lens = MASKS[mask]
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
-    if lens is not None:   # as the modules' checks leave them: int32
+    if lens is not None:  # as the modules' checks leave them: int32
         lens = np.minimum(lens, 2**31 - 1)
-    for shape4 in (False, True):     # (N, 1, n, d) and (1, N, n, d) inputs
-        args = [backend.asarray(x[None] if shape4 else x[:, None], "float32")
-                for x in (q, k, v)]
-        if shape4:   # one batch element, BATCH heads: lengths of element 0
+    for shape4 in (False, True):  # (N, 1, n, d) and (1, N, n, d) inputs
+        args = [backend.asarray(x[None] if shape4 else x[:, None], "float32") for x in (q, k, v)]
+        if shape4:  # one batch element, BATCH heads: lengths of element 0
             lens4 = None if lens is None else lens[:1]
-            ref4, _ = oracle.dot_product_attention(q, k, v, None if lens is None else
-                                                   np.repeat(lens4, BATCH, axis=0))
+            ref4, _ = oracle.dot_product_attention(
+                q, k, v, None if lens is None else np.repeat(lens4, BATCH, axis=0)
+            )
         for path in ("fused", "tiled"):
-            out, _, taken = _attend(backend, *args, None if lens is None else
-                                    backend.asarray(lens4 if shape4 else lens, "int32"),
-                                    path=path)
+            out, _, taken = _attend(
+                backend,
+                *args,
+                None if lens is None else backend.asarray(lens4 if shape4 else lens, "int32"),
+                path=path,
+            )
             assert taken == _expected_path(backend, path)
-            np.testing.assert_allclose(backend.to_numpy(out).reshape(ref.shape),
-                                       ref4 if shape4 else ref, **TOL)
+            np.testing.assert_allclose(
+                backend.to_numpy(out).reshape(ref.shape), ref4 if shape4 else ref, **TOL
+            )
 
 
 @pytest.mark.parametrize("mask", ["1d", "2d"])
@@ -363,6 +406,7 @@ def test_tiles_skip_padding_per_batch_element(backend, mask):
     see (one tile each, in batch order), and its cost counts every kernel
     call at ``Backend.kernel_call_cost``."""
     from attention_multi.core.paths import plan_tiles
+
     rng = np.random.default_rng(14)
     batch, nq, nk = 9, 4, 40
     q, k, v = (rng.standard_normal((batch, n, D)) for n in (nq, nk, nk))
@@ -375,10 +419,10 @@ def test_tiles_skip_padding_per_batch_element(backend, mask):
     assert m.last_path == "tiled"
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
     four = [backend.asarray(x[:, None], "float32") for x in (q, k, v)]
-    plan = plan_tiles(backend, four[0], make_mask(
-        backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens)))
+    plan = plan_tiles(
+        backend, four[0], make_mask(backend, batch, 1, nq, nk, valid_lens=backend.asarray(lens))
+    )
     seen = np.minimum(lens, nk).max(axis=-1) if lens.ndim == 2 else lens
     assert [(t[0], t[3], t[4]) for t in plan.tasks] == [(b, 0, seen[b]) for b in range(batch)]
     call = backend.kernel_call_cost
-    assert plan.cost == pytest.approx((nq * seen.sum() + call * batch) /
-                                      (batch * nq * nk + call))
+    assert plan.cost == pytest.approx((nq * seen.sum() + call * batch) / (batch * nq * nk + call))

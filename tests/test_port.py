@@ -5,6 +5,7 @@ so everything but the tests at the end runs without MXNet: weights saved by
 MXNet's ``save_parameters`` must reproduce MXNet's own outputs and attention
 weights on every backend. The tests at the end run only where mxnet imports.
 """
+
 import contextlib
 import importlib.util
 import os
@@ -22,8 +23,7 @@ from attention_multi.port import load_into, load_mxnet_params, save_mxnet_params
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "mxnet"
 
-MHA = dict(key_size=5, query_size=5, value_size=5, num_hiddens=8, num_heads=2,
-           dropout=0.5)
+MHA = dict(key_size=5, query_size=5, value_size=5, num_hiddens=8, num_heads=2, dropout=0.5)
 ADDITIVE = dict(key_size=2, query_size=20, num_hiddens=8, dropout=0.1)
 # fixture -> (module class, constructor arguments, dtype, max abs error allowed)
 CASES = {
@@ -63,6 +63,7 @@ def test_port_is_reachable_as_am_port():
 
 # ---- committed MXNet fixtures, every backend ----
 
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fixture_reproduces_mxnet(name, backend):
     cls, kwargs, dtype, atol = CASES[name]
@@ -93,8 +94,9 @@ def test_float16_fixture(backend):
 
 
 def test_load_into_casts_to_the_module_dtype():
-    module = load_into(am.MultiHeadAttention(**MHA, bias=True, dtype="float64"),
-                       FIXTURES / "mha_bias.params")
+    module = load_into(
+        am.MultiHeadAttention(**MHA, bias=True, dtype="float64"), FIXTURES / "mha_bias.params"
+    )
     data = fixture("mha_bias")
     assert am.get_params(module)["W_q.weight"].dtype == np.float64
     out, _ = forward(module, data)
@@ -102,6 +104,7 @@ def test_load_into_casts_to_the_module_dtype():
 
 
 # ---- load_into errors ----
+
 
 def test_load_into_name_mismatch_lists_file_and_module_names():
     path = FIXTURES / "mha_bias.params"
@@ -113,11 +116,15 @@ def test_load_into_name_mismatch_lists_file_and_module_names():
     assert str(path) in msg and "does not match MultiHeadAttention" in msg
     assert "only in the file: W_q.bias, W_k.bias, W_v.bias, W_o.bias" in msg
     assert "bias=True" in msg
-    assert ("the file holds: W_q.weight (8, 5), W_q.bias (8,), W_k.weight (8, 5), "
-            "W_k.bias (8,), W_v.weight (8, 5), W_v.bias (8,), W_o.weight (8, 8), "
-            "W_o.bias (8,)") in msg
-    assert ("MultiHeadAttention expects: W_q.weight (8, 5), W_k.weight (8, 5), "
-            "W_v.weight (8, 5), W_o.weight (8, 8)") in msg
+    assert (
+        "the file holds: W_q.weight (8, 5), W_q.bias (8,), W_k.weight (8, 5), "
+        "W_k.bias (8,), W_v.weight (8, 5), W_v.bias (8,), W_o.weight (8, 8), "
+        "W_o.bias (8,)"
+    ) in msg
+    assert (
+        "MultiHeadAttention expects: W_q.weight (8, 5), W_k.weight (8, 5), "
+        "W_v.weight (8, 5), W_o.weight (8, 8)"
+    ) in msg
     after = am.get_params(module)  # nothing was loaded
     assert all(np.array_equal(before[k], after[k]) for k in before)
 
@@ -130,8 +137,11 @@ def test_load_into_other_module_and_shapes():
     assert "only in the file: w_v.weight" in msg
     assert "missing from the file: W_v.weight, W_o.weight" in msg
     assert "W_q.weight: shape (8, 20) in the file, (8, 5) in MultiHeadAttention" in msg
-    with pytest.raises(ValueError, match=r"W_o.weight: shape \(8, 8\) in the file, "
-                                         r"\(16, 16\) in MultiHeadAttention"):
+    with pytest.raises(
+        ValueError,
+        match=r"W_o.weight: shape \(8, 8\) in the file, "
+        r"\(16, 16\) in MultiHeadAttention",
+    ):
         load_into(am.MultiHeadAttention(5, 5, 5, 16, 2, 0), FIXTURES / "mha_nobias.params")
 
 
@@ -144,11 +154,18 @@ def test_load_into_bad_file_names_it(tmp_path):
 
 # ---- the CLI, end to end ----
 
+
 def run_cli(*args, cwd=None):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return subprocess.run([sys.executable, "-m", "attention_multi", "port", *map(str, args)],
-                          capture_output=True, text=True, env=env, cwd=cwd or REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "attention_multi", "port", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd or REPO,
+        timeout=120,
+    )
 
 
 def assert_clean_failure(result, code):
@@ -163,8 +180,17 @@ def test_cli_to_torch_loads_into_torch_module(name, tmp_path):
     cls, kwargs, dtype, atol = CASES[name]
     out = tmp_path / "mha.pt"
     spec = f"{MHA_SPEC},bias={kwargs['bias']}"
-    result = run_cli(FIXTURES / f"{name}.params", "--to", "torch", "--out", out,
-                     "--module", "MultiHeadAttention", "--args", spec)
+    result = run_cli(
+        FIXTURES / f"{name}.params",
+        "--to",
+        "torch",
+        "--out",
+        out,
+        "--module",
+        "MultiHeadAttention",
+        "--args",
+        spec,
+    )
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}: {4 * (1 + kwargs['bias'])} arrays ({dtype})" in result.stdout
     state = torch.load(out)
@@ -180,9 +206,17 @@ def test_cli_to_torch_loads_into_torch_module(name, tmp_path):
 def test_cli_additive_to_torch(tmp_path):
     torch = pytest.importorskip("torch")
     out = tmp_path / "additive.pt"
-    result = run_cli(FIXTURES / "additive.params", "--to", "torch", "--out", out,
-                     "--module", "AdditiveAttention",
-                     "--args", "key_size=2,query_size=20,num_hiddens=8,dropout=0")
+    result = run_cli(
+        FIXTURES / "additive.params",
+        "--to",
+        "torch",
+        "--out",
+        out,
+        "--module",
+        "AdditiveAttention",
+        "--args",
+        "key_size=2,query_size=20,num_hiddens=8,dropout=0",
+    )
     assert result.returncode == 0, result.stderr
     module = am.AdditiveAttention(**ADDITIVE, backend="torch")
     module.load_state_dict(torch.load(out))
@@ -205,8 +239,17 @@ def test_cli_to_numpy_keeps_names_dtypes_and_bits(name, tmp_path):
 
 
 def test_cli_npz_runs_on_numpy_backend(tmp_path):
-    result = run_cli(FIXTURES / "mha_bias.params", "--to", "numpy", "--out", tmp_path / "p.npz",
-                     "--module", "MultiHeadAttention", "--args", MHA_SPEC + ",bias=true")
+    result = run_cli(
+        FIXTURES / "mha_bias.params",
+        "--to",
+        "numpy",
+        "--out",
+        tmp_path / "p.npz",
+        "--module",
+        "MultiHeadAttention",
+        "--args",
+        MHA_SPEC + ",bias=true",
+    )
     assert result.returncode == 0, result.stderr
     module = am.MultiHeadAttention(**MHA, bias=True, backend="numpy")
     with np.load(tmp_path / "p.npz") as z:
@@ -225,8 +268,15 @@ def test_cli_dtype_option_and_default_out(tmp_path):
     want = load_mxnet_params(src)
     assert {v.dtype for v in got.values()} == {np.dtype("float32")}
     assert all(np.array_equal(got[k], want[k].astype("float32")) for k in want)
-    result = run_cli(FIXTURES / "legacy_v2.params", "--to", "numpy", "--out",
-                     tmp_path / "l.npz", "--dtype", "float64")
+    result = run_cli(
+        FIXTURES / "legacy_v2.params",
+        "--to",
+        "numpy",
+        "--out",
+        tmp_path / "l.npz",
+        "--dtype",
+        "float64",
+    )
     with np.load(tmp_path / "l.npz") as z:
         assert z["int_counts"].dtype == np.int32  # only floating-point arrays are cast
         assert z["half"].dtype == np.float64
@@ -235,8 +285,17 @@ def test_cli_dtype_option_and_default_out(tmp_path):
 def test_cli_spec_mismatch_names_both_sides(tmp_path):
     out = tmp_path / "x.pt"
     spec = MHA_SPEC.replace("num_hiddens=8", "num_hiddens=16") + ",bias=True"
-    result = run_cli(FIXTURES / "mha_bias.params", "--to", "torch", "--out", out,
-                     "--module", "MultiHeadAttention", "--args", spec)
+    result = run_cli(
+        FIXTURES / "mha_bias.params",
+        "--to",
+        "torch",
+        "--out",
+        out,
+        "--module",
+        "MultiHeadAttention",
+        "--args",
+        spec,
+    )
     assert_clean_failure(result, 1)
     err = result.stderr
     assert "mha_bias.params does not match MultiHeadAttention" in err
@@ -247,18 +306,33 @@ def test_cli_spec_mismatch_names_both_sides(tmp_path):
 
 
 def test_cli_spec_missing_bias(tmp_path):
-    result = run_cli(FIXTURES / "mha_bias.params", "--to", "numpy", "--out", tmp_path / "x.npz",
-                     "--module", "MultiHeadAttention", "--args", MHA_SPEC)
+    result = run_cli(
+        FIXTURES / "mha_bias.params",
+        "--to",
+        "numpy",
+        "--out",
+        tmp_path / "x.npz",
+        "--module",
+        "MultiHeadAttention",
+        "--args",
+        MHA_SPEC,
+    )
     assert_clean_failure(result, 1)
     assert "only in the file: W_q.bias, W_k.bias, W_v.bias, W_o.bias" in result.stderr
     assert "bias=True" in result.stderr
 
 
-@pytest.mark.parametrize("cut,message", [
-    (10, "truncated at byte 0 while reading the file header (needed 16 bytes, 10 left)"),
-    (300, "truncated at byte 300 while reading the shape of array 2 (needed 16 bytes, 0 left)"),
-    (1000, "truncated at byte 856 while reading the data of array 6 (needed 256 bytes, 144 left)"),
-])
+@pytest.mark.parametrize(
+    "cut,message",
+    [
+        (10, "truncated at byte 0 while reading the file header (needed 16 bytes, 10 left)"),
+        (300, "truncated at byte 300 while reading the shape of array 2 (needed 16 bytes, 0 left)"),
+        (
+            1000,
+            "truncated at byte 856 while reading the data of array 6 (needed 256 bytes, 144 left)",
+        ),
+    ],
+)
 def test_cli_truncated_file_exits_2_with_offset(cut, message, tmp_path):
     bad = tmp_path / "cut.params"
     bad.write_bytes((FIXTURES / "mha_bias.params").read_bytes()[:cut])
@@ -274,8 +348,9 @@ def test_cli_corrupt_and_missing_files_exit_2(tmp_path):
     result = run_cli(bad, "--to", "numpy", "--out", tmp_path / "x.npz")
     assert_clean_failure(result, 2)
     assert "not an MXNet NDArray file" in result.stderr and "(at byte 0)" in result.stderr
-    result = run_cli(FIXTURES / "sparse_csr_v2.params", "--to", "numpy",
-                     "--out", tmp_path / "x.npz")
+    result = run_cli(
+        FIXTURES / "sparse_csr_v2.params", "--to", "numpy", "--out", tmp_path / "x.npz"
+    )
     assert_clean_failure(result, 2)
     assert "storage type" in result.stderr and "at byte" in result.stderr
     result = run_cli(tmp_path / "missing.params", "--to", "numpy")
@@ -283,31 +358,41 @@ def test_cli_corrupt_and_missing_files_exit_2(tmp_path):
     assert "missing.params: No such file or directory" in result.stderr
 
 
-@pytest.mark.parametrize("module,args,message", [
-    ("Transformer", "", "unknown module 'Transformer'; choose one of AdditiveAttention"),
-    ("MultiHeadAttention", "key_size=5",
-     "missing required arguments 'num_hiddens', 'num_heads', 'dropout'"),
-    ("MultiHeadAttention", "key_size", "--args: expected KEY=VALUE, got 'key_size'"),
-    ("MultiHeadAttention", MHA_SPEC + ",num_heads=3", "num_heads"),
-    ("MultiHeadAttention", MHA_SPEC + ",backend=torch", "backend and device"),
-    (None, "key_size=5", "--args needs --module"),
-])
+@pytest.mark.parametrize(
+    "module,args,message",
+    [
+        ("Transformer", "", "unknown module 'Transformer'; choose one of AdditiveAttention"),
+        (
+            "MultiHeadAttention",
+            "key_size=5",
+            "missing required arguments 'num_hiddens', 'num_heads', 'dropout'",
+        ),
+        ("MultiHeadAttention", "key_size", "--args: expected KEY=VALUE, got 'key_size'"),
+        ("MultiHeadAttention", MHA_SPEC + ",num_heads=3", "num_heads"),
+        ("MultiHeadAttention", MHA_SPEC + ",backend=torch", "backend and device"),
+        (None, "key_size=5", "--args needs --module"),
+    ],
+)
 def test_cli_bad_module_spec_exits_2(module, args, message, tmp_path):
     extra = (["--module", module] if module else []) + (["--args", args] if args else [])
-    result = run_cli(FIXTURES / "mha_bias.params", "--to", "numpy", "--out",
-                     tmp_path / "x.npz", *extra)
+    result = run_cli(
+        FIXTURES / "mha_bias.params", "--to", "numpy", "--out", tmp_path / "x.npz", *extra
+    )
     assert_clean_failure(result, 2)
     assert message in result.stderr
 
 
 def test_cli_values_are_parsed():
     from attention_multi.cli.port import _parse_args
+
     assert _parse_args("a=5, b=0.5,c=True,d=false,e=None,f=float64,g=-2,h=1e-3") == dict(
-        a=5, b=0.5, c=True, d=False, e=None, f="float64", g=-2, h=1e-3)
+        a=5, b=0.5, c=True, d=False, e=None, f="float64", g=-2, h=1e-3
+    )
     assert _parse_args("") == {}
 
 
 # ---- against real MXNet (skipped where it is not installed) ----
+
 
 def mxnet():
     with warnings.catch_warnings():
@@ -333,11 +418,14 @@ def d2l_mx():
 
 def mx_inputs(mx, shapes, valid_lens, dtype, seed):
     rng = np.random.default_rng(seed)
-    arrays = {n: rng.normal(size=s).astype(dtype)
-              for n, s in zip(("queries", "keys", "values"), shapes)}
+    arrays = {
+        n: rng.normal(size=s).astype(dtype) for n, s in zip(("queries", "keys", "values"), shapes)
+    }
     arrays["valid_lens"] = np.array(valid_lens, dtype="float32")
-    return arrays, [mx.np.array(arrays[n], dtype=arrays[n].dtype)
-                    for n in ("queries", "keys", "values", "valid_lens")]
+    return arrays, [
+        mx.np.array(arrays[n], dtype=arrays[n].dtype)
+        for n in ("queries", "keys", "values", "valid_lens")
+    ]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -352,8 +440,9 @@ def test_fresh_mxnet_mha_round_trip(d2l_mx, bias, backend, tmp_path):
     want = block(*inputs).asnumpy()
     want_weights = block.attention_weights.asnumpy()
     block.save_parameters(str(tmp_path / "fresh.params"))
-    module = load_into(am.MultiHeadAttention(**MHA, bias=bias, backend=backend),
-                       tmp_path / "fresh.params")
+    module = load_into(
+        am.MultiHeadAttention(**MHA, bias=bias, backend=backend), tmp_path / "fresh.params"
+    )
     got, weights = forward(module, data)
     assert_close(got, want, 2e-5)
     assert_close(weights, want_weights, 2e-5)
@@ -368,9 +457,17 @@ def test_fresh_mxnet_additive_round_trip_via_cli(d2l_mx, tmp_path):
     want = block(*inputs).asnumpy()
     want_weights = block.attention_weights.asnumpy()
     block.save_parameters(str(tmp_path / "add.params"))
-    result = run_cli(tmp_path / "add.params", "--to", "torch", "--out", tmp_path / "add.pt",
-                     "--module", "AdditiveAttention",
-                     "--args", "key_size=2,query_size=20,num_hiddens=8,dropout=0.1")
+    result = run_cli(
+        tmp_path / "add.params",
+        "--to",
+        "torch",
+        "--out",
+        tmp_path / "add.pt",
+        "--module",
+        "AdditiveAttention",
+        "--args",
+        "key_size=2,query_size=20,num_hiddens=8,dropout=0.1",
+    )
     assert result.returncode == 0, result.stderr
     module = am.AdditiveAttention(**ADDITIVE, backend="torch")
     module.load_state_dict(torch.load(tmp_path / "add.pt"))

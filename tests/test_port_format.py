@@ -23,7 +23,7 @@ MHA_NAMES = [f"W_{x}.{p}" for x in "qkvo" for p in ("weight", "bias")]
 
 def expected_params(name):
     with np.load(FIXTURES / f"{name}.npz") as z:
-        return {k[len("param:"):]: z[k] for k in z.files if k.startswith("param:")}
+        return {k[len("param:") :]: z[k] for k in z.files if k.startswith("param:")}
 
 
 def assert_same(got, want):
@@ -37,15 +37,20 @@ def assert_same(got, want):
 
 def sample_params(dtype, with_scalar=True):
     rng = np.random.default_rng(0)
-    params = {"W_q.weight": rng.normal(size=(8, 5)), "W_q.bias": rng.normal(size=8),
-              "blk.0.x": rng.normal(size=(2, 3, 4)), "one": np.array([-1.5]),
-              "empty": np.zeros((0, 3))}
+    params = {
+        "W_q.weight": rng.normal(size=(8, 5)),
+        "W_q.bias": rng.normal(size=8),
+        "blk.0.x": rng.normal(size=(2, 3, 4)),
+        "one": np.array([-1.5]),
+        "empty": np.zeros((0, 3)),
+    }
     if with_scalar:
         params["scalar"] = np.array(2.25)
     return {k: v.astype(dtype) for k, v in params.items()}
 
 
 # ---- committed MXNet fixtures ----
+
 
 @pytest.mark.parametrize("name", NP_MODE + ["legacy_v2"])
 def test_fixture_matches_mxnet_collect_params(name):
@@ -66,7 +71,10 @@ def test_fixture_names_shapes_dtypes():
             assert np.array_equal(cast[k], mha[k].astype(dtype))  # MXNet's cast == NumPy's
     add = load_mxnet_params(FIXTURES / "additive.params")
     assert {k: v.shape for k, v in add.items()} == {
-        "W_k.weight": (8, 2), "W_q.weight": (8, 20), "w_v.weight": (1, 8)}
+        "W_k.weight": (8, 2),
+        "W_q.weight": (8, 20),
+        "w_v.weight": (1, 8),
+    }
 
 
 def test_legacy_fixture_is_v2_and_arg_prefix_is_stripped():
@@ -102,14 +110,16 @@ def _softmax_masked(scores, valid_lens):
     return e / e.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("name,rtol", [("mha_nobias", 1e-5), ("mha_bias", 1e-5),
-                                       ("mha_bias_float64", 1e-12)])
+@pytest.mark.parametrize(
+    "name,rtol", [("mha_nobias", 1e-5), ("mha_bias", 1e-5), ("mha_bias_float64", 1e-12)]
+)
 def test_mha_fixture_params_reproduce_mxnet_forward(name, rtol):
     """The loaded weights are (out, in) like torch; a NumPy forward matches MXNet's."""
     p = {k: v.astype(np.float64) for k, v in load_mxnet_params(FIXTURES / f"{name}.params").items()}
     with np.load(FIXTURES / f"{name}.npz") as z:
-        q, k, v, lens = (z[n].astype(np.float64)
-                         for n in ("queries", "keys", "values", "valid_lens"))
+        q, k, v, lens = (
+            z[n].astype(np.float64) for n in ("queries", "keys", "values", "valid_lens")
+        )
         out, weights = z["output"], z["attention_weights"]
 
     def dense(x, layer):
@@ -127,11 +137,13 @@ def test_mha_fixture_params_reproduce_mxnet_forward(name, rtol):
 
 
 def test_additive_fixture_params_reproduce_mxnet_forward():
-    p = {k: v.astype(np.float64)
-         for k, v in load_mxnet_params(FIXTURES / "additive.params").items()}
+    p = {
+        k: v.astype(np.float64) for k, v in load_mxnet_params(FIXTURES / "additive.params").items()
+    }
     with np.load(FIXTURES / "additive.npz") as z:
-        q, k, v, lens = (z[n].astype(np.float64)
-                         for n in ("queries", "keys", "values", "valid_lens"))
+        q, k, v, lens = (
+            z[n].astype(np.float64) for n in ("queries", "keys", "values", "valid_lens")
+        )
         out, weights = z["output"], z["attention_weights"]
     features = np.tanh((q @ p["W_q.weight"].T)[:, :, None] + (k @ p["W_k.weight"].T)[:, None])
     attn = _softmax_masked((features @ p["w_v.weight"].T)[..., 0], lens)
@@ -140,6 +152,7 @@ def test_additive_fixture_params_reproduce_mxnet_forward():
 
 
 # ---- round trips ----
+
 
 @pytest.mark.parametrize("np_mode", [True, False], ids=["v3", "v2"])
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -158,8 +171,11 @@ def test_round_trip_other_dtypes(dtype, tmp_path):
 
 
 def test_round_trip_accepts_lists_and_noncontiguous(tmp_path):
-    params = {"list": [[1.0, 2.0]], "strided": np.arange(12.0).reshape(3, 4)[:, ::2],
-              "big_endian": np.arange(3, dtype=">f4")}
+    params = {
+        "list": [[1.0, 2.0]],
+        "strided": np.arange(12.0).reshape(3, 4)[:, ::2],
+        "big_endian": np.arange(3, dtype=">f4"),
+    }
     save_mxnet_params(params, tmp_path / "p.params")
     got = load_mxnet_params(tmp_path / "p.params")
     assert got["list"].tolist() == [[1.0, 2.0]] and got["list"].dtype == np.float64
@@ -172,8 +188,9 @@ def test_v1_records_are_read(tmp_path):
     data = np.array([[1.5, -2.0, 3.25]], np.float64)
     record = struct.pack("<Ii2qiii", 0xF993FAC8, 2, 1, 3, 1, 0, 1) + data.tobytes()
     path = tmp_path / "v1.params"
-    path.write_bytes(struct.pack("<QQQ", 0x112, 0, 1) + record
-                     + struct.pack("<QQ", 1, 5) + b"arg:x")
+    path.write_bytes(
+        struct.pack("<QQQ", 0x112, 0, 1) + record + struct.pack("<QQ", 1, 5) + b"arg:x"
+    )
     assert_same(load_mxnet_params(path), {"x": data})
 
 
@@ -188,16 +205,20 @@ def test_list_saved_file_gets_index_names(tmp_path):
     path = tmp_path / "p.params"
     save_mxnet_params({"a": np.ones(2, np.float32)}, path)
     raw = path.read_bytes()
-    path.write_bytes(raw[:-(8 + 8 + 1)] + struct.pack("<Q", 0))  # drop the names
+    path.write_bytes(raw[: -(8 + 8 + 1)] + struct.pack("<Q", 0))  # drop the names
     assert list(load_mxnet_params(path)) == ["0"]
 
 
 # ---- malformed files ----
 
+
 def small_file(tmp_path, np_mode=True):
     path = tmp_path / ("small_v3.params" if np_mode else "small_v2.params")
-    save_mxnet_params({"w": np.arange(6, dtype=np.float32).reshape(2, 3),
-                       "b": np.array([1.0, 2.0], np.float16)}, path, np_mode=np_mode)
+    save_mxnet_params(
+        {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array([1.0, 2.0], np.float16)},
+        path,
+        np_mode=np_mode,
+    )
     return path
 
 
@@ -236,13 +257,17 @@ def test_truncation_message_is_precise(tmp_path):
     cut.write_bytes(raw[:45])
     with pytest.raises(ValueError) as info:
         load_mxnet_params(cut)
-    assert str(info.value) == (f"{cut}: truncated at byte 36 while reading the shape "
-                               "of array 0 (needed 16 bytes, 9 left)")
+    assert str(info.value) == (
+        f"{cut}: truncated at byte 36 while reading the shape of array 0 (needed 16 bytes, 9 left)"
+    )
     cut.write_bytes(raw[:30])  # too short to hold even the smallest 2 records
     raises_at(cut, r"the array count is 2, but only 6 bytes are left \(at byte 16\)")
     cut.write_bytes(raw[:80])
-    raises_at(cut, r"truncated at byte 64 while reading the data of array 0 "
-                   r"\(needed 24 bytes, 16 left\)")
+    raises_at(
+        cut,
+        r"truncated at byte 64 while reading the data of array 0 "
+        r"\(needed 24 bytes, 16 left\)",
+    )
 
 
 def test_fixture_truncated_in_the_middle(tmp_path):
@@ -262,22 +287,30 @@ def test_wrong_list_magic(tmp_path):
 
 
 def test_wrong_array_magic(tmp_path):
-    raises_at(patched(small_file(tmp_path), 24, "<I", 0xDEADBEEF),
-              r"array 0 has unknown magic number 0xDEADBEEF \(at byte 24\)")
-    raises_at(patched(small_file(tmp_path), 88, "<I", 5),
-              r"array 1 has unknown magic number 0x00000005 \(at byte 88\)")
+    raises_at(
+        patched(small_file(tmp_path), 24, "<I", 0xDEADBEEF),
+        r"array 0 has unknown magic number 0xDEADBEEF \(at byte 24\)",
+    )
+    raises_at(
+        patched(small_file(tmp_path), 88, "<I", 5),
+        r"array 1 has unknown magic number 0x00000005 \(at byte 88\)",
+    )
 
 
 @pytest.mark.parametrize("flag", [8, 12, 99, -1])
 def test_unsupported_dtype_flag(flag, tmp_path):
-    raises_at(patched(small_file(tmp_path), 60, "<i", flag),
-              rf"array 0 has unsupported dtype flag {flag} \(at byte 60\)")
+    raises_at(
+        patched(small_file(tmp_path), 60, "<i", flag),
+        rf"array 0 has unsupported dtype flag {flag} \(at byte 60\)",
+    )
 
 
 @pytest.mark.parametrize("stype", [1, 2, -1])
 def test_unsupported_storage_type(stype, tmp_path):
-    raises_at(patched(small_file(tmp_path), 28, "<i", stype),
-              rf"array 0 has unsupported storage type {stype} .*\(at byte 28\)")
+    raises_at(
+        patched(small_file(tmp_path), 28, "<i", stype),
+        rf"array 0 has unsupported storage type {stype} .*\(at byte 28\)",
+    )
 
 
 def test_real_sparse_file_is_rejected():
@@ -286,21 +319,27 @@ def test_real_sparse_file_is_rejected():
 
 def test_counts_exceeding_the_file(tmp_path):
     path = small_file(tmp_path)
-    raises_at(patched(path, 16, "<Q", 2**63), r"the array count is 9223372036854775808, "
-                                              r"but only \d+ bytes are left \(at byte 16\)")
+    raises_at(
+        patched(path, 16, "<Q", 2**63),
+        r"the array count is 9223372036854775808, "
+        r"but only \d+ bytes are left \(at byte 16\)",
+    )
     raises_at(patched(path, 16, "<Q", 20), "the array count is 20")
     names_at = len(path.read_bytes()) - 8 - 2 * (8 + 1)  # count + 2 x (length, 1 char)
     raises_at(patched(path, names_at, "<Q", 2**40), "the name count is 1099511627776")
     raises_at(patched(path, names_at, "<Q", 1), "1 names for 2 arrays")
-    raises_at(patched(path, names_at + 8, "<Q", 2**62),
-              r"truncated at byte \d+ while reading name 0")
+    raises_at(
+        patched(path, names_at + 8, "<Q", 2**62), r"truncated at byte \d+ while reading name 0"
+    )
 
 
 def test_huge_shape_is_checked_before_reading(tmp_path):
     path = small_file(tmp_path)
     raises_at(patched(path, 36, "<q", 2**40), r"needed 13194139533312 bytes, \d+ left")
-    raises_at(patched(path, 32, "<i", 2**31 - 1),
-              "truncated at byte 36 while reading the shape of array 0")
+    raises_at(
+        patched(path, 32, "<i", 2**31 - 1),
+        "truncated at byte 36 while reading the shape of array 0",
+    )
     raises_at(patched(path, 32, "<i", -5), "array 0 has invalid ndim -5")
     raises_at(patched(path, 36, "<q", -3), r"invalid shape \(-3, 3\)")
 
@@ -308,8 +347,9 @@ def test_huge_shape_is_checked_before_reading(tmp_path):
 def test_unknown_shape_and_trailing_bytes(tmp_path):
     path = small_file(tmp_path)
     raises_at(patched(path, 36, "<q", -1), "array 0 has unknown shape")
-    raises_at(patched(small_file(tmp_path, np_mode=False), 32, "<i", 0),
-              "array 0 has unknown shape")
+    raises_at(
+        patched(small_file(tmp_path, np_mode=False), 32, "<i", 0), "array 0 has unknown shape"
+    )
     longer = tmp_path / "longer.params"
     longer.write_bytes(path.read_bytes() + b"\0\0\0")
     raises_at(longer, "3 unexpected trailing bytes")
@@ -349,6 +389,7 @@ def test_missing_file(tmp_path):
 
 
 # ---- against real MXNet (skipped where it is not installed) ----
+
 
 def mxnet():
     with warnings.catch_warnings():  # numpy 1.2x warns on the hasattr probe itself
@@ -405,9 +446,15 @@ def test_mxnet_loads_our_files(dtype, np_mode, tmp_path):
 def test_mxnet_load_parameters_accepts_our_files(dtype, np_mode, tmp_path):
     mx = mxnet()
     rng = np.random.default_rng(1)
-    params = {k: rng.normal(size=s).astype(dtype) for k, s in
-              [("W_q.weight", (8, 5)), ("W_q.bias", (8,)), ("W_o.weight", (8, 8)),
-               ("W_o.bias", (8,))]}
+    params = {
+        k: rng.normal(size=s).astype(dtype)
+        for k, s in [
+            ("W_q.weight", (8, 5)),
+            ("W_q.bias", (8,)),
+            ("W_o.weight", (8, 8)),
+            ("W_o.bias", (8,)),
+        ]
+    }
     save_mxnet_params(params, tmp_path / "p.params", np_mode=np_mode)
     with mode(mx, np_mode):
         block = two_dense(mx, dtype)
@@ -439,7 +486,9 @@ def test_fresh_mxnet_legacy_save_reads_back(tmp_path):
     want = sample_params("float32", with_scalar=False)
     del want["empty"]
     with mode(mx, False):
-        mx.nd.save(str(tmp_path / "legacy.params"),
-                   {k: mx.nd.array(v, dtype=v.dtype) for k, v in want.items()})
+        mx.nd.save(
+            str(tmp_path / "legacy.params"),
+            {k: mx.nd.array(v, dtype=v.dtype) for k, v in want.items()},
+        )
     assert (tmp_path / "legacy.params").read_bytes()[24:28] == V2_MAGIC
     assert_same(load_mxnet_params(tmp_path / "legacy.params"), want)

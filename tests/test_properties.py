@@ -1,15 +1,19 @@
 """Property-based parity and invariants with hypothesis: random shapes,
 valid_lens and dtypes on every backend."""
+
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attention_multi as am
 from attention_multi import reference as oracle
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 TOL = {"float16": 2e-3, "float32": 2e-5, "float64": 1e-10}
 
 
@@ -22,8 +26,10 @@ def cases(draw):
     if form == "1d":
         lens = draw(st.lists(st.integers(0, keys + 2), min_size=batch, max_size=batch))
     elif form == "2d":
-        lens = [draw(st.lists(st.integers(0, keys + 2), min_size=queries, max_size=queries))
-                for _ in range(batch)]
+        lens = [
+            draw(st.lists(st.integers(0, keys + 2), min_size=queries, max_size=queries))
+            for _ in range(batch)
+        ]
     seed = draw(st.integers(0, 2**16))
     dtype = draw(st.sampled_from(["float16", "float32", "float64"]))
     return batch, queries, keys, d, v, None if lens is None else np.array(lens), seed, dtype
@@ -34,8 +40,10 @@ def arrays(backend, case):
     if dtype not in backend.float_dtypes:
         dtype = "float32"
     rng = np.random.default_rng(seed)
-    q, k, vals = (rng.normal(size=s).astype(dtype).astype(np.float64)
-                  for s in ((batch, queries, d), (batch, keys, d), (batch, keys, v)))
+    q, k, vals = (
+        rng.normal(size=s).astype(dtype).astype(np.float64)
+        for s in ((batch, queries, d), (batch, keys, d), (batch, keys, v))
+    )
     return q, k, vals, lens, dtype
 
 
@@ -48,8 +56,12 @@ def test_dot_product_parity_and_invariants(backend, case):
     w = backend.to_numpy(attention.attention_weights).astype(np.float64)
     want_out, want_w = oracle.dot_product_attention(q, k, v, lens)
     tol = TOL[dtype]
-    np.testing.assert_allclose(backend.to_numpy(out).astype(np.float64), want_out,
-                               rtol=tol, atol=tol * max(1, np.abs(v).max()))
+    np.testing.assert_allclose(
+        backend.to_numpy(out).astype(np.float64),
+        want_out,
+        rtol=tol,
+        atol=tol * max(1, np.abs(v).max()),
+    )
     np.testing.assert_allclose(w, want_w, rtol=tol, atol=tol)
     # weights >= 0; masked positions exactly 0; rows sum to 1, or 0 if fully masked
     valid = np.array(oracle.key_mask(lens, *w.shape).sum(-1))
@@ -67,15 +79,21 @@ def test_permuting_valid_keys_and_values_leaves_output_unchanged(backend, case, 
         lens = lens.max(axis=1)  # one valid region per batch element
     keys = k.shape[1]
     region = keys if lens is None else int(min(lens.min(), keys))
-    perm = np.concatenate([data.draw(st.permutations(range(region))),
-                           np.arange(region, keys)]).astype(int)
+    perm = np.concatenate(
+        [data.draw(st.permutations(range(region))), np.arange(region, keys)]
+    ).astype(int)
     attention = am.DotProductAttention(0.0, backend=backend, dtype=dtype).eval()
     before = backend.to_numpy(attention(*(backend.asarray(a, dtype) for a in (q, k, v)), lens))
-    after = backend.to_numpy(attention(*(backend.asarray(a, dtype) for a in
-                                         (q, k[:, perm], v[:, perm])), lens))
+    after = backend.to_numpy(
+        attention(*(backend.asarray(a, dtype) for a in (q, k[:, perm], v[:, perm])), lens)
+    )
     tol = TOL[dtype]
-    np.testing.assert_allclose(after.astype(np.float64), before.astype(np.float64),
-                               rtol=tol, atol=tol * max(1, np.abs(v).max()))
+    np.testing.assert_allclose(
+        after.astype(np.float64),
+        before.astype(np.float64),
+        rtol=tol,
+        atol=tol * max(1, np.abs(v).max()),
+    )
 
 
 @SETTINGS

@@ -1,6 +1,7 @@
 """The vectorised float64 reference (``attention_multi.reference``), which
 grades every backend in the tests and the report, agrees with a second one
 written with plain loops (tests/loop_oracle.py)."""
+
 import numpy as np
 import pytest
 
@@ -14,26 +15,31 @@ def test_reference_agrees_with_test_oracle(seed):
     rng = np.random.default_rng(seed)
     n = rng.standard_normal
     close = dict(rtol=1e-12, atol=1e-12)
-    lens1 = rng.integers(0, 7, 3)                   # 0 and past-the-end included
+    lens1 = rng.integers(0, 7, 3)  # 0 and past-the-end included
     lens2 = rng.integers(0, 7, (3, 4))
     X = n((3, 4, 5))
     for lens in (None, lens1, lens2):
-        np.testing.assert_allclose(ref.masked_softmax(X, lens),
-                                   oracle.masked_softmax(X, lens), **close)
+        np.testing.assert_allclose(
+            ref.masked_softmax(X, lens), oracle.masked_softmax(X, lens), **close
+        )
     S = n((3, 6))
-    np.testing.assert_allclose(ref.sequence_mask(S, lens1, -1.0),
-                               oracle.sequence_mask(S, lens1, -1.0), **close)
+    np.testing.assert_allclose(
+        ref.sequence_mask(S, lens1, -1.0), oracle.sequence_mask(S, lens1, -1.0), **close
+    )
 
     q, k, v = n((3, 4, 6)), n((3, 5, 6)), n((3, 5, 2))
     for lens in (None, lens1, lens2):
-        for mine, theirs in zip(ref.dot_product_attention(q, k, v, lens),
-                                oracle.dot_product_attention(q, k, v, lens)):
+        for mine, theirs in zip(
+            ref.dot_product_attention(q, k, v, lens), oracle.dot_product_attention(q, k, v, lens)
+        ):
             np.testing.assert_allclose(mine, theirs, **close)
 
     add = {"W_q.weight": n((7, 6)), "W_k.weight": n((7, 3)), "w_v.weight": n((1, 7))}
     keys = n((3, 5, 3))
-    for mine, theirs in zip(ref.additive_attention(add, q, keys, v, lens2),
-                            oracle.additive_attention(add, q, keys, v, lens2)):
+    for mine, theirs in zip(
+        ref.additive_attention(add, q, keys, v, lens2),
+        oracle.additive_attention(add, q, keys, v, lens2),
+    ):
         np.testing.assert_allclose(mine, theirs, **close)
 
     for bias in (False, True):
@@ -44,48 +50,53 @@ def test_reference_agrees_with_test_oracle(seed):
                 mha[f"{name}.bias"] = n(8)
         for lens in (None, lens1, lens2):
             for mine, theirs in zip(
-                    ref.multi_head_attention(mha, q, keys, v, lens, 4),
-                    oracle.multi_head_attention(mha, q, keys, v, lens, 4)):
+                ref.multi_head_attention(mha, q, keys, v, lens, 4),
+                oracle.multi_head_attention(mha, q, keys, v, lens, 4),
+            ):
                 np.testing.assert_allclose(mine, theirs, **close)
 
     P = n((2, 9, 6))
-    np.testing.assert_allclose(ref.positional_encoding(P),
-                               oracle.positional_encoding(P), **close)
+    np.testing.assert_allclose(ref.positional_encoding(P), oracle.positional_encoding(P), **close)
 
     x, y, xq = np.sort(rng.random(8) * 5), n(8), rng.random(5) * 5
-    np.testing.assert_allclose(ref.nadaraya_watson(x, y, xq, 1.3)[0],
-                               oracle.nadaraya_watson(x, y, xq, 1.3), **close)
+    np.testing.assert_allclose(
+        ref.nadaraya_watson(x, y, xq, 1.3)[0], oracle.nadaraya_watson(x, y, xq, 1.3), **close
+    )
     keys, values = n((5, 4)), n((5, 4))
-    np.testing.assert_allclose(ref.nw_kernel_regression(1.3, xq, keys, values),
-                               oracle.nw_kernel_regression(1.3, xq, keys, values),
-                               **close)
+    np.testing.assert_allclose(
+        ref.nw_kernel_regression(1.3, xq, keys, values),
+        oracle.nw_kernel_regression(1.3, xq, keys, values),
+        **close,
+    )
 
 
 def test_reference_seed_example():
     """Seed 000: keys of ones give exactly the mean of the valid values."""
     queries = np.random.default_rng(0).standard_normal((2, 1, 2))
     values = np.tile(np.arange(40.0).reshape(1, 10, 4), (2, 1, 1))
-    out, weights = ref.dot_product_attention(queries, np.ones((2, 10, 2)), values,
-                                             np.array([2, 6]))
+    out, weights = ref.dot_product_attention(queries, np.ones((2, 10, 2)), values, np.array([2, 6]))
     np.testing.assert_allclose(out, [[[2, 3, 4, 5]], [[10, 11, 12, 13]]], atol=1e-12)
     np.testing.assert_allclose(weights[1, 0], [1 / 6] * 6 + [0] * 4, atol=1e-15)
-
-
 
 
 def _forms(rng, B, H, Q, K):
     """Every masking form of the modern API, alone and combined."""
     mask = rng.random((B, 1, Q, K)) < 0.7
-    mask[0, 0, 1] = False                            # a row with no allowed key
+    mask[0, 0, 1] = False  # a row with no allowed key
     bias = rng.normal(size=(B, H, Q, K))
     bias[1, 0, 2, :3] = -np.inf
     return {
-        "none": {}, "lens": dict(valid_lens=rng.integers(0, K + 2, (B, Q))),
-        "mask": dict(mask=mask), "bias": dict(bias=bias), "causal": dict(causal=True),
-        "window": dict(window=(2, 1)), "window_int": dict(window=1),
+        "none": {},
+        "lens": dict(valid_lens=rng.integers(0, K + 2, (B, Q))),
+        "mask": dict(mask=mask),
+        "bias": dict(bias=bias),
+        "causal": dict(causal=True),
+        "window": dict(window=(2, 1)),
+        "window_int": dict(window=1),
         "left_only": dict(window=(1, None)),
-        "all": dict(valid_lens=rng.integers(0, K + 2, B), mask=mask, bias=bias,
-                    causal=True, window=(3, 0)),
+        "all": dict(
+            valid_lens=rng.integers(0, K + 2, B), mask=mask, bias=bias, causal=True, window=(3, 0)
+        ),
     }
 
 
@@ -96,8 +107,7 @@ def test_modern_forms_agree_with_loop_oracle(shape):
     rng = np.random.default_rng(sum(shape))
     q, k, v = (rng.normal(size=s) for s in ((B, H, Q, 3), (B, Hkv, K, 3), (B, Hkv, K, 2)))
     for name, form in _forms(rng, B, H, Q, K).items():
-        full = {n: np.broadcast_to(form[n], (B, H, Q, K)) for n in ("mask", "bias")
-                if n in form}
+        full = {n: np.broadcast_to(form[n], (B, H, Q, K)) for n in ("mask", "bias") if n in form}
         mine = ref.attention(q, k, v, **form)
         theirs = oracle.attention(q, k, v, **{**form, **full})
         for a, b in zip(mine, theirs):
@@ -110,15 +120,18 @@ def test_modern_forms_bottom_right_examples():
     assert ok.tolist() == [[True, True, True, False], [True, True, True, True]]
     ok = ref.allowed_keys(1, 1, 2, 4, window=(1, 0))[0, 0]
     assert ok.tolist() == [[False, True, True, False], [False, False, True, True]]
-    ok = ref.allowed_keys(1, 1, 3, 2, causal=True)[0, 0]   # first query sees nothing
+    ok = ref.allowed_keys(1, 1, 3, 2, causal=True)[0, 0]  # first query sees nothing
     assert ok.tolist() == [[False, False], [True, False], [True, True]]
 
 
 def test_attention_gradients_match_central_differences():
     rng = np.random.default_rng(5)
     B, H, Hkv, Q, K = 2, 4, 2, 3, 4
-    q, k, v = rng.normal(size=(B, H, Q, 3)), rng.normal(size=(B, Hkv, K, 3)), \
-        rng.normal(size=(B, Hkv, K, 2))
+    q, k, v = (
+        rng.normal(size=(B, H, Q, 3)),
+        rng.normal(size=(B, Hkv, K, 3)),
+        rng.normal(size=(B, Hkv, K, 2)),
+    )
     g = rng.normal(size=(B, H, Q, 2))
     for name, form in _forms(rng, B, H, Q, K).items():
         bias = np.array(np.broadcast_to(form.get("bias", 0.0), (B, H, Q, K)))

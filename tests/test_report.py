@@ -1,4 +1,5 @@
 """``attention-multi report`` end to end, and its reference against tests/oracle.py."""
+
 import importlib.metadata
 import importlib.util
 import os
@@ -13,24 +14,34 @@ import pytest
 import backends
 from attention_multi.cli.report import MECHANISMS
 
-
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-FIGURES = ("heatmap_additive.png", "heatmap_dot_product.png",
-           "heatmap_multihead.png", "nadaraya_watson.png")
+FIGURES = (
+    "heatmap_additive.png",
+    "heatmap_dot_product.png",
+    "heatmap_multihead.png",
+    "nadaraya_watson.png",
+)
 
 
 # -- the command, end to end ------------------------------------------------------
 
+
 def run_report(*args, pythonpath=()):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(ROOT),
-                                         env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, pythonpath), str(ROOT), env.get("PYTHONPATH", "")]
+    )
     for name in ("ATTENTION_MULTI_BACKEND", "ATTENTION_MULTI_DEVICE"):
         env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "attention_multi", "report", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "attention_multi", "report", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def importable(name):
@@ -51,8 +62,7 @@ RUNNABLE = [n for n in backends.BACKEND_NAMES if importable(n)]
 def table_cells(text, dtype):
     """{mechanism: {column: cell}} of the ``dtype`` table in the printed report."""
     block = text.split(f"### {dtype}\n", 1)[1].strip().split("\n\n", 1)[0]
-    rows = [[c.strip() for c in line.strip("|").split("|")]
-            for line in block.splitlines()]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()]
     header, body = rows[0], rows[2:]
     return {row[0]: dict(zip(header[1:], row[1:])) for row in body}
 
@@ -73,7 +83,7 @@ def test_report_passes_on_every_installed_backend(full_run):
             assert sorted(row) == sorted(f"{n}/cpu" for n in RUNNABLE)
             assert all(cell.endswith(" ok") for cell in row.values()), (mech, row)
     assert "All " in result.stdout and "cells pass" in result.stdout
-    for name in RUNNABLE:     # progress on stderr, one line per backend/device
+    for name in RUNNABLE:  # progress on stderr, one line per backend/device
         assert f"report: running {name}/cpu" in result.stderr
 
 
@@ -86,7 +96,7 @@ def test_report_lists_every_backend_and_device(full_run):
             if name in RUNNABLE:
                 assert f"{name}/cpu" in text
                 if name != "numpy" and "cuda (" not in text:
-                    assert "cuda not available" in text    # no GPU: listed, not failed
+                    assert "cuda not available" in text  # no GPU: listed, not failed
             elif installed_but_broken(name):
                 assert f"- {name}: installed but fails to import" in text
             else:
@@ -103,7 +113,7 @@ def test_report_md_has_tables_and_versions(full_run):
         except importlib.metadata.PackageNotFoundError:
             assert f"{dist} not installed" in md
     for mech in MECHANISMS:
-        assert md.count(f"| {mech} ") == 2        # float32 and float64 tables
+        assert md.count(f"| {mech} ") == 2  # float32 and float64 tables
     assert "## Forward time" in md
     for name in RUNNABLE:
         assert f"| {name}/cpu " in md.split("## Forward time")[1]
@@ -113,6 +123,7 @@ def test_report_figures_are_valid_pngs(full_run):
     result, out = full_run
     pytest.importorskip("matplotlib")
     import matplotlib.image
+
     md = (out / "report.md").read_text()
     for name in FIGURES:
         data = (out / name).read_bytes()
@@ -127,8 +138,9 @@ def test_report_figures_are_valid_pngs(full_run):
 def test_planted_disagreement_fails(tmp_path):
     planted = next((n for n in RUNNABLE if n != "numpy"), "numpy")
     names = ",".join(dict.fromkeys(["numpy", planted]))
-    result = run_report("--backends", names, "--devices", "cpu", "--plant", planted,
-                        "--out", str(tmp_path))
+    result = run_report(
+        "--backends", names, "--devices", "cpu", "--plant", planted, "--out", str(tmp_path)
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     for dtype in ("float32", "float64"):
         cells = table_cells(result.stdout, dtype)
@@ -141,10 +153,11 @@ def test_planted_disagreement_fails(tmp_path):
     assert "FAIL" in md and f"Planted disagreement (self-test): 0.01 added to every {planted}" in md
 
 
-@pytest.mark.parametrize("missing", [n for n in backends.BACKEND_NAMES
-                                     if n not in backends.available_backends()]
-                         or [pytest.param("mxnet", marks=pytest.mark.skip(
-                             reason="every backend is installed here"))])
+@pytest.mark.parametrize(
+    "missing",
+    [n for n in backends.BACKEND_NAMES if n not in backends.available_backends()]
+    or [pytest.param("mxnet", marks=pytest.mark.skip(reason="every backend is installed here"))],
+)
 def test_uninstalled_backend_is_listed_with_its_extra(tmp_path, missing):
     result = run_report("--backends", f"numpy,{missing}", "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -159,20 +172,22 @@ def test_broken_backend_is_listed_with_the_reason(tmp_path):
     """A framework that is found but fails to import (as mxnet on numpy 2)."""
     shadow = tmp_path / "shadow"
     (shadow / "mxnet").mkdir(parents=True)
-    (shadow / "mxnet" / "__init__.py").write_text(
-        "raise ImportError('simulated broken mxnet')\n")
-    result = run_report("--backends", "numpy,mxnet", "--out", str(tmp_path / "out"),
-                        pythonpath=[shadow])
+    (shadow / "mxnet" / "__init__.py").write_text("raise ImportError('simulated broken mxnet')\n")
+    result = run_report(
+        "--backends", "numpy,mxnet", "--out", str(tmp_path / "out"), pythonpath=[shadow]
+    )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert ("- mxnet: installed but fails to import (ImportError: simulated broken "
-            "mxnet)") in result.stdout
+    assert (
+        "- mxnet: installed but fails to import (ImportError: simulated broken mxnet)"
+    ) in result.stdout
 
 
 def test_runs_without_matplotlib(tmp_path):
     shadow = tmp_path / "shadow"
     (shadow / "matplotlib").mkdir(parents=True)
     (shadow / "matplotlib" / "__init__.py").write_text(
-        "raise ImportError('simulated: no matplotlib')\n")
+        "raise ImportError('simulated: no matplotlib')\n"
+    )
     out = tmp_path / "out"
     result = run_report("--backends", "numpy", "--out", str(out), pythonpath=[shadow])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -181,11 +196,14 @@ def test_runs_without_matplotlib(tmp_path):
     assert "numpy/cpu" in md and not list(out.glob("*.png"))
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--backends", "numpy,tensorflow"], ["--backends", "'tensorflow'", "numpy, torch"]),
-    (["--devices", "tpu"], ["--devices", "'tpu'", "cuda"]),
-    (["--backends", "numpy", "--plant", "torch"], ["--plant torch", "--backends numpy"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--backends", "numpy,tensorflow"], ["--backends", "'tensorflow'", "numpy, torch"]),
+        (["--devices", "tpu"], ["--devices", "'tpu'", "cuda"]),
+        (["--backends", "numpy", "--plant", "torch"], ["--plant torch", "--backends numpy"]),
+    ],
+)
 def test_bad_arguments_are_named(tmp_path, args, words):
     result = run_report(*args, "--out", str(tmp_path))
     assert result.returncode == 2
@@ -196,12 +214,16 @@ def test_bad_arguments_are_named(tmp_path, args, words):
 def test_multi_head_heatmap_labels_each_row_with_its_batch_element():
     pytest.importorskip("matplotlib").use("Agg")
     from attention_multi.cli.report.render import multi_head_heatmaps
-    weights = np.random.default_rng(0).random((3 * 2, 4, 5))      # batch 3, 2 heads
+
+    weights = np.random.default_rng(0).random((3 * 2, 4, 5))  # batch 3, 2 heads
     fig = multi_head_heatmaps(weights, 2, [1, 5, 2])
-    grid = [ax for ax in fig.axes if ax.get_images()]              # not the colorbar
+    grid = [ax for ax in fig.axes if ax.get_images()]  # not the colorbar
     assert len(grid) == 6
     labels = [ax.get_ylabel() for ax in grid]
-    assert labels[0::2] == ["batch 0 (valid_len 1)\nQueries", "batch 1 (valid_len 5)\nQueries",
-                            "batch 2 (valid_len 2)\nQueries"]
+    assert labels[0::2] == [
+        "batch 0 (valid_len 1)\nQueries",
+        "batch 1 (valid_len 5)\nQueries",
+        "batch 2 (valid_len 2)\nQueries",
+    ]
     assert labels[1::2] == ["", "", ""]
     assert [ax.get_title() for ax in grid[:2]] == ["Head 1", "Head 2"]

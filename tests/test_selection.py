@@ -1,5 +1,6 @@
 """Choosing the backend and the device: env vars, set_backend, use_backend,
 backend=, array types, and lazy imports."""
+
 import subprocess
 import sys
 import threading
@@ -26,15 +27,21 @@ def test_env_var_picks_the_default(monkeypatch, backend):
 
 def test_env_var_unknown_name_lists_choices(monkeypatch):
     monkeypatch.setenv("ATTENTION_MULTI_BACKEND", "tensorflow")
-    with pytest.raises(ValueError, match=r"ATTENTION_MULTI_BACKEND='tensorflow'.*"
-                                         r"numpy, torch, jax, mxnet"):
+    with pytest.raises(
+        ValueError,
+        match=r"ATTENTION_MULTI_BACKEND='tensorflow'.*"
+        r"numpy, torch, jax, mxnet",
+    ):
         am.get_backend()
 
 
 @pytest.mark.parametrize("bad", ["tensorflow", "", "torch2"])
 def test_unknown_names_everywhere(bad):
-    for call in (am.set_backend, backends.get_backend,
-                 lambda n: am.DotProductAttention(0.0, backend=n)):
+    for call in (
+        am.set_backend,
+        backends.get_backend,
+        lambda n: am.DotProductAttention(0.0, backend=n),
+    ):
         with pytest.raises(ValueError, match=f"unknown backend {bad!r}"):
             call(bad)
     with pytest.raises(ValueError, match="valid choices"):
@@ -49,7 +56,7 @@ def test_aliases():
 
 
 def test_uninstalled_backend_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jax", None)   # makes `import jax` fail
+    monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` fail
     monkeypatch.delitem(backends._loaded, "jax", raising=False)
     monkeypatch.delitem(sys.modules, "backends.jax_backend", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'attention-multi\[jax\]'"):
@@ -112,9 +119,17 @@ def test_available_backends_lists_installed_ones():
     assert names[0] == "numpy" and set(names) <= set(backends.BACKEND_NAMES)
 
 
-@pytest.mark.parametrize("name, parsed", [
-    ("cpu", ("cpu", 0)), ("cuda", ("cuda", 0)), ("cuda:1", ("cuda", 1)),
-    ("gpu", ("cuda", 0)), ("GPU:2", ("cuda", 2)), (" cpu ", ("cpu", 0))])
+@pytest.mark.parametrize(
+    "name, parsed",
+    [
+        ("cpu", ("cpu", 0)),
+        ("cuda", ("cuda", 0)),
+        ("cuda:1", ("cuda", 1)),
+        ("gpu", ("cuda", 0)),
+        ("GPU:2", ("cuda", 2)),
+        (" cpu ", ("cpu", 0)),
+    ],
+)
 def test_device_names(name, parsed):
     assert config.parse_device(name) == parsed
 
@@ -140,30 +155,31 @@ def test_absent_device_is_named(backend):
 
 
 def _imported_after(code):
-    script = (f"import sys\n{code}\n"
-              "print(','.join(m for m in ('torch', 'jax', 'mxnet') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True)
+    script = (
+        f"import sys\n{code}\n"
+        "print(','.join(m for m in ('torch', 'jax', 'mxnet') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
 
 def test_import_with_numpy_imports_no_framework():
-    code = ("import numpy as np, attention_multi as am\n"
-            "import backends\n"
-            "am.available_backends()\n"
-            "x = np.ones((1, 2, 3))\n"
-            "assert backends.get_backend(x).name == 'numpy'\n"
-            "am.DotProductAttention(0.0)(x, x, x, np.array([1])).sum()")
+    code = (
+        "import numpy as np, attention_multi as am\n"
+        "import backends\n"
+        "am.available_backends()\n"
+        "x = np.ones((1, 2, 3))\n"
+        "assert backends.get_backend(x).name == 'numpy'\n"
+        "am.DotProductAttention(0.0)(x, x, x, np.array([1])).sum()"
+    )
     assert _imported_after(code) == ""
 
 
 def test_mxnet_imports_after_attention_multi():
     """The README's promise, as a user writes it: on numpy 1.24-1.26 (where
     numpy.bool is gone) mxnet imports after attention_multi."""
-    load_backend("mxnet")     # skips (or fails where required) without MXNet
-    code = ("import attention_multi\n"
-            "from mxnet import np\n"
-            "print(np.ones((2,)).sum())")
+    load_backend("mxnet")  # skips (or fails where required) without MXNet
+    code = "import attention_multi\nfrom mxnet import np\nprint(np.ones((2,)).sum())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "2.0"
@@ -177,11 +193,25 @@ def test_a_backend_imports_only_its_framework(backend):
 @pytest.mark.parametrize("required, outcome", [("jax", "1 error"), ("", "1 skipped")])
 def test_require_turns_a_missing_backend_into_a_failure(tmp_path, required, outcome):
     (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['jax'] = None\n")
-    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path),
-           "ATTENTION_MULTI_REQUIRE": required}
+    env = {
+        **__import__("os").environ,
+        "PYTHONPATH": str(tmp_path),
+        "ATTENTION_MULTI_REQUIRE": required,
+    }
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_backends.py::test_is_a_backend_with_its_name[jax]"],
-        cwd=root, env=env, capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_backends.py::test_is_a_backend_with_its_name[jax]",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert outcome in result.stdout, result.stdout

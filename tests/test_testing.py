@@ -1,5 +1,6 @@
 """attention_multi.testing: ``assert_close`` across frameworks, and the pytest
 plugin (run in subprocesses on small temporary test files)."""
+
 import os
 import subprocess
 import sys
@@ -19,10 +20,11 @@ PLUGIN = "attention_multi.testing.plugin"
 
 # ---- assert_close ----
 
+
 def test_close_arrays_of_any_backend_pass(backend):
     x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
     assert_close(am.asarray(x, backend=backend), x)
-    assert_close(x, am.asarray(x + 5e-6, backend=backend))   # float32: atol 1e-5
+    assert_close(x, am.asarray(x + 5e-6, backend=backend))  # float32: atol 1e-5
     assert_close(am.asarray(x, backend=backend), am.asarray(x, backend=backend))
     assert_close(x.tolist(), am.asarray(x, backend=backend))
     y = x.copy()
@@ -36,8 +38,13 @@ def test_message_shows_where_they_differ(backend):
     actual = expected.copy()
     actual[1, 2, 0], actual[0, 0, 1] = 0.5, -0.01
     with pytest.raises(AssertionError) as info:
-        assert_close(am.asarray(actual, dtype="float32", backend=backend), expected,
-                     rtol=0, atol=1e-3, msg="decoder output")
+        assert_close(
+            am.asarray(actual, dtype="float32", backend=backend),
+            expected,
+            rtol=0,
+            atol=1e-3,
+            msg="decoder output",
+        )
     lines = str(info.value).splitlines()
     assert lines == [
         "decoder output: arrays are not close (rtol=0, atol=0.001): 2 of 24 elements "
@@ -57,13 +64,16 @@ def test_relative_tolerance_and_relative_difference():
     assert "1 of 2 elements differ (50%)" in msg
     assert "worst at index (1,): actual 1.01, expected 1.0" in msg
     assert "max rel diff 0.01" in msg
-    assert "actual: numpy" not in msg   # same framework and dtype: no such line
+    assert "actual: numpy" not in msg  # same framework and dtype: no such line
 
 
 def test_shapes_and_dtypes_are_named():
-    with pytest.raises(AssertionError, match=r"^shapes differ: actual \(2, 3\), expected "
-                                             r"\(3, 2\)\nactual: numpy float32 \(2, 3\); "
-                                             r"expected: numpy float32 \(3, 2\)$"):
+    with pytest.raises(
+        AssertionError,
+        match=r"^shapes differ: actual \(2, 3\), expected "
+        r"\(3, 2\)\nactual: numpy float32 \(2, 3\); "
+        r"expected: numpy float32 \(3, 2\)$",
+    ):
         assert_close(np.zeros((2, 3), "float32"), np.zeros((3, 2), "float32"))
     assert_close(np.zeros(3, "float32"), np.zeros(3, "float64"))
     with pytest.raises(AssertionError, match="dtypes differ: actual float32, expected float64"):
@@ -80,7 +90,7 @@ def test_nan_and_infinity():
         assert_close([1.0, np.nan, 3.0], [1.0, np.nan, 3.5])
     msg = str(info.value)
     assert "2 of 3 elements differ" in msg
-    assert "worst at index (1,): actual nan, expected nan" in msg   # NaN ranks first
+    assert "worst at index (1,): actual nan, expected nan" in msg  # NaN ranks first
     assert "max abs diff 0.5, max rel diff 0.143; 1 NaN or infinite differences" in msg
     assert_close([1.0, np.nan], [1.0, np.nan], equal_nan=True)
 
@@ -93,7 +103,7 @@ def test_default_tolerances_follow_the_least_precise_dtype():
     assert default_tolerances("int64", "bool") == (0.0, 0.0)
     assert_close(np.float16(1.0), 1.0005)
     with pytest.raises(AssertionError, match=r"rtol=0, atol=0\)"):
-        assert_close([1, 2], [1, 3])   # integers: exact
+        assert_close([1, 2], [1, 3])  # integers: exact
     assert_close(np.float32(1.0), 1.0 + 1e-6)
 
 
@@ -101,8 +111,11 @@ def test_bfloat16_is_compared_as_float32():
     torch = pytest.importorskip("torch")
     x = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
     assert_close(x, [1.0, 2.5], check_dtype=False)
-    with pytest.raises(AssertionError, match=r"rtol=0.016, atol=1e-05\).*\n.*\n.*\n"
-                                             r"actual: torch bfloat16 \(2,\)"):
+    with pytest.raises(
+        AssertionError,
+        match=r"rtol=0.016, atol=1e-05\).*\n.*\n.*\n"
+        r"actual: torch bfloat16 \(2,\)",
+    ):
         assert_close(x, [1.0, 2.6])
 
 
@@ -153,17 +166,38 @@ def test_own(backend):
 
 def run_pytest(folder, *args, pythonpath=()):
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), str(REPO)]
-                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [*map(str, pythonpath), str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p]
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", PLUGIN, "-v", "-rs",
-         "-W", "ignore::DeprecationWarning", *args],
-        cwd=folder, env=env, capture_output=True, text=True, timeout=300)
-    outcomes = {}   # from the -v lines: "test_user.py::test_parity[jax] SKIPPED (...)"
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            PLUGIN,
+            "-v",
+            "-rs",
+            "-W",
+            "ignore::DeprecationWarning",
+            *args,
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    outcomes = {}  # from the -v lines: "test_user.py::test_parity[jax] SKIPPED (...)"
     for line in result.stdout.splitlines():
         words = line.split()
-        if len(words) >= 2 and "::" in words[0] and words[1] in (
-                "PASSED", "FAILED", "SKIPPED", "ERROR"):
+        if (
+            len(words) >= 2
+            and "::" in words[0]
+            and words[1] in ("PASSED", "FAILED", "SKIPPED", "ERROR")
+        ):
             outcomes[words[0]] = words[1]
     return result, outcomes
 
@@ -178,14 +212,18 @@ def user_suite(tmp_path):
 
 
 def test_plugin_runs_each_test_on_every_installed_backend(user_suite):
-    pytest.importorskip("torch")   # the suite's own conftest uses it
+    pytest.importorskip("torch")  # the suite's own conftest uses it
     result, outcomes = run_pytest(user_suite)
     installed = backends.available_backends()
     want = {f"test_user.py::test_parity[{n}]": "PASSED" for n in installed}
-    want.update({"test_user.py::test_parametrizes_backend_itself[mine]": "PASSED",
-                 "test_user.py::test_without_backend": "PASSED",
-                 "own/test_own.py::test_own[numpy]": "PASSED",
-                 "own/test_own.py::test_own[torch]": "PASSED"})
+    want.update(
+        {
+            "test_user.py::test_parametrizes_backend_itself[mine]": "PASSED",
+            "test_user.py::test_without_backend": "PASSED",
+            "own/test_own.py::test_own[numpy]": "PASSED",
+            "own/test_own.py::test_own[torch]": "PASSED",
+        }
+    )
     assert outcomes == want, result.stdout + result.stderr
     assert result.returncode == 0
 
@@ -198,7 +236,7 @@ def test_plugin_option_chooses_backends(user_suite):
         "test_user.py::test_parity[torch]": "PASSED",
         "test_user.py::test_parametrizes_backend_itself[mine]": "PASSED",
         "test_user.py::test_without_backend": "PASSED",
-        "own/test_own.py::test_own[numpy]": "PASSED",    # the suite's own fixture wins
+        "own/test_own.py::test_own[numpy]": "PASSED",  # the suite's own fixture wins
         "own/test_own.py::test_own[torch]": "PASSED",
     }, result.stdout + result.stderr
     assert "--am-backends=NAMES" in run_pytest(user_suite, "--help")[0].stdout
@@ -210,16 +248,20 @@ def test_plugin_unusable_backend_skips_unless_asked_for(tmp_path):
     (tmp_path / "test_user.py").write_text(USER_TESTS)
     (tmp_path / "fake" / "jax").mkdir(parents=True)
     (tmp_path / "fake" / "jax" / "__init__.py").write_text(
-        "raise ImportError('broken on purpose')\n")
+        "raise ImportError('broken on purpose')\n"
+    )
     fake = [tmp_path / "fake"]
     result, outcomes = run_pytest(tmp_path, "-k", "test_parity", pythonpath=fake)
     assert outcomes["test_user.py::test_parity[jax]"] == "SKIPPED", result.stdout
     assert "backend 'jax' cannot be used" in result.stdout and "broken on purpose" in result.stdout
     assert result.returncode == 0
-    result, outcomes = run_pytest(tmp_path, "-k", "test_parity", "--am-backends=numpy,jax",
-                                  pythonpath=fake)
-    assert outcomes == {"test_user.py::test_parity[numpy]": "PASSED",
-                        "test_user.py::test_parity[jax]": "ERROR"}, result.stdout
+    result, outcomes = run_pytest(
+        tmp_path, "-k", "test_parity", "--am-backends=numpy,jax", pythonpath=fake
+    )
+    assert outcomes == {
+        "test_user.py::test_parity[numpy]": "PASSED",
+        "test_user.py::test_parity[jax]": "ERROR",
+    }, result.stdout
     assert "--am-backends asks for 'jax', which cannot be used" in result.stdout
     assert result.returncode == 1
 
@@ -227,15 +269,18 @@ def test_plugin_unusable_backend_skips_unless_asked_for(tmp_path):
 def test_plugin_rejects_unknown_backend_names(tmp_path):
     (tmp_path / "test_user.py").write_text(USER_TESTS)
     result, _ = run_pytest(tmp_path, "--am-backends=torch,tensorflow")
-    assert result.returncode == 4   # pytest's usage error
-    assert ("--am-backends=torch,tensorflow: unknown backend 'tensorflow'; valid choices: "
-            "numpy, torch, jax, mxnet") in result.stderr
+    assert result.returncode == 4  # pytest's usage error
+    assert (
+        "--am-backends=torch,tensorflow: unknown backend 'tensorflow'; valid choices: "
+        "numpy, torch, jax, mxnet"
+    ) in result.stderr
 
 
 def test_plugin_entry_point_is_declared():
-    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["pytest11"] == {PLUGIN: PLUGIN}
     import importlib
+
     module = importlib.import_module(PLUGIN)
     assert callable(module.pytest_addoption) and hasattr(module, "backend")

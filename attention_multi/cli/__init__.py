@@ -2,6 +2,7 @@
 
 The tools sit on top of the library and import it; the library never imports them.
 """
+
 import argparse
 import sys
 
@@ -10,7 +11,7 @@ import backends
 from ..files import WriteError
 from . import bench, port, report
 
-EXIT_INTERRUPTED = 130   # the shell's 128 + SIGINT
+EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT
 
 
 def _info(args):
@@ -36,20 +37,29 @@ def _info(args):
 
 COMMANDS = {
     "info": (None, "list installed backends and devices", None, _info),
-    "report": (report, "check every mechanism on every backend against a float64 "
-                       "reference; write report.md and figures", None, report.main),
-    "bench": (bench, "time attention against each framework's own; peak memory",
-              None, bench.main),
-    "port": (port, "convert an MXNet Gluon .params file to PyTorch or NumPy",
-             "Convert an MXNet Gluon .params file (block.save_parameters) to a PyTorch "
-             "state_dict or a NumPy archive; MXNet is not needed.", port.main),
+    "report": (
+        report,
+        "check every mechanism on every backend against a float64 "
+        "reference; write report.md and figures",
+        None,
+        report.main,
+    ),
+    "bench": (bench, "time attention against each framework's own; peak memory", None, bench.main),
+    "port": (
+        port,
+        "convert an MXNet Gluon .params file to PyTorch or NumPy",
+        "Convert an MXNet Gluon .params file (block.save_parameters) to a PyTorch "
+        "state_dict or a NumPy archive; MXNet is not needed.",
+        port.main,
+    ),
 }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="attention-multi",
-        description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.")
+        description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.",
+    )
     sub = parser.add_subparsers(dest="command")
     for name, (module, help_text, description, _) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=description)
@@ -60,10 +70,9 @@ def main(argv=None):
     module, _, _, run = COMMANDS[name]
     try:
         return run(args)
-    except WriteError as exc:     # every command's files go through atomic_write
+    except WriteError as exc:  # every command's files go through atomic_write
         print(f"attention-multi {name}: error: {exc}", file=sys.stderr)
         return module.EXIT_CANNOT_WRITE
-    except KeyboardInterrupt:     # atomic_write has removed its partial file
-        print(f"attention-multi {name}: interrupted; no partial file was left",
-              file=sys.stderr)
+    except KeyboardInterrupt:  # atomic_write has removed its partial file
+        print(f"attention-multi {name}: interrupted; no partial file was left", file=sys.stderr)
         return EXIT_INTERRUPTED

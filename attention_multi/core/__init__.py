@@ -3,13 +3,33 @@
 once against the backend protocol. Argument checks are in ``checks.py``
 (constructor arguments: ``check_positive_int``, ``check_dropout``,
 ``check_bool``, ``check_choice``...)."""
-from .attend import (DEFAULT_MEMORY_BUDGET, PATHS, attend, check_path_options,
-                     zeros_for_empty)
-from .checks import (check_bool, check_choice, check_divides, check_dropout,
-                     check_nonnegative_int, check_positive_int)
+
+from .attend import DEFAULT_MEMORY_BUDGET, PATHS, attend, check_path_options, zeros_for_empty
+from .checks import (
+    check_bool,
+    check_choice,
+    check_divides,
+    check_dropout,
+    check_nonnegative_int,
+    check_positive_int,
+)
 from .masking import Mask, compute_dtype, fill_value, make_mask, masked_softmax
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "PATHS", "Mask", "attend", "check_bool",
-           "check_choice", "check_divides", "check_dropout", "check_nonnegative_int",
-           "check_path_options", "check_positive_int",
-           "compute_dtype", "fill_value", "make_mask", "masked_softmax", "zeros_for_empty"]
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "PATHS",
+    "Mask",
+    "attend",
+    "check_bool",
+    "check_choice",
+    "check_divides",
+    "check_dropout",
+    "check_nonnegative_int",
+    "check_path_options",
+    "check_positive_int",
+    "compute_dtype",
+    "fill_value",
+    "make_mask",
+    "masked_softmax",
+    "zeros_for_empty",
+]

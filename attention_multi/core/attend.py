@@ -1,4 +1,5 @@
 """``attend``: scaled dot-product attention on checked arrays, on the path it picks."""
+
 import math
 
 from . import paths
@@ -13,9 +14,11 @@ PATHS = ("auto", "fused", "tiled", "chunked", "full")
 
 def check_path_options(path, memory_budget, chunk_size):
     """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
-    return (check_choice("path", path, PATHS),
-            check_positive_int("memory_budget", memory_budget, allow_none=True),
-            check_positive_int("chunk_size", chunk_size, allow_none=True))
+    return (
+        check_choice("path", path, PATHS),
+        check_positive_int("memory_budget", memory_budget, allow_none=True),
+        check_positive_int("chunk_size", chunk_size, allow_none=True),
+    )
 
 
 def zeros_for_empty(B, shape, like, *inputs):
@@ -37,8 +40,20 @@ one kernel call over all the scores: they skip padding, causal or window
 blocks no query sees, and each tile costs ``Backend.kernel_call_cost`` more."""
 
 
-def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
-           path="auto", memory_budget=None, chunk_size=None):
+def attend(
+    B,
+    queries,
+    keys,
+    values,
+    mask,
+    *,
+    scale=None,
+    dropout=0.0,
+    key=None,
+    path="auto",
+    memory_budget=None,
+    chunk_size=None,
+):
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
@@ -84,7 +99,7 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     function is called.
     """
     if path not in PATHS:
-        check_path_options(path, memory_budget, chunk_size)   # raises
+        check_path_options(path, memory_budget, chunk_size)  # raises
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
     batch, heads, num_q = queries.shape[:3]
@@ -93,9 +108,8 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     def kept():
         return paths.weights(B, queries, keys, mask, scale)
 
-    if 0 in (batch, heads, num_q, num_k):   # nothing to attend: no kernel is called
-        out = zeros_for_empty(B, (batch, heads, num_q, values.shape[-1]), queries, keys,
-                              values)
+    if 0 in (batch, heads, num_q, num_k):  # nothing to attend: no kernel is called
+        out = zeros_for_empty(B, (batch, heads, num_q, values.shape[-1]), queries, keys, values)
         weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
         return out, weights, "empty"
     plan = None
@@ -103,32 +117,42 @@ def attend(B, queries, keys, values, mask, *, scale=None, dropout=0.0, key=None,
     # on whether values are traced, so that jit and eager calls agree)
     # (a framework that compiles per shape would compile each tile's shape:
     # "auto" takes its tiles only while traced, where their shapes are static)
-    if path in ("auto", "fused", "tiled") and not (dropout and key is not None) and (
-            path == "tiled" or not B.compiles_per_shape):
+    if (
+        path in ("auto", "fused", "tiled")
+        and not (dropout and key is not None)
+        and (path == "tiled" or not B.compiles_per_shape)
+    ):
         plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
     # (a kernel that skips the masked half of top-left causal attention
     # itself beats tiles that each carry a mask)
     kernel_causal = mask.top_left_causal and B.fused_causal and num_q == num_k
-    if plan is not None and (path == "tiled" or (path == "auto" and not kernel_causal
-                                                 and plan.cost <= TILED_WORK_MAX)):
-        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
-            kept, "tiled"
-    if (path in ("auto", "tiled") and not dropout and mask.intervals
-            and not mask.known_on_host() and B.runtime_cond):
-        return paths.tiled_traced(B, queries, keys, values, mask, scale, budget,
-                                  chunk_size), kept, "tiled"
+    if plan is not None and (
+        path == "tiled" or (path == "auto" and not kernel_causal and plan.cost <= TILED_WORK_MAX)
+    ):
+        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), kept, "tiled"
+    if (
+        path in ("auto", "tiled")
+        and not dropout
+        and mask.intervals
+        and not mask.known_on_host()
+        and B.runtime_cond
+    ):
+        return (
+            paths.tiled_traced(B, queries, keys, values, mask, scale, budget, chunk_size),
+            kept,
+            "tiled",
+        )
     if path in ("auto", "fused") and (not dropout or B.fused_dropout):
-        out = paths.fused(B, queries, keys, values, mask, scale,
-                          None if path == "fused" else budget, dropout)
+        out = paths.fused(
+            B, queries, keys, values, mask, scale, None if path == "fused" else budget, dropout
+        )
         if out is not None:
             return out, kept, "fused"
     if plan is not None:
-        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), \
-            kept, "tiled"
+        return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), kept, "tiled"
     scores_bytes = batch * heads * num_q * num_k * paths.work_itemsize(B, queries)
     if path == "chunked" or (path != "full" and scores_bytes > budget):
-        out = paths.chunked(B, queries, keys, values, mask, scale, budget, chunk_size,
-                            dropout, key)
+        out = paths.chunked(B, queries, keys, values, mask, scale, budget, chunk_size, dropout, key)
         return out, kept, "chunked"
     out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
     return out, weights, "full"

@@ -1,4 +1,5 @@
 """Argument checks: errors name the argument and show shapes and values."""
+
 import numbers
 
 import numpy as np
@@ -17,13 +18,16 @@ def backend_of(**arrays):
         try:
             found[name] = backends.backend_of_array(x)
         except TypeError:
-            raise TypeError(f"{name} must be a numpy, torch, jax or mxnet array, "
-                            f"got {type(x).__name__}") from None
+            raise TypeError(
+                f"{name} must be a numpy, torch, jax or mxnet array, got {type(x).__name__}"
+            ) from None
     names = sorted({b.name for b in found.values()})
     if len(names) > 1:
         listing = ", ".join(f"{n} is {b.name}" for n, b in found.items())
-        raise TypeError(f"arrays of different backends in one call ({listing}); "
-                        f"convert them to one backend first")
+        raise TypeError(
+            f"arrays of different backends in one call ({listing}); "
+            f"convert them to one backend first"
+        )
     return next(iter(found.values()))
 
 
@@ -31,8 +35,9 @@ def check_array(backend, name, x, ndim=None, what=""):
     """TypeError unless ``x`` belongs to ``backend``; ValueError on wrong rank."""
     if not backend.is_array(x):
         other = _backend_name(x)
-        raise TypeError(f"{name} must be a {backend.name} array (the backend of this "
-                        f"call), got {other}")
+        raise TypeError(
+            f"{name} must be a {backend.name} array (the backend of this call), got {other}"
+        )
     if ndim is not None and len(x.shape) != ndim:
         raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(x.shape)}")
 
@@ -69,13 +74,17 @@ def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens", dev
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int)):
             valid_lens = backend.asarray(np.asarray(valid_lens), device=device)
         else:
-            raise TypeError(f"{name} must be a {backend.name} array, a NumPy array "
-                            f"or a list, got {_backend_name(valid_lens)}")
+            raise TypeError(
+                f"{name} must be a {backend.name} array, a NumPy array "
+                f"or a list, got {_backend_name(valid_lens)}"
+            )
     shape = tuple(valid_lens.shape)
     if shape not in ((batch,), (batch, queries)):
-        raise ValueError(f"{name} must have shape ({batch},) (one length per batch "
-                         f"element) or ({batch}, {queries}) (one per query), got "
-                         f"{shape}")
+        raise ValueError(
+            f"{name} must have shape ({batch},) (one length per batch "
+            f"element) or ({batch}, {queries}) (one per query), got "
+            f"{shape}"
+        )
     dtype = backend.dtype_name(valid_lens)
     kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
     if kind not in "iuf":
@@ -102,10 +111,13 @@ def check_window(window):
     if len(sides) != 2:
         raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
     for side in sides:
-        if side is not None and (isinstance(side, (bool, np.bool_))
-                                 or not isinstance(side, numbers.Integral) or side < 0):
-            raise ValueError(f"window must be a non-negative int or a pair (left, "
-                             f"right) of non-negative ints or None, got {window!r}")
+        if side is not None and (
+            isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral) or side < 0
+        ):
+            raise ValueError(
+                f"window must be a non-negative int or a pair (left, "
+                f"right) of non-negative ints or None, got {window!r}"
+            )
     return tuple(None if s is None else int(s) for s in sides)
 
 
@@ -121,23 +133,30 @@ def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
         if isinstance(x, (np.ndarray, np.generic, list, tuple)):
             x = backend.asarray(np.asarray(x), device=device)
         else:
-            raise TypeError(f"{name} must be a {backend.name} array or a NumPy array, "
-                            f"got {_backend_name(x)}")
+            raise TypeError(
+                f"{name} must be a {backend.name} array or a NumPy array, got {_backend_name(x)}"
+            )
     dtype = backend.dtype_name(x)
     if kind == "bool" and dtype != "bool":
-        raise TypeError(f"{name} must be boolean (True = may attend), got dtype {dtype}; "
-                        f"for an additive float mask use bias=")
+        raise TypeError(
+            f"{name} must be boolean (True = may attend), got dtype {dtype}; "
+            f"for an additive float mask use bias="
+        )
     if kind == "float" and dtype not in backend.float_dtypes:
         raise TypeError(f"{name} must have a floating dtype, got {dtype}")
     batch, heads, q, k = shape
     against = shape if heads_axis or len(x.shape) == 4 else (batch, q, k)
     got = tuple(x.shape)
-    if len(got) > len(against) or any(
-            g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
-        names = ("batch", "heads", "queries", "keys")[-len(against):] if heads_axis or \
-            len(against) == 4 else ("batch", "queries", "keys")
-        raise ValueError(f"{name} of shape {got} does not broadcast to "
-                         f"({', '.join(f'{n}={s}' for n, s in zip(names, against))})")
+    if len(got) > len(against) or any(g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
+        names = (
+            ("batch", "heads", "queries", "keys")[-len(against) :]
+            if heads_axis or len(against) == 4
+            else ("batch", "queries", "keys")
+        )
+        raise ValueError(
+            f"{name} of shape {got} does not broadcast to "
+            f"({', '.join(f'{n}={s}' for n, s in zip(names, against))})"
+        )
     full = (1,) * (len(against) - len(got)) + got
     if len(full) == 3:
         full = (full[0], 1) + full[1:]
@@ -148,6 +167,7 @@ def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
 # Every module checks its constructor arguments with these, before it builds
 # anything: TypeError for a value of the wrong type, ValueError for a value out
 # of range; the message names the argument and shows the value (repr).
+
 
 def _is_bool(value):
     return isinstance(value, (bool, np.bool_))
@@ -161,8 +181,7 @@ def check_positive_int(name, value, *, allow_none=False):
         return None
     what = "None or a positive int" if allow_none else "a positive int"
     if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {what}, got {value!r} "
-                        f"(type {type(value).__name__})")
+        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
     if value < 1:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return int(value)
@@ -174,8 +193,7 @@ def check_nonnegative_int(name, value, *, allow_none=False):
         return None
     what = "None or an int >= 0" if allow_none else "an int >= 0"
     if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {what}, got {value!r} "
-                        f"(type {type(value).__name__})")
+        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
     if value < 0:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return int(value)
@@ -184,10 +202,11 @@ def check_nonnegative_int(name, value, *, allow_none=False):
 def check_dropout(name, value):
     """``value`` as a float in [0, 1] (a rate: bools, strings and NaN refused)."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number in [0, 1], got {value!r} "
-                        f"(type {type(value).__name__})")
+        raise TypeError(
+            f"{name} must be a real number in [0, 1], got {value!r} (type {type(value).__name__})"
+        )
     rate = float(value)
-    if not 0.0 <= rate <= 1.0:      # NaN fails both comparisons
+    if not 0.0 <= rate <= 1.0:  # NaN fails both comparisons
         raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
     return rate
 
@@ -195,19 +214,21 @@ def check_dropout(name, value):
 def check_bool(name, value):
     """``value`` as a Python bool (NumPy bools accepted; 0/1 and strings refused)."""
     if not _is_bool(value):
-        raise TypeError(f"{name} must be True or False, got {value!r} "
-                        f"(type {type(value).__name__})")
+        raise TypeError(
+            f"{name} must be True or False, got {value!r} (type {type(value).__name__})"
+        )
     return bool(value)
 
 
 def check_choice(name, value, choices):
     """``value``, one of the strings ``choices``."""
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be one of {', '.join(map(repr, choices))}, "
-                        f"got {value!r} (type {type(value).__name__})")
+        raise TypeError(
+            f"{name} must be one of {', '.join(map(repr, choices))}, "
+            f"got {value!r} (type {type(value).__name__})"
+        )
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, "
-                         f"got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
     return value
 
 

@@ -26,11 +26,13 @@ lengths), not as matrices: the chunked and tiled paths ask for one block, skip
 blocks that no query may see, and drop the mask on blocks that every query may
 see entirely.
 """
+
 import numpy as np
 
 from backends.protocol import HALF_DTYPES
 
 from .checks import check_mask_array, check_window, valid_lens_array
+
 
 def compute_dtype(dtype):
     """The dtype scores are computed in: float32 for half precision."""
@@ -59,9 +61,22 @@ class Mask:
     ``offset_known`` are host copies, None while traced.
     """
 
-    def __init__(self, batch, heads, num_queries, num_keys, *, lens=None,
-                 lens_known=None, offset=None, offset_known=None, causal=False,
-                 window=None, allowed=None, bias=None):
+    def __init__(
+        self,
+        batch,
+        heads,
+        num_queries,
+        num_keys,
+        *,
+        lens=None,
+        lens_known=None,
+        offset=None,
+        offset_known=None,
+        causal=False,
+        window=None,
+        allowed=None,
+        bias=None,
+    ):
         self.batch, self.heads = batch, heads
         self.num_queries, self.num_keys = num_queries, num_keys
         self.lens, self.lens_known = lens, lens_known
@@ -85,8 +100,13 @@ class Mask:
     @property
     def only_lens(self):
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        return (self.lens is not None and not self.causal and self.window is None
-                and self.allowed is None and self.bias is None)
+        return (
+            self.lens is not None
+            and not self.causal
+            and self.window is None
+            and self.allowed is None
+            and self.bias is None
+        )
 
     @property
     def per_batch_lens(self):
@@ -98,8 +118,14 @@ class Mask:
     @property
     def top_left_causal(self):
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0)."""
-        return (self.causal and self.offset_known == 0 and self.lens is None
-                and self.window is None and self.allowed is None and self.bias is None)
+        return (
+            self.causal
+            and self.offset_known == 0
+            and self.lens is None
+            and self.window is None
+            and self.allowed is None
+            and self.bias is None
+        )
 
     def boolean(self, B, device):
         """bool (batch|1, heads|1, Q, K): True where a query may see a key;
@@ -119,8 +145,7 @@ class Mask:
         visible = self.boolean(B, device)
         if visible is None:
             return self.bias
-        return B.where(visible, 0.0 if self.bias is None else self.bias,
-                       fill(B, dtype, device))
+        return B.where(visible, 0.0 if self.bias is None else self.bias, fill(B, dtype, device))
 
     # -- the row intervals ----------------------------------------------------------
     def _sees_all(self):
@@ -128,14 +153,16 @@ class Mask:
         if not self.intervals:
             return True
         known = self._bounds_known()
-        return known is not None and (known[0] <= 0).all() and \
-            (known[1] >= self.num_keys).all()
+        return known is not None and (known[0] <= 0).all() and (known[1] >= self.num_keys).all()
 
     def bounds(self, B, device):
         """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
         lo, hi = None, self.lens
         if self.causal or self.window is not None:
-            p = B.arange(self.num_queries, device).reshape((1, 1, self.num_queries, 1)) + self.offset
+            p = (
+                B.arange(self.num_queries, device).reshape((1, 1, self.num_queries, 1))
+                + self.offset
+            )
             ends = []
             if self.causal:
                 ends.append(p + 1)
@@ -153,8 +180,10 @@ class Mask:
 
     def known_on_host(self):
         """Whether the rows' intervals are known on the host (not traced)."""
-        return not ((self.lens is not None and self.lens_known is None) or (
-            (self.causal or self.window is not None) and self.offset_known is None))
+        return not (
+            (self.lens is not None and self.lens_known is None)
+            or ((self.causal or self.window is not None) and self.offset_known is None)
+        )
 
     def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
         """Host ``(lo, hi)`` int64, broadcastable to (batch block, Q block), of
@@ -166,7 +195,9 @@ class Mask:
         if known is None:
             lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), self.num_keys, np.int64)
             if self.lens is not None:
-                hi = np.minimum(hi, self.lens_known.reshape(self.lens_known.shape[0], self.lens_known.shape[2]))
+                hi = np.minimum(
+                    hi, self.lens_known.reshape(self.lens_known.shape[0], self.lens_known.shape[2])
+                )
             p = np.arange(self.num_queries)[None, :] + self.offset_known
             if self.causal:
                 hi = np.minimum(hi, p + 1)
@@ -179,8 +210,11 @@ class Mask:
             known = self.__dict__["_known"] = (lo, hi)
 
         def block(x):
-            return x[slice(b0, b1) if x.shape[0] > 1 else slice(None),
-                     slice(q0, q1) if x.shape[1] > 1 else slice(None)]
+            return x[
+                slice(b0, b1) if x.shape[0] > 1 else slice(None),
+                slice(q0, q1) if x.shape[1] > 1 else slice(None),
+            ]
+
         return block(known[0]), block(known[1])
 
     # -- blocks -----------------------------------------------------------------------
@@ -233,6 +267,7 @@ class Mask:
         A block that every query sees whole gets a Mask without constraints."""
         if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
             return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0)
+
         def rows(x, axis_q):
             if x is None:
                 return None
@@ -248,12 +283,19 @@ class Mask:
         lens = rows(self.lens, True)
         known = None if self.lens_known is None else rows(self.lens_known, True) - k0
         return Mask(
-            b1 - b0, self.heads, q1 - q0, k1 - k0,
-            lens=None if lens is None else lens - k0, lens_known=known,
+            b1 - b0,
+            self.heads,
+            q1 - q0,
+            k1 - k0,
+            lens=None if lens is None else lens - k0,
+            lens_known=known,
             offset=self.offset + (q0 - k0),
             offset_known=None if self.offset_known is None else self.offset_known + q0 - k0,
-            causal=self.causal, window=self.window,
-            allowed=rows(self.allowed, False), bias=rows(self.bias, False))
+            causal=self.causal,
+            window=self.window,
+            allowed=rows(self.allowed, False),
+            bias=rows(self.bias, False),
+        )
 
     def keys_from(self, k0, size):
         """The Mask of the keys ``[k0, k0 + size)`` for every query, positions
@@ -262,18 +304,28 @@ class Mask:
         Only for interval masks (lengths, causal, window): ``allowed`` and
         ``bias`` are not sliced."""
         if self.allowed is not None or self.bias is not None:
-            raise ValueError("a block of keys at a traced position takes only "
-                             "valid_lens, causal and window, not mask= or bias=")
+            raise ValueError(
+                "a block of keys at a traced position takes only "
+                "valid_lens, causal and window, not mask= or bias="
+            )
         host = isinstance(k0, int)
         lens_known = offset_known = None
         if host and self.lens_known is not None:
             lens_known = self.lens_known - k0
         if host and self.offset_known is not None:
             offset_known = self.offset_known - k0
-        return Mask(self.batch, self.heads, self.num_queries, size,
-                    lens=None if self.lens is None else self.lens - k0,
-                    lens_known=lens_known, offset=self.offset - k0,
-                    offset_known=offset_known, causal=self.causal, window=self.window)
+        return Mask(
+            self.batch,
+            self.heads,
+            self.num_queries,
+            size,
+            lens=None if self.lens is None else self.lens - k0,
+            lens_known=lens_known,
+            offset=self.offset - k0,
+            offset_known=offset_known,
+            causal=self.causal,
+            window=self.window,
+        )
 
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
@@ -294,15 +346,19 @@ class Mask:
         element may see the key; None when every key is known to be seen."""
         if self.allowed is None and not self.intervals:
             return None
-        if self.allowed is None and (self.window is None or self.lens is None
-                                     or self.lens.shape[2] == 1):
+        if self.allowed is None and (
+            self.window is None or self.lens is None or self.lens.shape[2] == 1
+        ):
             # the rows' intervals overlap or touch: their union is [least lo, last hi)
             known = self._bounds_known()
             if known is not None:
                 lo, hi = known
                 rows = hi > lo
-                if rows.any(axis=1).all() and (np.where(rows, lo, 1).min(axis=1) == 0).all() \
-                        and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all():
+                if (
+                    rows.any(axis=1).all()
+                    and (np.where(rows, lo, 1).min(axis=1) == 0).all()
+                    and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all()
+                ):
                     return None
             lo, hi = self.bounds(B, device)
             nonempty = hi > (0 if lo is None else lo)
@@ -312,7 +368,7 @@ class Mask:
                 return j < last
             first = -B.max(B.where(nonempty, -lo, -self.num_keys), 2, keepdims=True)
             return B.logical_and(j >= first, j < last)
-        visible = self.boolean(B, device)       # (..., Q, K): any over heads and queries
+        visible = self.boolean(B, device)  # (..., Q, K): any over heads and queries
         used = B.any(B.any(visible, 2, keepdims=True), 1, keepdims=True)
         # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
         return used.reshape((used.shape[0], 1, used.shape[3], 1))
@@ -356,9 +412,24 @@ def masked_softmax(B, scores, visible):
 
 # -- from the caller's arguments to one Mask ---------------------------------------------
 
-def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=None,
-              bias=None, causal=False, window=None, offset=None, dtype=None,
-              heads_axis=True, device=None):
+
+def make_mask(
+    B,
+    batch,
+    heads,
+    num_queries,
+    num_keys,
+    *,
+    valid_lens=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    offset=None,
+    dtype=None,
+    heads_axis=True,
+    device=None,
+):
     """Check what the caller gave and normalize it into one ``Mask``.
 
     ``valid_lens`` (batch,) or (batch, Q); ``mask`` bool and ``bias`` float,
@@ -387,7 +458,7 @@ def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=N
         bias = check_mask_array(B, "bias", bias, shape, heads_axis, "float", device)
         if dtype is not None and B.dtype_name(bias) != compute_dtype(dtype):
             bias = B.astype(bias, compute_dtype(dtype))
-        finite = bias != float("-inf")      # -inf masks, as in additive masks
+        finite = bias != float("-inf")  # -inf masks, as in additive masks
         allowed = finite if allowed is None else B.logical_and(allowed, finite)
     offset_known = None
     if offset is not None:
@@ -395,6 +466,17 @@ def make_mask(B, batch, heads, num_queries, num_keys, *, valid_lens=None, mask=N
             offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
         else:
             offset = offset_known = int(offset)
-    return Mask(batch, heads, num_queries, num_keys, lens=lens, lens_known=lens_known,
-                offset=offset, offset_known=offset_known, causal=bool(causal),
-                window=window, allowed=allowed, bias=bias)
+    return Mask(
+        batch,
+        heads,
+        num_queries,
+        num_keys,
+        lens=lens,
+        lens_known=lens_known,
+        offset=offset,
+        offset_known=offset_known,
+        causal=bool(causal),
+        window=window,
+        allowed=allowed,
+        bias=bias,
+    )

@@ -16,6 +16,7 @@ float rounding; ``attend`` (attend.py) picks one.
 
 ``dropout`` is a rate; ``key`` the PRNG key of frameworks that need one.
 """
+
 import numpy as np
 
 from .masking import Mask, compute_dtype, fill, masked_softmax
@@ -23,8 +24,8 @@ from .masking import Mask, compute_dtype, fill, masked_softmax
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
 DEFAULT_TRACED_BLOCK_KEYS = 64
-DEFAULT_DIAGONAL_BLOCK = 256    # chunked blocks under causal or window masks
-PARALLEL_MIN_SCORES = 1 << 16   # fewer scores than this: tiles run one after another
+DEFAULT_DIAGONAL_BLOCK = 256  # chunked blocks under causal or window masks
+PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
 def work_itemsize(B, x):
@@ -48,6 +49,7 @@ def dropout_fn(B, rate, key):
 
     def drop(w, index=None):
         return B.dropout(w, rate, B.fold_key(key, index))
+
     return drop
 
 
@@ -75,7 +77,7 @@ def weights(B, q, k, mask, scale):
 def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    k, v = mask.guard_unused(B, k, v)     # (keys too: NaN must not reach gradients)
+    k, v = mask.guard_unused(B, k, v)  # (keys too: NaN must not reach gradients)
     w = weights(B, q, k, mask, scale)
     w4 = w.reshape(tuple(q.shape[:2]) + tuple(w.shape[1:]))
     drop = dropout_fn(B, dropout, key)
@@ -94,6 +96,7 @@ def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
 
 # -- online softmax ------------------------------------------------------------------
 
+
 def softmax_block(B, qs, k, v, mask, work, dropout=None):
     """The online-softmax state ``(row max, row sum, accumulator)`` of scaled
     queries ``qs`` over one block of keys and values, whose Mask is ``mask``.
@@ -108,7 +111,7 @@ def softmax_block(B, qs, k, v, mask, work, dropout=None):
         s = B.where(visible, s, fill(B, work, device))
     row_max = B.max(s, -1, keepdims=True)
     p = B.exp(s - row_max)
-    if visible is not None:     # a row with no visible key has s == row_max
+    if visible is not None:  # a row with no visible key has s == row_max
         p = B.where(visible, p, 0.0)
     row_sum = B.sum(p, -1, keepdims=True)
     if dropout is not None:
@@ -132,8 +135,7 @@ def finish_blocks(B, state):
     return B.where(has_keys, acc / B.where(has_keys, row_sum, 1.0), 0.0)
 
 
-def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0,
-            key=None):
+def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0, key=None):
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
     or else ``memory_budget`` (up to 1024 keys, queries filling a sixteenth;
@@ -156,7 +158,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             # whole (causal attention then computes about half the blocks)
             block_k = min(block_k, DEFAULT_DIAGONAL_BLOCK)
         per_query = batch * heads * block_k * work_itemsize(B, q)
-        block_q = max(1, memory_budget // 16 // per_query)   # (backward: ~8 such arrays)
+        block_q = max(1, memory_budget // 16 // per_query)  # (backward: ~8 such arrays)
         if mask.causal or mask.window is not None:
             block_q = min(block_q, block_k)
     drop = dropout_fn(B, dropout, key)
@@ -170,16 +172,21 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             if mask.block_state(0, batch, q0, q1, k0, k1) == "none":
                 continue
             sub = mask.sub(0, batch, q0, q1, k0, k1)
-            block_drop = None if drop is None else (
-                lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
+            block_drop = (
+                None if drop is None else (lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
+            )
 
             # (the whole step is recomputed in the backward pass: it keeps only
             # the running state, not the block's scores nor slices of k and v)
             def step(state, qs, k, v, k0=k0, k1=k1, sub=sub, block_drop=block_drop):
-                return merge_blocks(B, state, softmax_block(
-                    B, qs, k[:, :, k0:k1], v[:, :, k0:k1], sub, work, block_drop))
+                return merge_blocks(
+                    B,
+                    state,
+                    softmax_block(B, qs, k[:, :, k0:k1], v[:, :, k0:k1], sub, work, block_drop),
+                )
+
             state = B.checkpoint(step, state, qs, k, v)
-        if state is None:      # no query of this block may see any key
+        if state is None:  # no query of this block may see any key
             outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
         else:
             outs.append(finish_blocks(B, state))
@@ -188,6 +195,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
 
 # -- tiles over the keys each batch element may see ----------------------------------------
+
 
 class TilePlan:
     """The tiles of one call: ``tasks`` ``(b, q0, q1, key start, key stop,
@@ -222,8 +230,9 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
             tasks.append((b, q0, q1, begin, end, bool(whole[b])))
             work += heads * (q1 - q0) * max(0, end - begin)
     call = B.kernel_call_cost
-    return TilePlan(tasks, blocks, (work + call * len(tasks)) /
-                    (heads * batch * num_q * mask.num_keys + call))
+    return TilePlan(
+        tasks, blocks, (work + call * len(tasks)) / (heads * batch * num_q * mask.num_keys + call)
+    )
 
 
 def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
@@ -240,9 +249,12 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
         b, q0, q1, start, stop, whole = plan.tasks[index]
         if stop <= start:
             return B.zeros((1, heads, q1 - q0, dv), dtype, device)
-        sub = (Mask(1, heads, q1 - q0, stop - start) if whole
-               else mask.sub(b, b + 1, q0, q1, start, stop))
-        args = (q[b:b + 1, :, q0:q1], k[b:b + 1, :, start:stop], v[b:b + 1, :, start:stop])
+        sub = (
+            Mask(1, heads, q1 - q0, stop - start)
+            if whole
+            else mask.sub(b, b + 1, q0, q1, start, stop)
+        )
+        args = (q[b : b + 1, :, q0:q1], k[b : b + 1, :, start:stop], v[b : b + 1, :, start:stop])
         out = fused(B, *args, sub, scale, dropout=dropout)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
@@ -251,11 +263,15 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
 
     scores = batch * heads * num_q * mask.num_keys
     indices = range(len(plan.tasks))
-    outs = (B.parallel_map(tile, indices) if scores >= PARALLEL_MIN_SCORES
-            else [tile(i) for i in indices])
-    n = len(plan.blocks)      # tasks: per element, its blocks of queries in order
-    rows = [outs[i] if n == 1 else B.concatenate(outs[i:i + n], 2)
-            for i in range(0, len(outs), n)]
+    outs = (
+        B.parallel_map(tile, indices)
+        if scores >= PARALLEL_MIN_SCORES
+        else [tile(i) for i in indices]
+    )
+    n = len(plan.blocks)  # tasks: per element, its blocks of queries in order
+    rows = [
+        outs[i] if n == 1 else B.concatenate(outs[i : i + n], 2) for i in range(0, len(outs), n)
+    ]
     return rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
 
 
@@ -284,7 +300,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2
         norms = [float(B.to_numpy(B.max(B.sum(x * x, -1), -1)).max()) for x in (qs, k)]
-        shift = not np.sqrt(norms[0]) * np.sqrt(norms[1]) <= limit   # (also NaN)
+        shift = not np.sqrt(norms[0]) * np.sqrt(norms[1]) <= limit  # (also NaN)
     if shift:
         s = s - B.max(s, -1, keepdims=True)
     p = B.exp_inplace(s)
@@ -292,7 +308,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     if dropout is not None:
         p = dropout(p)
     out = B.matmul(p, v) / B.where(total > 0, total, 1.0)
-    if shift:   # a row with no visible key became all ones
+    if shift:  # a row with no visible key became all ones
         out = mask.zero_empty_rows(B, out)
     return B.astype(out, dtype) if work != dtype else out
 
@@ -309,31 +325,34 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
     k, v = expand_kv(B, k, v, heads)
     k, v = mask.guard_unused(B, k, v)
     device = B.device_of(q)
-    if not block_k:      # small blocks skip more; at most 16 of them, within the budget
+    if not block_k:  # small blocks skip more; at most 16 of them, within the budget
         fits = memory_budget // (3 * heads * num_q * work_itemsize(B, q))
         block_k = min(max(DEFAULT_TRACED_BLOCK_KEYS, -(-num_k // 16)), max(1, fits))
     block_k = max(1, min(num_k, block_k))
-    lo, hi = mask.bounds(B, device)       # (batch|1, 1, Q|1, 1)
+    lo, hi = mask.bounds(B, device)  # (batch|1, 1, Q|1, 1)
     lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
     start = B.zeros((1, heads, num_q, 1), work, device)
     outs = []
     for b in range(batch):
-        lo_b, hi_b, rows_b = (x[b:b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
-        qs = _scaled(B, q[b:b + 1], scale, work)
-        state = (start + fill(B, work, device), start,
-                 B.zeros((1, heads, num_q, dv), work, device))
+        lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
+        qs = _scaled(B, q[b : b + 1], scale, work)
+        state = (start + fill(B, work, device), start, B.zeros((1, heads, num_q, dv), work, device))
         for k0 in range(0, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
             seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 
             def block(state, qs, k, v, b=b, k0=k0, k1=k1):
                 sub = mask.sub(b, b + 1, 0, num_q, k0, k1)
-                return merge_blocks(B, state, softmax_block(
-                    B, qs, k[b:b + 1, :, k0:k1], v[b:b + 1, :, k0:k1], sub, work))
+                return merge_blocks(
+                    B,
+                    state,
+                    softmax_block(B, qs, k[b : b + 1, :, k0:k1], v[b : b + 1, :, k0:k1], sub, work),
+                )
 
             def step(state, qs=qs, block=block):
                 return B.checkpoint(block, state, qs, k, v)
+
             state = B.cond(seen, step, lambda state: state, state)
         outs.append(finish_blocks(B, state))
     out = outs[0] if batch == 1 else B.concatenate(outs, 0)

@@ -20,6 +20,7 @@ and returning what the previous one sent (torch.distributed point-to-point,
 ``jax.lax.ppermute`` inside ``shard_map``); ``rank`` may be traced (JAX), so
 the mask of each block is computed from a possibly traced key position.
 """
+
 from .masking import compute_dtype
 from .paths import _scaled, expand_kv, finish_blocks, merge_blocks, softmax_block, work_itemsize
 
@@ -37,22 +38,23 @@ def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
     batch, heads, num_q = q.shape[:3]
     block, d = k.shape[2], k.shape[-1]
     per_query = batch * heads * block * work_itemsize(B, q)
-    block_q = max(1, memory_budget // 16 // per_query)   # (backward: ~8 such arrays)
+    block_q = max(1, memory_budget // 16 // per_query)  # (backward: ~8 such arrays)
     rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     qs = [_scaled(B, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
-    kv = B.concatenate([k, v], -1)          # one message per step
+    kv = B.concatenate([k, v], -1)  # one message per step
     states = [None] * len(rows)
     for step in range(size):
-        owner = (rank - step) % size          # whose block this participant holds now
+        owner = (rank - step) % size  # whose block this participant holds now
         keys_mask = mask.keys_from(owner * block, block)
 
         kb, vb = expand_kv(B, kv[..., :d], kv[..., d:], heads)
-        kb, vb = keys_mask.guard_unused(B, kb, vb)   # (once per step, as on the chunked path)
+        kb, vb = keys_mask.guard_unused(B, kb, vb)  # (once per step, as on the chunked path)
         for i, (q0, q1) in enumerate(rows):
             sub = keys_mask if len(rows) == 1 else keys_mask.sub(0, batch, q0, q1, 0, block)
 
             def attend_block(state, q_rows, kb, vb, sub=sub):
                 return merge_blocks(B, state, softmax_block(B, q_rows, kb, vb, sub, work))
+
             # (every block is attended, even one no local query sees: under
             # autodiff each exchange must be part of every participant's graph,
             # or the backward exchanges would not pair up; each block of

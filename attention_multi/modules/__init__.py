@@ -12,12 +12,22 @@ the first call gives the input size).
 Files: ``base.py`` (``Module``, ``Linear``), ``attention.py``,
 ``encoding.py``, ``regression.py``, ``cache.py`` (``KVCache``).
 """
+
 from .attention import AdditiveAttention, DotProductAttention, MultiHeadAttention
 from .base import Linear, Module
 from .cache import KVCache
 from .encoding import PositionalEncoding, sinusoid_table
 from .regression import NWKernelRegression, train_kernel_regression
 
-__all__ = ["AdditiveAttention", "DotProductAttention", "KVCache", "Linear", "Module",
-           "MultiHeadAttention", "NWKernelRegression", "PositionalEncoding",
-           "sinusoid_table", "train_kernel_regression"]
+__all__ = [
+    "AdditiveAttention",
+    "DotProductAttention",
+    "KVCache",
+    "Linear",
+    "Module",
+    "MultiHeadAttention",
+    "NWKernelRegression",
+    "PositionalEncoding",
+    "sinusoid_table",
+    "train_kernel_regression",
+]

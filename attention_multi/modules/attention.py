@@ -1,4 +1,5 @@
 """The attention modules of d2l: additive, scaled dot-product and multi-head."""
+
 from __future__ import annotations
 
 import numbers
@@ -6,10 +7,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..core import (DEFAULT_MEMORY_BUDGET, attend, check_path_options, make_mask,
-                    masked_softmax, zeros_for_empty)
-from ..core.checks import (_backend_name, check_array, check_bool, check_dropout,
-                           check_float, check_positive_int)
+from ..core import (
+    DEFAULT_MEMORY_BUDGET,
+    attend,
+    check_path_options,
+    make_mask,
+    masked_softmax,
+    zeros_for_empty,
+)
+from ..core.checks import (
+    _backend_name,
+    check_array,
+    check_bool,
+    check_dropout,
+    check_float,
+    check_positive_int,
+)
 from ..core.paths import work_itemsize
 from ..functional import check_heads, check_kv_heads
 from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
@@ -40,23 +53,28 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
             f"{len(d2l10)} ({_sig(d2l10, defaults_shown)}: d2l 1.0's form, input sizes "
             f"from the first call or as keywords "
             f"{', '.join(n + '=' for n in seeds if n not in d2l10)}), got {len(args)}: "
-            f"{', '.join(map(repr, args))}")
+            f"{', '.join(map(repr, args))}"
+        )
     bound = dict(zip(names, args))
     options = {}
     for name, value in kwargs.items():
         if name in bound:
-            raise TypeError(f"{cls_name}() got multiple values for argument {name!r}: "
-                            f"{len(args)} positional arguments are {form} "
-                            f"({_sig(names, defaults_shown)}), where {name} is positional "
-                            f"number {names.index(name) + 1}")
+            raise TypeError(
+                f"{cls_name}() got multiple values for argument {name!r}: "
+                f"{len(args)} positional arguments are {form} "
+                f"({_sig(names, defaults_shown)}), where {name} is positional "
+                f"number {names.index(name) + 1}"
+            )
         (bound if name in seeds else options)[name] = value
     missing = [n for n in required if n not in bound and n in d2l10]
     if missing:
-        raise TypeError(f"{cls_name}() missing required argument"
-                        f"{'s' if len(missing) > 1 else ''} "
-                        f"{', '.join(map(repr, missing))} (the seeds' form: "
-                        f"{_sig(seeds, defaults_shown)}; d2l 1.0's: "
-                        f"{_sig(d2l10, defaults_shown)})")
+        raise TypeError(
+            f"{cls_name}() missing required argument"
+            f"{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(map(repr, missing))} (the seeds' form: "
+            f"{_sig(seeds, defaults_shown)}; d2l 1.0's: "
+            f"{_sig(d2l10, defaults_shown)})"
+        )
     for name in seeds:
         bound.setdefault(name, defaults.get(name))
     return bound, options
@@ -67,8 +85,10 @@ def _sig(names, defaults):
 
 
 def _count(low, high):
-    return str(low) if low == high else f"{low} or {high}" if high == low + 1 \
-        else f"{low} to {high}"
+    return (
+        str(low) if low == high else f"{low} or {high}" if high == low + 1 else f"{low} to {high}"
+    )
+
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -84,27 +104,34 @@ class _Attention(Module):
             check_array(B, name, x, 3, "(batch, n, features)")
             check_float(B, name, x)
         if not queries.shape[0] == keys.shape[0] == values.shape[0]:
-            raise ValueError(f"batch sizes differ: queries {tuple(queries.shape)}, "
-                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+            raise ValueError(
+                f"batch sizes differ: queries {tuple(queries.shape)}, "
+                f"keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+            )
         if keys.shape[1] != values.shape[1]:
-            raise ValueError(f"keys and values must have the same length (axis 1), "
-                             f"got keys {tuple(keys.shape)} and values "
-                             f"{tuple(values.shape)}")
+            raise ValueError(
+                f"keys and values must have the same length (axis 1), "
+                f"got keys {tuple(keys.shape)} and values "
+                f"{tuple(values.shape)}"
+            )
         for (name, x), size in zip(arrays, sizes or ()):
             if size is not None and x.shape[2] != size:
-                raise ValueError(f"{name} has feature size {x.shape[2]} (shape "
-                                 f"{tuple(x.shape)}) but the module expects {size}")
+                raise ValueError(
+                    f"{name} has feature size {x.shape[2]} (shape "
+                    f"{tuple(x.shape)}) but the module expects {size}"
+                )
         dtypes = {name: B.dtype_name(x) for name, x in arrays}
         if sizes is not None:
             dtypes["parameters"] = self._dtype_of_params()
         if len(set(dtypes.values())) > 1:
             listing = ", ".join(f"{n} {d}" for n, d in dtypes.items())
-            raise TypeError(f"dtypes differ ({listing}); build the module with "
-                            f"dtype= or cast the inputs")
+            raise TypeError(
+                f"dtypes differ ({listing}); build the module with dtype= or cast the inputs"
+            )
 
     def _dtype_of_params(self):
         arrays = self.named_arrays() if self.sized else {}
-        if not arrays:     # lazily sized: the dtype the parameters will have
+        if not arrays:  # lazily sized: the dtype the parameters will have
             return self._dtype
         return self._backend.dtype_name(next(iter(arrays.values())))
 
@@ -112,9 +139,18 @@ class _Attention(Module):
         """The normalized mask of a call: ``valid_lens`` and ``forms``
         (``mask``, ``bias``, ``causal``, ``window``) for (batch, heads, Q, K)."""
         B = self._backend
-        return make_mask(B, queries.shape[0], heads, queries.shape[1], keys.shape[1],
-                         valid_lens=valid_lens, dtype=B.dtype_name(queries),
-                         heads_axis=False, device=B.device_of(queries), **forms)
+        return make_mask(
+            B,
+            queries.shape[0],
+            heads,
+            queries.shape[1],
+            keys.shape[1],
+            valid_lens=valid_lens,
+            dtype=B.dtype_name(queries),
+            heads_axis=False,
+            device=B.device_of(queries),
+            **forms,
+        )
 
     def _empty(self, queries, keys, values):
         """Zeros (batch, Q, value size) and empty weights when an axis is
@@ -152,10 +188,16 @@ class AdditiveAttention(_Attention):
     _SEEDS = ("key_size", "query_size", "num_hiddens", "dropout")
     _D2L10 = ("num_hiddens", "dropout")
 
-    def __init__(self, *args: Any, memory_budget: int | None = None,
-                 **kwargs: Any) -> None:
-        a, options = bind_editions("AdditiveAttention", args, kwargs, self._SEEDS, 4,
-                                   self._D2L10, {"key_size": None, "query_size": None})
+    def __init__(self, *args: Any, memory_budget: int | None = None, **kwargs: Any) -> None:
+        a, options = bind_editions(
+            "AdditiveAttention",
+            args,
+            kwargs,
+            self._SEEDS,
+            4,
+            self._D2L10,
+            {"key_size": None, "query_size": None},
+        )
         key_size = check_positive_int("key_size", a["key_size"], allow_none=True)
         query_size = check_positive_int("query_size", a["query_size"], allow_none=True)
         num_hiddens = check_positive_int("num_hiddens", a["num_hiddens"])
@@ -168,14 +210,23 @@ class AdditiveAttention(_Attention):
         self.W_q = Linear(query_size, num_hiddens, bias=False, **self._child_options())
         self.w_v = Linear(num_hiddens, 1, bias=False, **self._child_options())
 
-    key_size = property(lambda self: self.W_k.in_features,
-                        doc="Feature size of the keys (None until the first call "
-                            "when lazily sized).")
-    query_size = property(lambda self: self.W_q.in_features,
-                          doc="Feature size of the queries (None until known).")
+    key_size = property(
+        lambda self: self.W_k.in_features,
+        doc="Feature size of the keys (None until the first call when lazily sized).",
+    )
+    query_size = property(
+        lambda self: self.W_q.in_features, doc="Feature size of the queries (None until known)."
+    )
 
-    def forward(self, queries: Array, keys: Array, values: Array,
-                valid_lens: Array | None = None, *, key: Any = None) -> Array:
+    def forward(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        valid_lens: Array | None = None,
+        *,
+        key: Any = None,
+    ) -> Array:
         """``queries`` (batch, Q, query_size), ``keys`` (batch, K, key_size),
         ``values`` (batch, K, v) -> (batch, Q, v); ``valid_lens`` (batch,) or
         (batch, Q); ``key``: the JAX dropout key in training mode."""
@@ -187,15 +238,16 @@ class AdditiveAttention(_Attention):
             return empty
         scores = self._scores(self.W_q(queries), self.W_k(keys))
         visible = mask.boolean(B, B.device_of(queries))
-        if visible is not None:      # (batch, 1, Q|1, K) -> (batch, Q|1, K)
+        if visible is not None:  # (batch, 1, Q|1, K) -> (batch, Q|1, K)
             visible = visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
         weights = masked_softmax(B, scores, visible)
         values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
         _, values4 = mask.guard_unused(B, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
-        return B.matmul(self._dropout(weights, self.dropout, key),
-                        values4.reshape(tuple(values.shape)))
+        return B.matmul(
+            self._dropout(weights, self.dropout, key), values4.reshape(tuple(values.shape))
+        )
 
     def _scores(self, q, k):
         """(b, nq, nk) scores, over blocks of queries within the memory
@@ -214,8 +266,7 @@ class AdditiveAttention(_Attention):
             features = B.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
             return self.w_v(features).reshape((b, qb.shape[1], nk))
 
-        chunks = [B.checkpoint(scores, q[:, q0:q0 + block], k)
-                  for q0 in range(0, nq, block)]
+        chunks = [B.checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)]
         return chunks[0] if len(chunks) == 1 else B.concatenate(chunks, axis=1)
 
 
@@ -243,41 +294,66 @@ class DotProductAttention(_Attention):
     (batch, queries, keys) weights).
     """
 
-    def __init__(self, dropout: float, *, path: AttentionPath = "auto",
-                 memory_budget: int | None = None, chunk_size: int | None = None,
-                 **options: Unpack[ModuleOptions]) -> None:
+    def __init__(
+        self,
+        dropout: float,
+        *,
+        path: AttentionPath = "auto",
+        memory_budget: int | None = None,
+        chunk_size: int | None = None,
+        **options: Unpack[ModuleOptions],
+    ) -> None:
         dropout = check_dropout("dropout", dropout)
         checked = check_path_options(path, memory_budget, chunk_size)
         self._start(**options)
         self.dropout = dropout
         self.path, self.memory_budget, self.chunk_size = checked
 
-    def forward(self, queries: Array, keys: Array, values: Array,
-                valid_lens: Array | None = None, *, mask: Array | None = None,
-                bias: Array | None = None, causal: bool = False, window: Window = None,
-                key: Any = None) -> Array:
+    def forward(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        valid_lens: Array | None = None,
+        *,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        causal: bool = False,
+        window: Window = None,
+        key: Any = None,
+    ) -> Array:
         """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
         (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
         ``causal`` and ``window`` are those of ``dot_product_attention``;
         ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
-            raise ValueError(f"queries and keys must have the same feature size, got "
-                             f"queries {tuple(queries.shape)} and keys "
-                             f"{tuple(keys.shape)}")
-        m = self._mask(queries, keys, valid_lens=valid_lens, mask=mask, bias=bias,
-                       causal=causal, window=window)
-        q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
-                   for x in (queries, keys, values))
+            raise ValueError(
+                f"queries and keys must have the same feature size, got "
+                f"queries {tuple(queries.shape)} and keys "
+                f"{tuple(keys.shape)}"
+            )
+        m = self._mask(
+            queries, keys, valid_lens=valid_lens, mask=mask, bias=bias, causal=causal, window=window
+        )
+        q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
     def _attend(self, queries, keys, values, mask, key):
         """Attention on checked (batch, heads, n, d) inputs and a normalized mask."""
         out, kept, taken = attend(
-            self._backend, queries, keys, values, mask,
-            dropout=self.dropout if self.training else 0.0, key=key, path=self.path,
-            memory_budget=self.memory_budget, chunk_size=self.chunk_size)
+            self._backend,
+            queries,
+            keys,
+            values,
+            mask,
+            dropout=self.dropout if self.training else 0.0,
+            key=key,
+            path=self.path,
+            memory_budget=self.memory_budget,
+            chunk_size=self.chunk_size,
+        )
         self._keep_attention(kept)
         self.__dict__["_attention_path"] = taken
         return out
@@ -300,18 +376,31 @@ class MultiHeadAttention(_Attention):
     (the ``attention`` child; also readable and settable here).
     """
 
-    _SEEDS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads",
-              "dropout", "bias")
+    _SEEDS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias")
     _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
 
-    def __init__(self, *args: Any, num_kv_heads: int | None = None,
-                 path: AttentionPath = "auto", memory_budget: int | None = None,
-                 chunk_size: int | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        num_kv_heads: int | None = None,
+        path: AttentionPath = "auto",
+        memory_budget: int | None = None,
+        chunk_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         a, options = bind_editions(
-            "MultiHeadAttention", args, kwargs, self._SEEDS, 6, self._D2L10,
-            {"key_size": None, "query_size": None, "value_size": None, "bias": False})
-        sizes = {n: check_positive_int(n, a[n], allow_none=True)
-                 for n in ("key_size", "query_size", "value_size")}
+            "MultiHeadAttention",
+            args,
+            kwargs,
+            self._SEEDS,
+            6,
+            self._D2L10,
+            {"key_size": None, "query_size": None, "value_size": None, "bias": False},
+        )
+        sizes = {
+            n: check_positive_int(n, a[n], allow_none=True)
+            for n in ("key_size", "query_size", "value_size")
+        }
         num_hiddens = check_positive_int("num_hiddens", a["num_hiddens"])
         num_heads = check_heads(num_hiddens, a["num_heads"])
         num_kv_heads = check_kv_heads(num_heads, num_kv_heads)
@@ -322,29 +411,43 @@ class MultiHeadAttention(_Attention):
         self.num_kv_heads = num_kv_heads
         self.num_hiddens, self.num_heads = num_hiddens, num_heads
         self.attention = DotProductAttention(
-            dropout, path=path, memory_budget=memory_budget, chunk_size=chunk_size,
-            **self._child_options())
+            dropout,
+            path=path,
+            memory_budget=memory_budget,
+            chunk_size=chunk_size,
+            **self._child_options(),
+        )
         kv_hiddens = self.num_kv_heads * (num_hiddens // num_heads)
-        self.W_q = Linear(sizes["query_size"], num_hiddens, bias=bias,
-                          **self._child_options())
-        self.W_k = Linear(sizes["key_size"], kv_hiddens, bias=bias,
-                          **self._child_options())
-        self.W_v = Linear(sizes["value_size"], kv_hiddens, bias=bias,
-                          **self._child_options())
+        self.W_q = Linear(sizes["query_size"], num_hiddens, bias=bias, **self._child_options())
+        self.W_k = Linear(sizes["key_size"], kv_hiddens, bias=bias, **self._child_options())
+        self.W_v = Linear(sizes["value_size"], kv_hiddens, bias=bias, **self._child_options())
         self.W_o = Linear(num_hiddens, num_hiddens, bias=bias, **self._child_options())
 
-    key_size = property(lambda self: self.W_k.in_features,
-                        doc="Feature size of the keys (None until the first call "
-                            "when lazily sized).")
-    query_size = property(lambda self: self.W_q.in_features,
-                          doc="Feature size of the queries (None until known).")
-    value_size = property(lambda self: self.W_v.in_features,
-                          doc="Feature size of the values (None until known).")
+    key_size = property(
+        lambda self: self.W_k.in_features,
+        doc="Feature size of the keys (None until the first call when lazily sized).",
+    )
+    query_size = property(
+        lambda self: self.W_q.in_features, doc="Feature size of the queries (None until known)."
+    )
+    value_size = property(
+        lambda self: self.W_v.in_features, doc="Feature size of the values (None until known)."
+    )
 
-    def forward(self, queries: Array, keys: Array, values: Array,
-                valid_lens: Array | None = None, *, mask: Array | None = None,
-                bias: Array | None = None, causal: bool = False, window: Window = None,
-                key: Any = None, cache: Any = None) -> Any:
+    def forward(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        valid_lens: Array | None = None,
+        *,
+        mask: Array | None = None,
+        bias: Array | None = None,
+        causal: bool = False,
+        window: Window = None,
+        key: Any = None,
+        cache: Any = None,
+    ) -> Any:
         """Multi-head attention of ``queries`` (batch, Q, query_size) over
         ``keys`` and ``values`` (batch, K, key_size|value_size); the masking
         forms are those of ``am.dot_product_attention`` (``mask``/``bias``
@@ -356,11 +459,10 @@ class MultiHeadAttention(_Attention):
         axis of ``valid_lens``, ``mask``, ``bias`` is then the cache's
         (``max_len``). Returns ``(output, new cache)``.
         """
-        self._check_inputs(queries, keys, values,
-                           (self.query_size, self.key_size, self.value_size))
+        self._check_inputs(queries, keys, values, (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
 
-        def heads(x, h):   # (b, n, h * s) -> (b, h, n, s), a view where possible
+        def heads(x, h):  # (b, n, h * s) -> (b, h, n, s), a view where possible
             b, n, hidden = x.shape
             return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
@@ -371,15 +473,30 @@ class MultiHeadAttention(_Attention):
             start = self._check_cache(cache, queries, keys)
             k = B.write_slice(cache.keys, k, start, 2)
             v = B.write_slice(cache.values, v, start, 2)
-            end = start + keys.shape[1]           # an int, or traced (jax.jit)
+            end = start + keys.shape[1]  # an int, or traced (jax.jit)
             num_keys, offset, causal = cache.max_len, end - queries.shape[1], True
-            length = end if B.is_array(end) else B.asarray(
-                np.asarray(end, np.int32), device=B.device_of(cache.keys))
+            length = (
+                end
+                if B.is_array(end)
+                else B.asarray(np.asarray(end, np.int32), device=B.device_of(cache.keys))
+            )
             cache = KVCache(k, v, length)
-        m = make_mask(B, queries.shape[0], h, queries.shape[1], num_keys,
-                      valid_lens=valid_lens, mask=mask, bias=bias, causal=causal,
-                      window=window, offset=offset, dtype=B.dtype_name(queries),
-                      heads_axis=False, device=B.device_of(queries))
+        m = make_mask(
+            B,
+            queries.shape[0],
+            h,
+            queries.shape[1],
+            num_keys,
+            valid_lens=valid_lens,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
+            offset=offset,
+            dtype=B.dtype_name(queries),
+            heads_axis=False,
+            device=B.device_of(queries),
+        )
         out = self.attention._attend(q, k, v, m, key)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
@@ -394,35 +511,54 @@ class MultiHeadAttention(_Attention):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         B = self._backend
-        weight = self.W_o.named_arrays()["weight"]     # (never lazily sized)
+        weight = self.W_o.named_arrays()["weight"]  # (never lazily sized)
         dtype, device = B.dtype_name(weight), B.device_of(weight)
-        shape = (int(batch_size), self.num_kv_heads, int(max_len),
-                 self.num_hiddens // self.num_heads)
+        shape = (
+            int(batch_size),
+            self.num_kv_heads,
+            int(max_len),
+            self.num_hiddens // self.num_heads,
+        )
         B.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
-        return KVCache(B.zeros(shape, dtype, device), B.zeros(shape, dtype, device),
-                       B.asarray(np.asarray(0, np.int32), device=device))
+        return KVCache(
+            B.zeros(shape, dtype, device),
+            B.zeros(shape, dtype, device),
+            B.asarray(np.asarray(0, np.int32), device=device),
+        )
 
     def _check_cache(self, cache, queries, keys):
         """The cache's length (an int, or a traced 0-d array under jax.jit),
         after checking that ``cache`` belongs to this module and the call."""
         B = self._backend
         if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache from this module's init_cache(), "
-                            f"got {type(cache).__name__}")
+            raise TypeError(
+                f"cache must be a KVCache from this module's init_cache(), "
+                f"got {type(cache).__name__}"
+            )
         if not all(B.is_array(x) for x in (cache.keys, cache.values, cache.length)):
-            raise TypeError(f"cache holds {_backend_name(cache.keys)} but this module runs on "
-                            f"the {B.name} backend; make the cache with its init_cache()")
+            raise TypeError(
+                f"cache holds {_backend_name(cache.keys)} but this module runs on "
+                f"the {B.name} backend; make the cache with its init_cache()"
+            )
         size = self.num_hiddens // self.num_heads
         shape = tuple(cache.keys.shape)
-        if len(shape) != 4 or shape[1] != self.num_kv_heads or shape[3] != size or \
-                tuple(cache.values.shape) != shape:
-            raise ValueError(f"cache of another module: its keys {shape} and values "
-                             f"{tuple(cache.values.shape)} are not (batch, num_kv_heads="
-                             f"{self.num_kv_heads}, max_len, head_size={size}); make it "
-                             f"with this module's init_cache()")
+        if (
+            len(shape) != 4
+            or shape[1] != self.num_kv_heads
+            or shape[3] != size
+            or tuple(cache.values.shape) != shape
+        ):
+            raise ValueError(
+                f"cache of another module: its keys {shape} and values "
+                f"{tuple(cache.values.shape)} are not (batch, num_kv_heads="
+                f"{self.num_kv_heads}, max_len, head_size={size}); make it "
+                f"with this module's init_cache()"
+            )
         if shape[0] != queries.shape[0]:
-            raise ValueError(f"cache was made for batch_size={shape[0]} but the queries "
-                             f"{tuple(queries.shape)} have batch size {queries.shape[0]}")
+            raise ValueError(
+                f"cache was made for batch_size={shape[0]} but the queries "
+                f"{tuple(queries.shape)} have batch size {queries.shape[0]}"
+            )
         dtype, want = B.dtype_name(cache.keys), B.dtype_name(queries)
         if dtype != want:
             raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
@@ -430,10 +566,12 @@ class MultiHeadAttention(_Attention):
             return cache.length
         start = int(B.to_numpy(cache.length))
         if start + keys.shape[1] > shape[2]:
-            raise ValueError(f"decoding past max_len: the cache holds {start} of "
-                             f"max_len={shape[2]} positions and this step adds "
-                             f"{keys.shape[1]} (keys {tuple(keys.shape)}); make a "
-                             f"larger cache with init_cache(batch_size, max_len)")
+            raise ValueError(
+                f"decoding past max_len: the cache holds {start} of "
+                f"max_len={shape[2]} positions and this step adds "
+                f"{keys.shape[1]} (keys {tuple(keys.shape)}); make a "
+                f"larger cache with init_cache(batch_size, max_len)"
+            )
         return start
 
     @property
@@ -446,10 +584,14 @@ class MultiHeadAttention(_Attention):
         """The path the last call took (that of the ``attention`` child)."""
         return self.attention.last_path
 
-    path = property(lambda self: self.attention.path,
-                    lambda self, value: setattr(self.attention, "path", value))
-    memory_budget = property(lambda self: self.attention.memory_budget,
-                             lambda self, v: setattr(self.attention, "memory_budget", v))
-    chunk_size = property(lambda self: self.attention.chunk_size,
-                          lambda self, v: setattr(self.attention, "chunk_size", v))
-
+    path = property(
+        lambda self: self.attention.path, lambda self, value: setattr(self.attention, "path", value)
+    )
+    memory_budget = property(
+        lambda self: self.attention.memory_budget,
+        lambda self, v: setattr(self.attention, "memory_budget", v),
+    )
+    chunk_size = property(
+        lambda self: self.attention.chunk_size,
+        lambda self, v: setattr(self.attention, "chunk_size", v),
+    )

@@ -5,6 +5,7 @@ of both ``MultiHeadAttention`` and the backend's ``module_base``
 (``torch.nn.Module``, ``gluon.Block``, a JAX pytree, or a plain object).
 The mechanism itself is written once, in the public class.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,7 +29,8 @@ class Module:
     _backend: Any = None  # set on the native subclasses by Backend.native_class
     training: bool
 
-    if TYPE_CHECKING:     # provided by the backend's module_base
+    if TYPE_CHECKING:  # provided by the backend's module_base
+
         def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
         def train(self, mode: bool = True) -> Self: ...
         def eval(self) -> Self: ...
@@ -48,17 +50,20 @@ class Module:
             cls = resolve_backend(backend).native_class(cls)
         return object.__new__(cls)
 
-    def _start(self, backend: BackendLike = None, device: DeviceLike = None,
-               dtype: FloatDType = "float32") -> None:
+    def _start(
+        self, backend: BackendLike = None, device: DeviceLike = None, dtype: FloatDType = "float32"
+    ) -> None:
         """Call first in ``__init__``: sets up the native base. (``backend``
         was already used by ``__new__`` to pick the native class.)"""
         self._native_init()
         self._device = native_device(self._backend, device)
         self._dtype = dtype
         if dtype not in self._backend.float_dtypes:
-            raise TypeError(f"dtype={dtype!r} is not supported by the "
-                            f"{self._backend.name} backend; choose one of "
-                            f"{', '.join(self._backend.float_dtypes)}")
+            raise TypeError(
+                f"dtype={dtype!r} is not supported by the "
+                f"{self._backend.name} backend; choose one of "
+                f"{', '.join(self._backend.float_dtypes)}"
+            )
 
     def _child_options(self) -> dict[str, Any]:
         return {"backend": self._backend, "device": self._device, "dtype": self._dtype}
@@ -69,8 +74,7 @@ class Module:
         return self._backend
 
     def _new_param(self, name: str, shape: tuple[int, ...], low: float, high: float) -> None:
-        self._add_param(name, self._backend.uniform(shape, low, high, self._dtype,
-                                                    self._device))
+        self._add_param(name, self._backend.uniform(shape, low, high, self._dtype, self._device))
 
     @property
     def sized(self) -> bool:
@@ -85,7 +89,8 @@ class Module:
                 f"{type(self).__name__} has parameters whose sizes are not known yet: "
                 f"{', '.join(unsized)} (lazily sized layers); {what} needs them. Call "
                 f"the module once on an example input, or give the input sizes to the "
-                f"constructor (key_size=, query_size=, value_size=)")
+                f"constructor (key_size=, query_size=, value_size=)"
+            )
 
     def _dropout(self, x: Array, p: float, key: Any) -> Array:
         if not self.training or p == 0:
@@ -107,7 +112,7 @@ class Module:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The native class is made at run time; pickle rebuilds it by name.
-        public_class = type(self).__bases__[0]   # see Backend.native_class
+        public_class = type(self).__bases__[0]  # see Backend.native_class
         return (_rebuild, (public_class, self._backend.name), self.__getstate__())
 
     def __getstate__(self) -> dict[str, Any]:
@@ -123,6 +128,7 @@ class Module:
 def _rebuild(public_class: type, backend_name: str) -> Any:
     """Unpickling: an empty instance of ``public_class``'s native class."""
     import backends
+
     return object.__new__(backends.get_backend(backend_name).native_class(public_class))
 
 
@@ -139,8 +145,13 @@ class Linear(Module):
     ``jax.grad``, ``torch.compile``) it raises TypeError.
     """
 
-    def __init__(self, in_features: int | None, out_features: int, bias: bool = True,
-                 **options: Unpack[ModuleOptions]) -> None:
+    def __init__(
+        self,
+        in_features: int | None,
+        out_features: int,
+        bias: bool = True,
+        **options: Unpack[ModuleOptions],
+    ) -> None:
         in_features = check_positive_int("in_features", in_features, allow_none=True)
         out_features = check_positive_int("out_features", out_features)
         bias = check_bool("bias", bias)
@@ -164,8 +175,10 @@ class Linear(Module):
         if self.in_features is None:
             self._size_from(x)
         elif x.shape[-1] != self.in_features:
-            raise ValueError(f"x has feature size {x.shape[-1]} (shape {tuple(x.shape)}) "
-                             f"but in_features={self.in_features}")
+            raise ValueError(
+                f"x has feature size {x.shape[-1]} (shape {tuple(x.shape)}) "
+                f"but in_features={self.in_features}"
+            )
         bias = self._param("bias") if self.has_bias else None
         return self._backend.linear(x, self._param("weight"), bias)
 
@@ -178,29 +191,35 @@ class Linear(Module):
                 f"called under a trace ({B.name}: jit, grad, vmap or compile), where "
                 f"its parameters cannot be created; call the module once eagerly on "
                 f"an example input, or give the input sizes to the constructor "
-                f"(key_size=, query_size=, value_size= for the attention modules)")
+                f"(key_size=, query_size=, value_size= for the attention modules)"
+            )
         if x.shape[-1] < 1:
-            raise ValueError(f"a lazily sized Linear takes its input size from the last "
-                             f"axis of its first input, which is empty (shape "
-                             f"{tuple(x.shape)})")
+            raise ValueError(
+                f"a lazily sized Linear takes its input size from the last "
+                f"axis of its first input, which is empty (shape "
+                f"{tuple(x.shape)})"
+            )
         self._create(int(x.shape[-1]), self.__dict__.get("_device") or B.device_of(x))
 
     def _create(self, in_features, device):
         B = self._backend
         self.in_features = in_features
         low, high = self._bounds()
-        self._fill_lazy_param("weight", B.uniform((self.out_features, in_features),
-                                                  low, high, self._dtype, device))
+        self._fill_lazy_param(
+            "weight", B.uniform((self.out_features, in_features), low, high, self._dtype, device)
+        )
         if self.has_bias:
-            self._fill_lazy_param("bias", B.uniform((self.out_features,), low, high,
-                                                    self._dtype, device))
+            self._fill_lazy_param(
+                "bias", B.uniform((self.out_features,), low, high, self._dtype, device)
+            )
 
     def _size_lazy_params(self, name, shape):
         """Loading a parameter of ``shape`` into this unsized layer (torch's
         ``load_state_dict``, as for ``nn.LazyLinear``) sizes it first."""
-        if name != "weight" or len(shape) != 2 or shape[0] != self.out_features \
-                or shape[1] < 1:
-            raise ValueError(f"cannot size Linear(None, {self.out_features}) from a "
-                             f"{name!r} of shape {shape}; expected weight "
-                             f"({self.out_features}, in_features)")
+        if name != "weight" or len(shape) != 2 or shape[0] != self.out_features or shape[1] < 1:
+            raise ValueError(
+                f"cannot size Linear(None, {self.out_features}) from a "
+                f"{name!r} of shape {shape}; expected weight "
+                f"({self.out_features}, in_features)"
+            )
         self._create(shape[1], self.__dict__.get("_device"))

@@ -1,4 +1,5 @@
 """Nadaraya-Watson kernel regression, trainable (seed 003)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ class NWKernelRegression(Module):
 
     def __init__(self, **options: Unpack[ModuleOptions]) -> None:
         self._start(**options)
-        self._new_param("w", (1,), 0.0, 1.0)   # as torch.rand((1,)) in d2l
+        self._new_param("w", (1,), 0.0, 1.0)  # as torch.rand((1,)) in d2l
 
     def forward(self, queries: Array, keys: Array, values: Array) -> Array:
         """``queries`` (n,), ``keys`` and ``values`` (n, m) -> (n,): query ``i``
@@ -29,12 +30,14 @@ class NWKernelRegression(Module):
         for name, x in (("keys", keys), ("values", values)):
             check_array(B, name, x, 2, "(n, m)")
         if keys.shape != values.shape or keys.shape[0] != queries.shape[0]:
-            raise ValueError(f"keys and values must both be (n, m) with n = "
-                             f"len(queries); got queries {tuple(queries.shape)}, "
-                             f"keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+            raise ValueError(
+                f"keys and values must both be (n, m) with n = "
+                f"len(queries); got queries {tuple(queries.shape)}, "
+                f"keys {tuple(keys.shape)}, values {tuple(values.shape)}"
+            )
         n, m = keys.shape
         w = self._param("w")
-        if n * m == 0:     # no query, or no key: zero output
+        if n * m == 0:  # no query, or no key: zero output
             self._keep_attention(zeros_for_empty(B, (n, m), queries, keys, w))
             return zeros_for_empty(B, (n,), queries, keys, values, w)
         d = (queries.reshape((n, 1)) - keys) * w
@@ -43,8 +46,9 @@ class NWKernelRegression(Module):
         return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
 
 
-def train_kernel_regression(net: NWKernelRegression, x_train: Array, y_train: Array,
-                            epochs: int = 5, lr: float = 0.5) -> list[float]:
+def train_kernel_regression(
+    net: NWKernelRegression, x_train: Array, y_train: Array, epochs: int = 5, lr: float = 0.5
+) -> list[float]:
     """Seed 003's loop: SGD on the summed squared error, leave-one-out keys.
 
     Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of

@@ -13,6 +13,7 @@ differ (``blks.0`` and ``blks.block0``) pair in registration order
 (``matching``). Nothing here imports a framework: a torch module is
 recognised only when torch is already imported.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,19 @@ from .rules import RULES, rules_table
 
 Source = Union[str, "os.PathLike[str]", MappingType[str, Any]]
 """A ``.params`` path, or ``{Gluon name: array}``."""
-_M = TypeVar("_M", bound=Any)   # this library's module (any backend) or a torch.nn.Module
+_M = TypeVar("_M", bound=Any)  # this library's module (any backend) or a torch.nn.Module
 
-__all__ = ["Mapping", "RULES", "check_params", "load_into", "load_mxnet_params", "mapping",
-           "rules_table", "save_mxnet_params", "to_state_dict"]
+__all__ = [
+    "Mapping",
+    "RULES",
+    "check_params",
+    "load_into",
+    "load_mxnet_params",
+    "mapping",
+    "rules_table",
+    "save_mxnet_params",
+    "to_state_dict",
+]
 
 
 class _Target:
@@ -40,6 +50,7 @@ class _Target:
 
     def __init__(self, module: Any) -> None:
         from ..modules import Module
+
         self.module, self.label = module, type(module).__name__
         torch = sys.modules.get("torch")
         if isinstance(module, Module):
@@ -48,18 +59,24 @@ class _Target:
             self.arrays: dict[str, Any] = module.named_arrays()
         elif torch is not None and isinstance(module, torch.nn.Module):
             self.torch = torch
-            self.arrays = {n: v for n, v in module.state_dict(keep_vars=True).items()
-                           if isinstance(v, torch.Tensor)}
+            self.arrays = {
+                n: v
+                for n, v in module.state_dict(keep_vars=True).items()
+                if isinstance(v, torch.Tensor)
+            }
             lazy = [n for n, v in self.arrays.items() if torch.nn.parameter.is_lazy(v)]
             if lazy:
                 raise ValueError(
                     f"{self.label} has uninitialized parameters: {', '.join(lazy)}. They "
                     "belong to lazily sized layers (such as nn.LazyLinear) that have not "
                     "been called yet; call the module once on an example input, so that "
-                    "their shapes are known, then load")
+                    "their shapes are known, then load"
+                )
         else:
-            raise TypeError(f"expected an attention_multi module or a torch.nn.Module, got "
-                            f"{type(module).__module__}.{type(module).__qualname__}")
+            raise TypeError(
+                f"expected an attention_multi module or a torch.nn.Module, got "
+                f"{type(module).__module__}.{type(module).__qualname__}"
+            )
         self.shapes = {n: tuple(v.shape) for n, v in self.arrays.items()}
 
     def to_numpy(self, name: str) -> np.ndarray:
@@ -73,11 +90,16 @@ class _Target:
         each entry's dtype. Everything is converted before anything is written."""
         if self.torch is None:
             from ..params import set_params
+
             set_params(self.module, params)
             return
         torch = self.torch
-        ready = {n: torch.as_tensor(np.ascontiguousarray(v), dtype=self.arrays[n].dtype,
-                                    device=self.arrays[n].device) for n, v in params.items()}
+        ready = {
+            n: torch.as_tensor(
+                np.ascontiguousarray(v), dtype=self.arrays[n].dtype, device=self.arrays[n].device
+            )
+            for n, v in params.items()
+        }
         with torch.no_grad():
             for name, value in ready.items():
                 self.arrays[name].copy_(value)
@@ -89,17 +111,21 @@ def _read(source: Source) -> tuple[dict[str, np.ndarray], str]:
         return load_mxnet_params(source), os.fspath(source)
     if isinstance(source, MappingType):
         from ..params import _to_numpy
+
         return {str(n): _to_numpy(v) for n, v in source.items()}, "the given dict"
-    raise TypeError(f"expected a .params path or a {{name: array}} dict, got "
-                    f"{type(source).__name__}")
+    raise TypeError(
+        f"expected a .params path or a {{name: array}} dict, got {type(source).__name__}"
+    )
 
 
-def _mapping(source: Source, target: _Target, exact: bool = False
-             ) -> tuple[dict[str, np.ndarray], Mapping]:
+def _mapping(
+    source: Source, target: _Target, exact: bool = False
+) -> tuple[dict[str, np.ndarray], Mapping]:
     params, label = _read(source)
     shapes = {n: v.shape for n, v in params.items()}
-    return params, match(shapes, target.shapes, exact=exact, source_label=label,
-                         target_label=target.label)
+    return params, match(
+        shapes, target.shapes, exact=exact, source_label=label, target_label=target.label
+    )
 
 
 def mapping(source: Source, like: Any) -> Mapping:
@@ -151,8 +177,7 @@ def load_into(module: _M, path: Source) -> _M:
     return module
 
 
-def check_params(params: MappingType[str, Any], module: Any, source: str = "the file"
-                 ) -> None:
+def check_params(params: MappingType[str, Any], module: Any, source: str = "the file") -> None:
     """Raise ValueError unless ``params`` has exactly the names and shapes of
     ``module``'s entries (no renaming rules, no pairing by order).
 
@@ -162,5 +187,4 @@ def check_params(params: MappingType[str, Any], module: Any, source: str = "the 
     """
     target = _Target(module)
     shapes = {n: np.shape(v) for n, v in params.items()}
-    match(shapes, target.shapes, exact=True, source_label=source,
-          target_label=target.label).check()
+    match(shapes, target.shapes, exact=True, source_label=source, target_label=target.label).check()

@@ -9,6 +9,7 @@ positions) always pair by order: parameterless layers (activations, pooling,
 name and shape is checked; whatever does not pair, or could pair two ways,
 is a problem that ``Mapping.check`` raises.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,6 @@ from .rules import TORCH_ONLY, Rule, translate
 __all__ = ["Mapping", "match"]
 
 
-
 class Row(NamedTuple):
     """One pair: a Gluon entry, the module entry it loads into, and how they paired."""
 
@@ -32,7 +32,7 @@ class Row(NamedTuple):
     how: str
 
 
-_Target = tuple[int, str, tuple[int, ...]]   # (registration index, name, shape)
+_Target = tuple[int, str, tuple[int, ...]]  # (registration index, name, shape)
 
 
 class _Entry:
@@ -57,8 +57,8 @@ class _Entry:
 
 class _Node:
     def __init__(self) -> None:
-        self.leaves: dict[str, list[Any]] = {}      # leaf -> [items]
-        self.children: dict[str, _Node] = {}        # name -> _Node
+        self.leaves: dict[str, list[Any]] = {}  # leaf -> [items]
+        self.children: dict[str, _Node] = {}  # name -> _Node
 
     def add(self, parts: list[str], item: Any) -> None:
         node = self
@@ -73,8 +73,14 @@ class _Node:
         return out
 
 
-def match(source: MappingType[str, Any], target: MappingType[str, Any], *, exact: bool = False,
-          source_label: str = "the file", target_label: str = "the module") -> Mapping:
+def match(
+    source: MappingType[str, Any],
+    target: MappingType[str, Any],
+    *,
+    exact: bool = False,
+    source_label: str = "the file",
+    target_label: str = "the module",
+) -> Mapping:
     """Pair ``source`` ``{gluon name: shape}`` (file order) with ``target``
     ``{name: shape}`` (registration order). ``exact=True``: names pair only
     when equal (no rules, no order). Returns a ``Mapping``."""
@@ -94,8 +100,9 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _walk(g: _Node, t: _Node, gpath: str, tpath: str, how: list[str], exact: bool,
-          m: Mapping) -> None:
+def _walk(
+    g: _Node, t: _Node, gpath: str, tpath: str, how: list[str], exact: bool, m: Mapping
+) -> None:
     # parameters at this node
     wanted: dict[str, list[_Entry]] = {}
     for items in g.leaves.values():
@@ -125,8 +132,7 @@ def _walk(g: _Node, t: _Node, gpath: str, tpath: str, how: list[str], exact: boo
             m.unpaired.append((gpath, g_rest, tpath, t_rest))
     for gn, tn in pairs:
         step = how if gn == tn else how + [f"by order: {_join(gpath, gn)} -> {_join(tpath, tn)}"]
-        _walk(g.children[gn], t.children[tn], _join(gpath, gn), _join(tpath, tn),
-              step, exact, m)
+        _walk(g.children[gn], t.children[tn], _join(gpath, gn), _join(tpath, tn), step, exact, m)
     for gn in g_rest:
         m.only_file += g.children[gn].items()
     for tn in t_rest:
@@ -152,8 +158,13 @@ class Mapping:
     ``check()`` raises ValueError listing every problem.
     """
 
-    def __init__(self, source: MappingType[str, Any], target: MappingType[str, Any],
-                 source_label: str, target_label: str) -> None:
+    def __init__(
+        self,
+        source: MappingType[str, Any],
+        target: MappingType[str, Any],
+        source_label: str,
+        target_label: str,
+    ) -> None:
         self.source, self.target = dict(source), dict(target)
         self.source_label, self.target_label = source_label, target_label
         self.rows: list[Row] = []
@@ -172,8 +183,9 @@ class Mapping:
         if entry.shape != shape:
             self._mismatched.append((entry, name, shape))
             how = how + ["SHAPE MISMATCH"]
-        self._indexed_rows.append((entry.index, Row(entry.name, entry.shape, name, shape,
-                                           "; ".join(how))))
+        self._indexed_rows.append(
+            (entry.index, Row(entry.name, entry.shape, name, shape, "; ".join(how)))
+        )
 
     def _unmatched_target(self, target: _Target) -> None:
         _, name, shape = target
@@ -189,8 +201,9 @@ class Mapping:
         only = sorted(self.only_file, key=lambda e: e.index)
         missing = [name for _, name, _ in sorted(self.missing)]
         for (_, name, _), entries in self.ambiguous:
-            self.problems.append(f"ambiguous: {name} could come from "
-                                 f"{' or '.join(e.name for e in entries)}")
+            self.problems.append(
+                f"ambiguous: {name} could come from {' or '.join(e.name for e in entries)}"
+            )
         for gpath, g_rest, tpath, t_rest in self.unpaired:
             where = gpath or "the top level"
             if tpath != gpath:
@@ -198,15 +211,18 @@ class Mapping:
             self.problems.append(
                 f"cannot pair by order under {where}: the file has "
                 f"{len(g_rest)} ({', '.join(g_rest)}), {what} has {len(t_rest)} "
-                f"({', '.join(t_rest)})")
+                f"({', '.join(t_rest)})"
+            )
         if only:
             self.problems.append(f"only in the file: {', '.join(e.name for e in only)}")
         if missing:
             self.problems.append(f"missing from the file: {', '.join(missing)}")
         for entry, name, shape in sorted(self._mismatched, key=lambda x: x[0].index):
             where = "" if name == entry.name else f"{name} "
-            self.problems.append(f"{entry.name}: shape {_shape(entry.shape)} in the file, "
-                                 f"{where}{_shape(shape)} in {what}")
+            self.problems.append(
+                f"{entry.name}: shape {_shape(entry.shape)} in the file, "
+                f"{where}{_shape(shape)} in {what}"
+            )
         if only and all(e.name.endswith(".bias") for e in only) and not missing:
             self.problems.append("(the file has biases: build the module with bias=True)")
         elif missing and all(n.endswith(".bias") for n in missing) and not only:
@@ -238,14 +254,20 @@ class Mapping:
 
     def __str__(self) -> str:
         head = (f"Gluon ({self.source_label})", "shape", f"{self.target_label}", "shape", "how")
-        body = [(r.gluon, _shape(r.gluon_shape), r.torch, _shape(r.torch_shape), r.how)
-                for r in self.rows]
-        body += [("-", "", name, _shape(shape), f"kept: {TORCH_ONLY[name.rsplit('.', 1)[-1]]}")
-                 for name, shape in self.kept]
+        body = [
+            (r.gluon, _shape(r.gluon_shape), r.torch, _shape(r.torch_shape), r.how)
+            for r in self.rows
+        ]
+        body += [
+            ("-", "", name, _shape(shape), f"kept: {TORCH_ONLY[name.rsplit('.', 1)[-1]]}")
+            for name, shape in self.kept
+        ]
         widths = [max(len(row[i]) for row in [head] + body) for i in range(4)]
         w0, w1, w2, w3 = widths
-        lines = [f"{a:{w0}}  {b:{w1}} -> {c:{w2}}  {d:{w3}}  {e}".rstrip()
-                 for a, b, c, d, e in [head] + body]
+        lines = [
+            f"{a:{w0}}  {b:{w1}} -> {c:{w2}}  {d:{w3}}  {e}".rstrip()
+            for a, b, c, d, e in [head] + body
+        ]
         if self.problems:
             lines.append(f"{len(self.problems)} problem(s):")
             lines += [f"  {p}" for p in self.problems]

@@ -21,6 +21,7 @@ Pre-V1 files (uint32 dims, no magic) are not supported.
 Gluon's ``save_parameters`` writes structural names (``blks.0.attention.W_q.weight``);
 ``attention_multi.port`` maps them onto a module's names.
 """
+
 from __future__ import annotations
 
 import os
@@ -42,8 +43,16 @@ _CPU = 1  # mxnet Context::kCPU
 
 # mshadow type flags (verified by saving each dtype with mxnet 1.9.1).
 # 12 is bfloat16, which NumPy lacks, so it is rejected like any unknown flag.
-_DTYPES = {0: "float32", 1: "float64", 2: "float16", 3: "uint8",
-           4: "int32", 5: "int8", 6: "int64", 7: "bool"}
+_DTYPES = {
+    0: "float32",
+    1: "float64",
+    2: "float16",
+    3: "uint8",
+    4: "int32",
+    5: "int8",
+    6: "int64",
+    7: "bool",
+}
 _FLAGS = {np.dtype(name): flag for flag, name in _DTYPES.items()}
 
 
@@ -60,10 +69,12 @@ class _Reader:
     def take(self, n: int, what: str) -> memoryview:
         left = len(self.data) - self.pos
         if n > left:
-            raise ValueError(f"{self.path}: truncated at byte {self.pos} while reading "
-                             f"{what} (needed {n} bytes, {left} left)")
+            raise ValueError(
+                f"{self.path}: truncated at byte {self.pos} while reading "
+                f"{what} (needed {n} bytes, {left} left)"
+            )
         start, self.pos = self.pos, self.pos + n
-        return self.data[start:self.pos]
+        return self.data[start : self.pos]
 
     def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
@@ -86,8 +97,10 @@ class _Reader:
             at = self.pos
             (stype,) = self.unpack("<i", f"the storage type of array {i}")
             if stype != 0:
-                self.fail(f"array {i} has unsupported storage type {stype} "
-                          "(only 0 = dense is supported)", at)
+                self.fail(
+                    f"array {i} has unsupported storage type {stype} (only 0 = dense is supported)",
+                    at,
+                )
         at = self.pos
         (ndim,) = self.unpack("<i", f"the shape of array {i}")
         if ndim < 0 and not (magic == _V3 and ndim == -1):
@@ -145,8 +158,7 @@ def load_mxnet_params(path: PathLike) -> dict[str, np.ndarray]:
     return dict(zip(names or map(str, range(len(arrays))), arrays))
 
 
-def save_mxnet_params(params: Mapping[str, Any], path: PathLike, *, np_mode: bool = True
-                      ) -> None:
+def save_mxnet_params(params: Mapping[str, Any], path: PathLike, *, np_mode: bool = True) -> None:
     """Write ``{name: array-like}`` as an MXNet ``.params`` file.
 
     ``np_mode=True`` writes V3 records (what ``npx.save`` / np-mode Gluon write,
@@ -164,8 +176,11 @@ def save_mxnet_params(params: Mapping[str, Any], path: PathLike, *, np_mode: boo
             raise ValueError(f"{name}: unsupported dtype {a.dtype} for an MXNet file")
         if not np_mode and a.ndim == 0:
             raise ValueError(f"{name}: 0-d arrays need np_mode=True (V2 reads ndim 0 as 'no data')")
-        out.append(struct.pack(f"<Iii{a.ndim}qiii", _V3 if np_mode else _V2, 0, a.ndim,
-                               *a.shape, _CPU, 0, flag))
+        out.append(
+            struct.pack(
+                f"<Iii{a.ndim}qiii", _V3 if np_mode else _V2, 0, a.ndim, *a.shape, _CPU, 0, flag
+            )
+        )
         out.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
     out.append(struct.pack("<Q", len(params)))
     for name in params:

@@ -14,6 +14,7 @@ The rest is ``RULES``. Gluon and PyTorch order the gates the same way
 (GRU: r, z, n; LSTM: i, f, g, o), so RNN weights are renamed, never reordered;
 tests/test_port_models.py checks this against MXNet's own outputs.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,35 +30,58 @@ __all__ = ["RULES", "TORCH_ONLY", "Rule", "rules_table", "translate"]
 class Rule(NamedTuple):
     """One renaming rule: a row of ``rules_table()``."""
 
-    layer: str                                 # the layer it is for
-    gluon: str                                 # the Gluon ending, as text
-    torch: str                                 # the PyTorch ending, as text
-    pattern: str                               # regex matching the end of a Gluon name
-    rename: Callable[[re.Match[str]], str]     # the PyTorch ending for a match
-    keeps_original: bool                       # the Gluon name may also match as it is
+    layer: str  # the layer it is for
+    gluon: str  # the Gluon ending, as text
+    torch: str  # the PyTorch ending, as text
+    pattern: str  # regex matching the end of a Gluon name
+    rename: Callable[[re.Match[str]], str]  # the PyTorch ending for a match
+    keeps_original: bool  # the Gluon name may also match as it is
 
 
 def _rnn(reverse: bool) -> Callable[[re.Match[str]], str]:
     def rename(m: re.Match[str]) -> str:
         kind = {"i2h": "ih", "h2h": "hh"}[m["gate"]]
         return f"{m['what']}_{kind}_l{m['layer']}" + ("_reverse" if reverse else "")
+
     return rename
 
 
 _GATE = r"(?P<gate>i2h|h2h)_(?P<what>weight|bias)"
 
 RULES = (
-    Rule("GRU/LSTM/RNN layer N (MXNet 1.9)", "_unfused.N.i2h_weight", "weight_ih_lN",
-         rf"_unfused\.(?P<layer>\d+)\.(?:l_cell\.)?{_GATE}", _rnn(False), False),
-    Rule("GRU/LSTM/RNN layer N, backward direction (MXNet 1.9)",
-         "_unfused.N.r_cell.h2h_bias", "bias_hh_lN_reverse",
-         rf"_unfused\.(?P<layer>\d+)\.r_cell\.{_GATE}", _rnn(True), False),
-    Rule("GRU/LSTM/RNN layer N (older MXNet)", "lN_h2h_weight", "weight_hh_lN",
-         rf"l(?P<layer>\d+)_{_GATE}", _rnn(False), False),
-    Rule("GRU/LSTM/RNN layer N, backward direction (older MXNet)", "rN_i2h_bias",
-         "bias_ih_lN_reverse", rf"r(?P<layer>\d+)_{_GATE}", _rnn(True), False),
-    Rule("LayerNorm, BatchNorm (any norm)", "gamma", "weight", "gamma",
-         lambda m: "weight", True),
+    Rule(
+        "GRU/LSTM/RNN layer N (MXNet 1.9)",
+        "_unfused.N.i2h_weight",
+        "weight_ih_lN",
+        rf"_unfused\.(?P<layer>\d+)\.(?:l_cell\.)?{_GATE}",
+        _rnn(False),
+        False,
+    ),
+    Rule(
+        "GRU/LSTM/RNN layer N, backward direction (MXNet 1.9)",
+        "_unfused.N.r_cell.h2h_bias",
+        "bias_hh_lN_reverse",
+        rf"_unfused\.(?P<layer>\d+)\.r_cell\.{_GATE}",
+        _rnn(True),
+        False,
+    ),
+    Rule(
+        "GRU/LSTM/RNN layer N (older MXNet)",
+        "lN_h2h_weight",
+        "weight_hh_lN",
+        rf"l(?P<layer>\d+)_{_GATE}",
+        _rnn(False),
+        False,
+    ),
+    Rule(
+        "GRU/LSTM/RNN layer N, backward direction (older MXNet)",
+        "rN_i2h_bias",
+        "bias_ih_lN_reverse",
+        rf"r(?P<layer>\d+)_{_GATE}",
+        _rnn(True),
+        False,
+    ),
+    Rule("LayerNorm, BatchNorm (any norm)", "gamma", "weight", "gamma", lambda m: "weight", True),
     Rule("LayerNorm, BatchNorm (any norm)", "beta", "bias", "beta", lambda m: "bias", True),
 )
 _COMPILED = [(rule, re.compile(rf"(?:^|(?<=\.)){rule.pattern}$")) for rule in RULES]
@@ -72,7 +96,7 @@ def translate(gluon_name: str) -> tuple[str, Rule | None]:
     for rule, pattern in _COMPILED:
         m = pattern.search(gluon_name)
         if m:
-            return gluon_name[:m.start()] + rule.rename(m), rule
+            return gluon_name[: m.start()] + rule.rename(m), rule
     return gluon_name, None
 
 

@@ -8,6 +8,7 @@
 
 Nothing here imports a framework or pytest.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,8 +20,12 @@ import backends
 __all__ = ["assert_close", "default_tolerances"]
 
 # (rtol, atol) by dtype, as torch.testing.assert_close chooses them.
-_TOLERANCES = {"float16": (1e-3, 1e-5), "bfloat16": (1.6e-2, 1e-5),
-               "float32": (1.3e-6, 1e-5), "float64": (1e-7, 1e-7)}
+_TOLERANCES = {
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float32": (1.3e-6, 1e-5),
+    "float64": (1e-7, 1e-7),
+}
 
 
 def default_tolerances(*dtypes: str) -> tuple[float, float]:
@@ -39,9 +44,16 @@ def _as_numpy(x: Any) -> tuple[np.ndarray, str, str]:
     return B.to_numpy(x), B.name, B.dtype_name(x)
 
 
-def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
-                 atol: float | None = None, equal_nan: bool = False,
-                 check_dtype: bool = False, msg: str | None = None) -> None:
+def assert_close(
+    actual: Any,
+    expected: Any,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    equal_nan: bool = False,
+    check_dtype: bool = False,
+    msg: str | None = None,
+) -> None:
     """Raise AssertionError unless ``|actual - expected| <= atol + rtol * |expected|``
     everywhere (the same shape; equal infinities match; NaN matches NaN only
     with ``equal_nan``).
@@ -59,8 +71,9 @@ def assert_close(actual: Any, expected: Any, *, rtol: float | None = None,
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     head = f"{msg}: " if msg else ""
-    kinds = (f"actual: {a_framework} {a_dtype} {a.shape}; "
-             f"expected: {e_framework} {e_dtype} {e.shape}")
+    kinds = (
+        f"actual: {a_framework} {a_dtype} {a.shape}; expected: {e_framework} {e_dtype} {e.shape}"
+    )
     if a.shape != e.shape:
         raise AssertionError(f"{head}shapes differ: actual {a.shape}, expected {e.shape}\n{kinds}")
     if check_dtype and a_dtype != e_dtype:

@@ -17,6 +17,7 @@ Your own ``backend`` fixture (e.g. in conftest.py), or a test that
 parametrizes ``backend`` itself, takes precedence: this plugin then
 parametrizes nothing, so it never multiplies a suite's own cases.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -25,16 +26,20 @@ import backends
 from backends import Backend
 
 _CHOSEN = pytest.StashKey[tuple[list[str], bool]]()
-_PARAM = "am_backend_name"   # what this plugin parametrizes
+_PARAM = "am_backend_name"  # what this plugin parametrizes
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     """Adds ``--am-backends=NAMES``."""
     group = parser.getgroup("attention-multi")
-    group.addoption("--am-backends", metavar="NAMES", default=None,
-                    help="comma-separated backends for the `backend` fixture of "
-                         "attention_multi.testing (numpy, torch, jax, mxnet); "
-                         "default: every installed one")
+    group.addoption(
+        "--am-backends",
+        metavar="NAMES",
+        default=None,
+        help="comma-separated backends for the `backend` fixture of "
+        "attention_multi.testing (numpy, torch, jax, mxnet); "
+        "default: every installed one",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -68,8 +73,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Parametrizes the tests that use the ``backend`` fixture, one case per backend."""
     # _PARAM is in the closure only where this plugin's `backend` fixture is used.
     if _PARAM in metafunc.fixturenames and not (
-            _parametrized_by_test(metafunc, "backend")
-            or _parametrized_by_test(metafunc, _PARAM)):
+        _parametrized_by_test(metafunc, "backend") or _parametrized_by_test(metafunc, _PARAM)
+    ):
         names = metafunc.config.stash[_CHOSEN][0]
         metafunc.parametrize(_PARAM, names, ids=names)
 
@@ -82,6 +87,8 @@ def backend(request: pytest.FixtureRequest, am_backend_name: str) -> Backend:
     except ImportError as exc:
         reason = str(exc)
     if request.config.stash[_CHOSEN][1]:
-        pytest.fail(f"--am-backends asks for {am_backend_name!r}, which cannot be used: "
-                    f"{reason}", pytrace=False)
+        pytest.fail(
+            f"--am-backends asks for {am_backend_name!r}, which cannot be used: {reason}",
+            pytrace=False,
+        )
     pytest.skip(f"backend {am_backend_name!r} cannot be used: {reason}")

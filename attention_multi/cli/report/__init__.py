@@ -18,6 +18,7 @@ is caught.
 Files: ``cases.py`` (what is checked), ``run.py`` (running it on a backend),
 ``render.py`` (Markdown and figures).
 """
+
 import argparse
 import sys
 import time
@@ -54,25 +55,41 @@ def _device_names(text):
     def check(name):
         kind, index = backends.parse_device(name)
         return kind if kind == "cpu" else f"{kind}:{index}" if index else kind
+
     return _names(text, check, "devices")
 
 
 def add_arguments(parser):
-    parser.add_argument("--backends", type=_backend_names,
-                        default=list(backends.BACKEND_NAMES),
-                        help="comma-separated, default: all (%(default)s)")
-    parser.add_argument("--devices", type=_device_names, default=["cpu", "cuda"],
-                        help="comma-separated, default: cpu,cuda (absent ones are "
-                             "listed, not failed)")
-    parser.add_argument("--out", type=Path, default=Path(DEFAULT_OUT),
-                        help="directory for report.md and the PNGs, created if its "
-                             "parent exists (default: ./%(default)s)")
-    parser.add_argument("--plant", metavar="BACKEND", type=backends.canonical_name,
-                        help="self-test: add 1e-2 to BACKEND's results, so that its "
-                             "cells must FAIL")
-    parser.epilog = ("exit status: 0 every cell passes; 1 a cell fails; 2 no backend "
-                     f"could run, or bad arguments; {EXIT_CANNOT_WRITE} --out cannot be "
-                     "created or written")
+    parser.add_argument(
+        "--backends",
+        type=_backend_names,
+        default=list(backends.BACKEND_NAMES),
+        help="comma-separated, default: all (%(default)s)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=_device_names,
+        default=["cpu", "cuda"],
+        help="comma-separated, default: cpu,cuda (absent ones are listed, not failed)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(DEFAULT_OUT),
+        help="directory for report.md and the PNGs, created if its "
+        "parent exists (default: ./%(default)s)",
+    )
+    parser.add_argument(
+        "--plant",
+        metavar="BACKEND",
+        type=backends.canonical_name,
+        help="self-test: add 1e-2 to BACKEND's results, so that its cells must FAIL",
+    )
+    parser.epilog = (
+        "exit status: 0 every cell passes; 1 a cell fails; 2 no backend "
+        f"could run, or bad arguments; {EXIT_CANNOT_WRITE} --out cannot be "
+        "created or written"
+    )
     return parser
 
 
@@ -96,12 +113,15 @@ def find_pairs(names, devices):
 
 def main(args):
     if args.plant and args.plant not in args.backends:
-        print(f"attention-multi report: --plant {args.plant} is not among --backends "
-              f"{','.join(args.backends)}", file=sys.stderr)
+        print(
+            f"attention-multi report: --plant {args.plant} is not among --backends "
+            f"{','.join(args.backends)}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     make_directory(out)
-    check_writable(out / "report.md")    # now, not after every backend has run
+    check_writable(out / "report.md")  # now, not after every backend has run
     inputs = {d: rounded(make_inputs(), d) for d in DTYPES}
     refs = references(inputs)
     pairs, notes = find_pairs(args.backends, args.devices)
@@ -117,11 +137,17 @@ def main(args):
         except Exception as exc:
             timings[label] = f"ERROR {type(exc).__name__}: {exc}"
         failed = sum(not ok for _, ok, _ in cells[label].values())
-        print(f"report: {label}: {len(cells[label])} cells, {failed} failed, "
-              f"{time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+        print(
+            f"report: {label}: {len(cells[label])} cells, {failed} failed, "
+            f"{time.perf_counter() - start:.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    command = (f"attention-multi report --backends {','.join(args.backends)} "
-               f"--devices {','.join(args.devices)}")
+    command = (
+        f"attention-multi report --backends {','.join(args.backends)} "
+        f"--devices {','.join(args.devices)}"
+    )
     lines = markdown(command, notes, cells, timings, args.plant)
     print("\n".join(lines))
 
@@ -130,12 +156,15 @@ def main(args):
         trainer = next((p for p in pairs if p[0].autodiff), None)
         try:
             lines += figures(out, *pairs[0], inputs, trainer)
-        except WriteError:         # --out itself fails: exit EXIT_CANNOT_WRITE
+        except WriteError:  # --out itself fails: exit EXIT_CANNOT_WRITE
             raise
-        except Exception as exc:   # figures are extras; parity decides the exit code
+        except Exception as exc:  # figures are extras; parity decides the exit code
             lines += [f"Figures failed: {type(exc).__name__}: {exc}"]
-        print(lines[-1] if lines[-1].startswith("Figures") else
-              f"Figures: {', '.join(sorted(p.name for p in out.glob('*.png')))}")
+        print(
+            lines[-1]
+            if lines[-1].startswith("Figures")
+            else f"Figures: {', '.join(sorted(p.name for p in out.glob('*.png')))}"
+        )
     with atomic_write(out / "report.md", "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     print(f"Wrote {out / 'report.md'}")

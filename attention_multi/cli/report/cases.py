@@ -1,5 +1,6 @@
 """What the report checks: fixed inputs, and each mechanism run two ways
 (on a backend, through a ``Runner``; and by the float64 reference)."""
+
 import numpy as np
 
 from ... import reference as ref
@@ -10,7 +11,7 @@ TOLERANCES = {"float32": (2e-5, 1e-5), "float64": (1e-10, 1e-10)}  # (atol, rtol
 
 def target(x):
     """Seed 003's target function."""
-    return 2 * np.sin(x) + x ** 0.8
+    return 2 * np.sin(x) + x**0.8
 
 
 def make_inputs(seed=0):
@@ -35,29 +36,50 @@ def make_inputs(seed=0):
     y_train = target(x_train) + rng.normal(0.0, 0.5, 50)
     others = ~np.eye(50, dtype=bool)
     return {
-        "X": normal((2, 2, 4)), "lens1": np.array([2, 3]),
-        "X2": normal((2, 3, 5)), "lens2": np.array([[1, 3, 5], [2, 4, 0]]),
-        "S": normal((3, 5)), "S_lens": np.array([0, 2, 5]),
+        "X": normal((2, 2, 4)),
+        "lens1": np.array([2, 3]),
+        "X2": normal((2, 3, 5)),
+        "lens2": np.array([[1, 3, 5], [2, 4, 0]]),
+        "S": normal((3, 5)),
+        "S_lens": np.array([0, 2, 5]),
         # seed 000: keys of ones, values arange(40), valid_lens [2, 6]
         "seed_keys": np.ones((2, 10, 2)),
         "seed_values": np.tile(np.arange(40.0).reshape(1, 10, 4), (2, 1, 1)),
         "seed_lens": np.array([2, 6]),
         "dot_q": normal((2, 1, 2)),
         "add_q": normal((2, 1, 20)),
-        "add_params": {**linear_params("W_q", 8, 20, False),
-                       **linear_params("W_k", 8, 2, False),
-                       **linear_params("w_v", 1, 8, False)},
-        "q": normal((2, 3, 4)), "k": normal((2, 5, 4)), "v": normal((2, 5, 3)),
-        "mq": normal((2, 4, 5)), "mk": normal((2, 6, 3)), "mv": normal((2, 6, 7)),
+        "add_params": {
+            **linear_params("W_q", 8, 20, False),
+            **linear_params("W_k", 8, 2, False),
+            **linear_params("w_v", 1, 8, False),
+        },
+        "q": normal((2, 3, 4)),
+        "k": normal((2, 5, 4)),
+        "v": normal((2, 5, 3)),
+        "mq": normal((2, 4, 5)),
+        "mk": normal((2, 6, 3)),
+        "mv": normal((2, 6, 7)),
         "m_lens": np.array([3, 5]),
-        "mha": mha_params(False), "mha_bias": mha_params(True),
+        "mha": mha_params(False),
+        "mha_bias": mha_params(True),
         "P_X": normal((2, 7, 6)),
-        "x_train": x_train, "y_train": y_train, "x_test": np.arange(0, 5, 0.1),
-        "forms_mask": np.array([[[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]],
-                                [[0, 1, 1, 1, 1], [1, 1, 0, 0, 1], [0, 0, 1, 0, 0]]], bool),
+        "x_train": x_train,
+        "y_train": y_train,
+        "x_test": np.arange(0, 5, 0.1),
+        "forms_mask": np.array(
+            [
+                [[1, 1, 0, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]],
+                [[0, 1, 1, 1, 1], [1, 1, 0, 0, 1], [0, 0, 1, 0, 0]],
+            ],
+            bool,
+        ),
         "forms_bias": np.where(rng.random((2, 3, 5)) < 0.2, -np.inf, normal((2, 3, 5))),
-        "gqa": {**linear_params("W_q", 8, 5, True), **linear_params("W_k", 4, 5, True),
-                **linear_params("W_v", 4, 5, True), **linear_params("W_o", 8, 8, True)},
+        "gqa": {
+            **linear_params("W_q", 8, 5, True),
+            **linear_params("W_k", 4, 5, True),
+            **linear_params("W_v", 4, 5, True),
+            **linear_params("W_o", 8, 8, True),
+        },
         "gqa_x": normal((2, 4, 5)),
         "nw_w": np.array([1.7]),
         "nw_keys": np.tile(x_train, (50, 1))[others].reshape(50, -1),
@@ -80,17 +102,20 @@ def _attention(r, net, q, k, v, lens):
 
 
 def _mha(r, i, params):
-    net = r.module(r.am.MultiHeadAttention, 3, 5, 7, 8, 2, 0.5,
-                   bias="W_q.bias" in params, params=params)
+    net = r.module(
+        r.am.MultiHeadAttention, 3, 5, 7, 8, 2, 0.5, bias="W_q.bias" in params, params=params
+    )
     return _attention(r, net, i["mq"], i["mk"], i["mv"], i["m_lens"])
 
 
 def _forms(r, i, **forms):
     """The functional attention on q, k, v with ``forms`` (arrays NumPy)."""
+
     def native(x):
         if not isinstance(x, np.ndarray):
             return x
         return r.mask(x) if x.dtype == bool else r.lens(x) if x.dtype.kind in "iu" else r.a(x)
+
     native = {n: native(x) for n, x in forms.items()}
     return [r.am.dot_product_attention(r.a(i["q"]), r.a(i["k"]), r.a(i["v"]), **native)]
 
@@ -102,20 +127,22 @@ def _ref_forms(i, **forms):
 
 
 def _gqa(r, i, **forms):
-    net = r.module(r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1,
-                   params=i["gqa"])
+    net = r.module(
+        r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1, params=i["gqa"]
+    )
     x = r.a(i["gqa_x"])
     return [net(x, x, x, **forms)]
 
 
 def _decode(r, i):
     """One token at a time through a KV cache."""
-    net = r.module(r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1,
-                   params=i["gqa"])
+    net = r.module(
+        r.am.MultiHeadAttention, 5, 5, 5, 8, 2, 0.5, bias=True, num_kv_heads=1, params=i["gqa"]
+    )
     cache, outs = net.init_cache(2, 6), []
     x = r.a(i["gqa_x"])
     for t in range(x.shape[1]):
-        out, cache = net(x[:, t:t + 1], x[:, t:t + 1], x[:, t:t + 1], cache=cache)
+        out, cache = net(x[:, t : t + 1], x[:, t : t + 1], x[:, t : t + 1], cache=cache)
         outs.append(out)
     return outs
 
@@ -123,70 +150,132 @@ def _decode(r, i):
 def _ref_gqa(i, steps=False, **forms):
     x = i["gqa_x"]
     out, _ = ref.multi_head_attention(i["gqa"], x, x, x, None, 2, 1, **forms)
-    return [out[:, t:t + 1] for t in range(x.shape[1])] if steps else [out]
+    return [out[:, t : t + 1] for t in range(x.shape[1])] if steps else [out]
 
 
 # (row name, run on a backend -> arrays, reference -> float64 arrays)
 CASES = [
-    ("masked_softmax, valid_lens (B,)",
-     lambda r, i: [r.am.masked_softmax(r.a(i["X"]), r.lens(i["lens1"]))],
-     lambda i: [ref.masked_softmax(i["X"], i["lens1"])]),
-    ("masked_softmax, valid_lens (B, Q)",
-     lambda r, i: [r.am.masked_softmax(r.a(i["X2"]), r.lens(i["lens2"]))],
-     lambda i: [ref.masked_softmax(i["X2"], i["lens2"])]),
-    ("sequence_mask",
-     lambda r, i: [r.am.sequence_mask(r.a(i["S"]), r.lens(i["S_lens"]), value=-1.0)],
-     lambda i: [ref.sequence_mask(i["S"], i["S_lens"], -1.0)]),
-    ("DotProductAttention, seed example",
-     lambda r, i: _attention(r, r.module(r.am.DotProductAttention, 0.5), i["dot_q"],
-                             i["seed_keys"], i["seed_values"], i["seed_lens"]),
-     lambda i: list(ref.dot_product_attention(i["dot_q"], i["seed_keys"],
-                                              i["seed_values"], i["seed_lens"]))),
-    ("DotProductAttention, valid_lens (B, Q)",
-     lambda r, i: _attention(r, r.module(r.am.DotProductAttention, 0.5),
-                             i["q"], i["k"], i["v"], i["lens2"]),
-     lambda i: list(ref.dot_product_attention(i["q"], i["k"], i["v"], i["lens2"]))),
-    ("AdditiveAttention, seed example",
-     lambda r, i: _attention(r, r.module(r.am.AdditiveAttention, 2, 20, 8, 0.1,
-                                         params=i["add_params"]),
-                             i["add_q"], i["seed_keys"], i["seed_values"], i["seed_lens"]),
-     lambda i: list(ref.additive_attention(i["add_params"], i["add_q"], i["seed_keys"],
-                                           i["seed_values"], i["seed_lens"]))),
-    ("MultiHeadAttention, bias=False",
-     lambda r, i: _mha(r, i, i["mha"]),
-     lambda i: list(ref.multi_head_attention(i["mha"], i["mq"], i["mk"], i["mv"],
-                                             i["m_lens"], 2))),
-    ("MultiHeadAttention, bias=True",
-     lambda r, i: _mha(r, i, i["mha_bias"]),
-     lambda i: list(ref.multi_head_attention(i["mha_bias"], i["mq"], i["mk"], i["mv"],
-                                             i["m_lens"], 2))),
-    ("dot_product_attention, causal (bottom-right, Q < K)",
-     lambda r, i: _forms(r, i, causal=True), lambda i: _ref_forms(i, causal=True)),
-    ("dot_product_attention, boolean mask (an empty row)",
-     lambda r, i: _forms(r, i, mask=i["forms_mask"]),
-     lambda i: _ref_forms(i, mask=i["forms_mask"])),
-    ("dot_product_attention, bias (-inf entries)",
-     lambda r, i: _forms(r, i, bias=i["forms_bias"]),
-     lambda i: _ref_forms(i, bias=i["forms_bias"])),
-    ("dot_product_attention, window (1, 0) and valid_lens",
-     lambda r, i: _forms(r, i, valid_lens=i["m_lens"], window=(1, 0)),
-     lambda i: _ref_forms(i, valid_lens=i["m_lens"], window=(1, 0))),
-    ("MultiHeadAttention, GQA num_kv_heads=1, causal",
-     lambda r, i: _gqa(r, i, causal=True), lambda i: _ref_gqa(i, causal=True)),
-    ("MultiHeadAttention, KV cache decoding",
-     _decode, lambda i: _ref_gqa(i, steps=True, causal=True)),
-    ("PositionalEncoding",
-     lambda r, i: [r.module(r.am.PositionalEncoding, 6, 0.0, max_len=50)(r.a(i["P_X"]))],
-     lambda i: [ref.positional_encoding(i["P_X"])]),
-    ("nadaraya_watson",
-     lambda r, i: list(r.am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]),
-                                            r.a(i["x_test"]), return_weights=True)),
-     lambda i: list(ref.nadaraya_watson(i["x_train"], i["y_train"], i["x_test"]))),
-    ("NWKernelRegression forward",
-     lambda r, i: [r.module(r.am.NWKernelRegression, params={"w": i["nw_w"]})(
-         r.a(i["x_train"]), r.a(i["nw_keys"]), r.a(i["nw_values"]))],
-     lambda i: [ref.nw_kernel_regression(i["nw_w"][0], i["x_train"], i["nw_keys"],
-                                         i["nw_values"])]),
+    (
+        "masked_softmax, valid_lens (B,)",
+        lambda r, i: [r.am.masked_softmax(r.a(i["X"]), r.lens(i["lens1"]))],
+        lambda i: [ref.masked_softmax(i["X"], i["lens1"])],
+    ),
+    (
+        "masked_softmax, valid_lens (B, Q)",
+        lambda r, i: [r.am.masked_softmax(r.a(i["X2"]), r.lens(i["lens2"]))],
+        lambda i: [ref.masked_softmax(i["X2"], i["lens2"])],
+    ),
+    (
+        "sequence_mask",
+        lambda r, i: [r.am.sequence_mask(r.a(i["S"]), r.lens(i["S_lens"]), value=-1.0)],
+        lambda i: [ref.sequence_mask(i["S"], i["S_lens"], -1.0)],
+    ),
+    (
+        "DotProductAttention, seed example",
+        lambda r, i: _attention(
+            r,
+            r.module(r.am.DotProductAttention, 0.5),
+            i["dot_q"],
+            i["seed_keys"],
+            i["seed_values"],
+            i["seed_lens"],
+        ),
+        lambda i: list(
+            ref.dot_product_attention(i["dot_q"], i["seed_keys"], i["seed_values"], i["seed_lens"])
+        ),
+    ),
+    (
+        "DotProductAttention, valid_lens (B, Q)",
+        lambda r, i: _attention(
+            r, r.module(r.am.DotProductAttention, 0.5), i["q"], i["k"], i["v"], i["lens2"]
+        ),
+        lambda i: list(ref.dot_product_attention(i["q"], i["k"], i["v"], i["lens2"])),
+    ),
+    (
+        "AdditiveAttention, seed example",
+        lambda r, i: _attention(
+            r,
+            r.module(r.am.AdditiveAttention, 2, 20, 8, 0.1, params=i["add_params"]),
+            i["add_q"],
+            i["seed_keys"],
+            i["seed_values"],
+            i["seed_lens"],
+        ),
+        lambda i: list(
+            ref.additive_attention(
+                i["add_params"], i["add_q"], i["seed_keys"], i["seed_values"], i["seed_lens"]
+            )
+        ),
+    ),
+    (
+        "MultiHeadAttention, bias=False",
+        lambda r, i: _mha(r, i, i["mha"]),
+        lambda i: list(
+            ref.multi_head_attention(i["mha"], i["mq"], i["mk"], i["mv"], i["m_lens"], 2)
+        ),
+    ),
+    (
+        "MultiHeadAttention, bias=True",
+        lambda r, i: _mha(r, i, i["mha_bias"]),
+        lambda i: list(
+            ref.multi_head_attention(i["mha_bias"], i["mq"], i["mk"], i["mv"], i["m_lens"], 2)
+        ),
+    ),
+    (
+        "dot_product_attention, causal (bottom-right, Q < K)",
+        lambda r, i: _forms(r, i, causal=True),
+        lambda i: _ref_forms(i, causal=True),
+    ),
+    (
+        "dot_product_attention, boolean mask (an empty row)",
+        lambda r, i: _forms(r, i, mask=i["forms_mask"]),
+        lambda i: _ref_forms(i, mask=i["forms_mask"]),
+    ),
+    (
+        "dot_product_attention, bias (-inf entries)",
+        lambda r, i: _forms(r, i, bias=i["forms_bias"]),
+        lambda i: _ref_forms(i, bias=i["forms_bias"]),
+    ),
+    (
+        "dot_product_attention, window (1, 0) and valid_lens",
+        lambda r, i: _forms(r, i, valid_lens=i["m_lens"], window=(1, 0)),
+        lambda i: _ref_forms(i, valid_lens=i["m_lens"], window=(1, 0)),
+    ),
+    (
+        "MultiHeadAttention, GQA num_kv_heads=1, causal",
+        lambda r, i: _gqa(r, i, causal=True),
+        lambda i: _ref_gqa(i, causal=True),
+    ),
+    (
+        "MultiHeadAttention, KV cache decoding",
+        _decode,
+        lambda i: _ref_gqa(i, steps=True, causal=True),
+    ),
+    (
+        "PositionalEncoding",
+        lambda r, i: [r.module(r.am.PositionalEncoding, 6, 0.0, max_len=50)(r.a(i["P_X"]))],
+        lambda i: [ref.positional_encoding(i["P_X"])],
+    ),
+    (
+        "nadaraya_watson",
+        lambda r, i: list(
+            r.am.nadaraya_watson(
+                r.a(i["x_train"]), r.a(i["y_train"]), r.a(i["x_test"]), return_weights=True
+            )
+        ),
+        lambda i: list(ref.nadaraya_watson(i["x_train"], i["y_train"], i["x_test"])),
+    ),
+    (
+        "NWKernelRegression forward",
+        lambda r, i: [
+            r.module(r.am.NWKernelRegression, params={"w": i["nw_w"]})(
+                r.a(i["x_train"]), r.a(i["nw_keys"]), r.a(i["nw_values"])
+            )
+        ],
+        lambda i: [
+            ref.nw_kernel_regression(i["nw_w"][0], i["x_train"], i["nw_keys"], i["nw_values"])
+        ],
+    ),
 ]
 MECHANISMS = [name for name, _, _ in CASES]
 RUNS = {name: run for name, run, _ in CASES}
@@ -194,17 +283,20 @@ RUNS = {name: run for name, run, _ in CASES}
 
 def references(inputs):
     """{dtype: {mechanism: reference arrays}} for ``{dtype: rounded inputs}``."""
-    return {dtype: {name: reference(inputs[dtype]) for name, _, reference in CASES}
-            for dtype in inputs}
+    return {
+        dtype: {name: reference(inputs[dtype]) for name, _, reference in CASES} for dtype in inputs
+    }
 
 
 def compare(got, want, dtype):
     """(max abs error, passed) of backend results against the reference."""
     atol, rtol = TOLERANCES[dtype]
     if [g.shape for g in got] != [w.shape for w in want]:
-        raise ValueError(f"shapes {[g.shape for g in got]} differ from the "
-                         f"reference's {[w.shape for w in want]}")
-    err = max(float(np.max(np.abs(g.astype(np.float64) - w), initial=0.0))
-              for g, w in zip(got, want))
+        raise ValueError(
+            f"shapes {[g.shape for g in got]} differ from the reference's {[w.shape for w in want]}"
+        )
+    err = max(
+        float(np.max(np.abs(g.astype(np.float64) - w), initial=0.0)) for g, w in zip(got, want)
+    )
     scale = max(float(np.max(np.abs(w), initial=0.0)) for w in want)
-    return err, bool(err <= atol + rtol * scale)   # NaN fails
+    return err, bool(err <= atol + rtol * scale)  # NaN fails

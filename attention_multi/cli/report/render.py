@@ -1,4 +1,5 @@
 """The report as text: Markdown tables and sections, and the PNG figures."""
+
 import datetime
 
 import attention_multi as am
@@ -14,8 +15,12 @@ def table(header, rows):
 
     def line(cells):
         return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
-    return [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
-            *(line(r) for r in rows)]
+
+    return [
+        line(header),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+        *(line(r) for r in rows),
+    ]
 
 
 def cell_text(cell):
@@ -38,18 +43,33 @@ def summary(cells):
 
 def markdown(command, notes, cells, timings, plant):
     """The report's text up to (not including) the figures, as lines."""
-    lines = ["# attention-multi report", "",
-             f"{datetime.datetime.now().isoformat(timespec='seconds')}: `{command}`", "",
-             "## Environment", "", *(f"- {v}" for v in versions()),
-             "", "## Backends and devices", "", *notes, ""]
+    lines = [
+        "# attention-multi report",
+        "",
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}: `{command}`",
+        "",
+        "## Environment",
+        "",
+        *(f"- {v}" for v in versions()),
+        "",
+        "## Backends and devices",
+        "",
+        *notes,
+        "",
+    ]
     if plant:
-        lines += [f"**Planted disagreement (self-test): {PLANT:g} added to every "
-                  f"{plant} result.**", ""]
-    lines += ["## Parity with the float64 reference", "",
-              "Cell: max abs error against `attention_multi.reference` on the same "
-              "(rounded) inputs; ok when error <= atol + rtol * max|reference| "
-              "(" + "; ".join(f"{d}: atol {a:g}, rtol {r:g}"
-                              for d, (a, r) in TOLERANCES.items()) + ").", ""]
+        lines += [
+            f"**Planted disagreement (self-test): {PLANT:g} added to every {plant} result.**",
+            "",
+        ]
+    lines += [
+        "## Parity with the float64 reference",
+        "",
+        "Cell: max abs error against `attention_multi.reference` on the same "
+        "(rounded) inputs; ok when error <= atol + rtol * max|reference| "
+        "(" + "; ".join(f"{d}: atol {a:g}, rtol {r:g}" for d, (a, r) in TOLERANCES.items()) + ").",
+        "",
+    ]
     labels, errors = list(cells), []
     for dtype in DTYPES:
         rows = []
@@ -64,9 +84,18 @@ def markdown(command, notes, cells, timings, plant):
         lines += [f"### {dtype}", "", *table(["mechanism", *labels], rows), ""]
     if errors:
         lines += ["Errors:", "", *errors, ""]
-    lines += ["## Forward time", "", TIMING_SHAPE, "",
-              *table(["backend/device", "median"], list(timings.items())), "",
-              "## Result", "", summary(cells)[2], ""]
+    lines += [
+        "## Forward time",
+        "",
+        TIMING_SHAPE,
+        "",
+        *table(["backend/device", "median"], list(timings.items())),
+        "",
+        "## Result",
+        "",
+        summary(cells)[2],
+        "",
+    ]
     return lines
 
 
@@ -74,10 +103,14 @@ def multi_head_heatmaps(weights, heads, lens):
     """d2l's heatmaps of (batch * heads, Q, K) weights: a column per head, a
     row per batch element, each row labelled with its element and length."""
     w = weights.reshape((-1, heads) + weights.shape[1:])
-    fig = am.show_heatmaps(w, xlabel="Keys", ylabel="Queries",
-                           titles=[f"Head {h + 1}" for h in range(heads)],
-                           figsize=(2.5 * heads, 1.9 * w.shape[0]))
-    for b, first in enumerate(fig.axes[:w.shape[0] * heads:heads]):
+    fig = am.show_heatmaps(
+        w,
+        xlabel="Keys",
+        ylabel="Queries",
+        titles=[f"Head {h + 1}" for h in range(heads)],
+        figsize=(2.5 * heads, 1.9 * w.shape[0]),
+    )
+    for b, first in enumerate(fig.axes[: w.shape[0] * heads : heads]):
         first.set_ylabel(f"batch {b} (valid_len {lens[b]})\nQueries")
     return fig
 
@@ -88,8 +121,10 @@ def figures(out, B, device, inputs, trainer):
     try:
         import matplotlib
     except ImportError as exc:
-        return [f"Figures skipped: matplotlib is not available ({exc}); "
-                "pip install 'attention-multi[plot]'."]
+        return [
+            f"Figures skipped: matplotlib is not available ({exc}); "
+            "pip install 'attention-multi[plot]'."
+        ]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -105,26 +140,38 @@ def figures(out, B, device, inputs, trainer):
             plt.close(fig)
         figs.append(f"![{caption}]({filename})")
 
-    def weights(case):       # the attention weights of a case's module
+    def weights(case):  # the attention weights of a case's module
         return r.numpy(RUNS[case](r, i)[1])
 
     for case, filename, caption in (
-            ("AdditiveAttention, seed example", "heatmap_additive.png",
-             "Additive attention weights, valid_lens [2, 6]"),
-            ("DotProductAttention, seed example", "heatmap_dot_product.png",
-             "Dot-product attention weights, valid_lens [2, 6]")):
-        save(am.show_heatmaps(weights(case).reshape((1, 1, 2, 10)), xlabel="Keys",
-                              ylabel="Queries"), filename, caption)
+        (
+            "AdditiveAttention, seed example",
+            "heatmap_additive.png",
+            "Additive attention weights, valid_lens [2, 6]",
+        ),
+        (
+            "DotProductAttention, seed example",
+            "heatmap_dot_product.png",
+            "Dot-product attention weights, valid_lens [2, 6]",
+        ),
+    ):
+        save(
+            am.show_heatmaps(weights(case).reshape((1, 1, 2, 10)), xlabel="Keys", ylabel="Queries"),
+            filename,
+            caption,
+        )
 
     lens = i["m_lens"]
-    save(multi_head_heatmaps(weights("MultiHeadAttention, bias=False"), 2, lens),
-         "heatmap_multihead.png", "Multi-head attention weights: one column per "
-         "head, one row per batch element (valid_lens " + str(list(lens)) + ")")
+    save(
+        multi_head_heatmaps(weights("MultiHeadAttention, bias=False"), 2, lens),
+        "heatmap_multihead.png",
+        "Multi-head attention weights: one column per "
+        "head, one row per batch element (valid_lens " + str(list(lens)) + ")",
+    )
 
     fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5))
     x_test = i["x_test"]
-    y_hat = r.numpy(am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]),
-                                       r.a(x_test)))
+    y_hat = r.numpy(am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]), r.a(x_test)))
     ax.plot(x_test, target(x_test), label="truth")
     ax.plot(x_test, y_hat, label="Gaussian kernel")
     if trainer is not None:
@@ -132,14 +179,18 @@ def figures(out, B, device, inputs, trainer):
         w_fit, losses, y_fit = train_nw(T, trainer_device, i)
         ax.plot(x_test, y_fit, "--", label=f"trained on {T.name} (w = {w_fit:.2f})")
         ax_loss.plot(range(1, len(losses) + 1), losses, "o-")
-        lines.append(f"NWKernelRegression trained on {T.name}/{trainer_device}: "
-                     f"w = {w_fit:.3f}, loss per epoch "
-                     + ", ".join(f"{x:.2f}" for x in losses) + ".")
+        lines.append(
+            f"NWKernelRegression trained on {T.name}/{trainer_device}: "
+            f"w = {w_fit:.3f}, loss per epoch " + ", ".join(f"{x:.2f}" for x in losses) + "."
+        )
     else:
-        ax_loss.text(0.5, 0.5, "no autodiff backend\n(torch, jax or mxnet)",
-                     ha="center", va="center")
-        lines.append("NWKernelRegression not trained: no autodiff backend ran "
-                     "(pip install 'attention-multi[torch]').")
+        ax_loss.text(
+            0.5, 0.5, "no autodiff backend\n(torch, jax or mxnet)", ha="center", va="center"
+        )
+        lines.append(
+            "NWKernelRegression not trained: no autodiff backend ran "
+            "(pip install 'attention-multi[torch]')."
+        )
     ax.plot(i["x_train"], i["y_train"], "o", alpha=0.5, label="training points")
     ax.set(xlabel="x", ylabel="y", xlim=(0, 5), title="Nadaraya-Watson regression")
     ax.legend()

@@ -1,5 +1,6 @@
 """Running the report's cases: which backends and devices can run, and the
 cells, timings and training run of one backend on one device."""
+
 import importlib.metadata
 import platform
 import statistics
@@ -73,7 +74,7 @@ def versions():
 
 def run_cells(B, device, inputs, refs, plant):
     """{(mechanism, dtype): (error or None, passed, message)} for one backend/device."""
-    B.enable_float64()    # explicit float32 stays float32
+    B.enable_float64()  # explicit float32 stays float32
     cells = {}
     for dtype in DTYPES:
         if dtype not in B.float_dtypes:
@@ -86,14 +87,16 @@ def run_cells(B, device, inputs, refs, plant):
                     got = [g + PLANT for g in got]
                 err, ok = compare(got, refs[dtype][name], dtype)
                 cells[name, dtype] = (err, ok, "")
-            except Exception as exc:    # one broken mechanism must not stop the report
+            except Exception as exc:  # one broken mechanism must not stop the report
                 cells[name, dtype] = (None, False, f"{type(exc).__name__}: {exc}")
     return cells
 
 
-TIMING_SHAPE = ("MultiHeadAttention forward, float32: batch 8, 64 queries x 64 keys, "
-                "128 hiddens, 8 heads, valid_lens (8,); median of 5 after a warm-up, "
-                "copy to NumPy included")
+TIMING_SHAPE = (
+    "MultiHeadAttention forward, float32: batch 8, 64 queries x 64 keys, "
+    "128 hiddens, 8 heads, valid_lens (8,); median of 5 after a warm-up, "
+    "copy to NumPy included"
+)
 
 
 def time_forward(B, device, repeats=5):
@@ -104,7 +107,7 @@ def time_forward(B, device, repeats=5):
     q, kv = r.a(rng.standard_normal((8, 64, 128))), r.a(rng.standard_normal((8, 64, 128)))
     lens = r.lens(rng.integers(1, 65, 8))
     times = []
-    for _ in range(repeats + 1):           # the first run warms up
+    for _ in range(repeats + 1):  # the first run warms up
         start = time.perf_counter()
         r.numpy(net(q, kv, kv, lens))
         times.append(time.perf_counter() - start)
@@ -115,8 +118,9 @@ def train_nw(B, device, i, epochs=5, lr=0.5):
     """Seed 003's training; returns (w, losses, predictions on x_test)."""
     r = Runner(B, device, "float32")
     net = r.module(am.NWKernelRegression, params={"w": np.array([0.3])})
-    losses = am.train_kernel_regression(net, r.a(i["x_train"]), r.a(i["y_train"]),
-                                        epochs=epochs, lr=lr)
+    losses = am.train_kernel_regression(
+        net, r.a(i["x_train"]), r.a(i["y_train"]), epochs=epochs, lr=lr
+    )
     x_test = i["x_test"]
     keys = np.tile(i["x_train"], (len(x_test), 1))
     values = np.tile(i["y_train"], (len(x_test), 1))
