@@ -88,18 +88,7 @@ def dot_product_attention(
 
     Everything combines by AND; a query with no allowed key gets a zero output.
     """
-    B = backend_of(queries=queries, keys=keys, values=values)
-    ndim = len(queries.shape)
-    names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
-    what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
-    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
-        check_array(B, name, x, 4 if ndim == 4 else 3, what)
-        check_float(B, name, x)
-    q, k, v = (
-        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
-        for x in (queries, keys, values)
-    )
-    _check_shapes(B, q, k, v, ndim)
+    B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
     m = make_mask(
         B,
@@ -119,6 +108,24 @@ def dot_product_attention(
     dropout = check_dropout("dropout", dropout)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+
+
+def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:
+    """``(backend, q, k, v, ndim)``: the checked inputs of the functional
+    attention as (batch, heads, n, features), and the rank the caller gave."""
+    B = backend_of(queries=queries, keys=keys, values=values)
+    ndim = len(queries.shape)
+    names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
+    what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
+    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
+        check_array(B, name, x, 4 if ndim == 4 else 3, what)
+        check_float(B, name, x)
+    q, k, v = (
+        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+        for x in (queries, keys, values)
+    )
+    _check_shapes(B, q, k, v, ndim)
+    return B, q, k, v, ndim
 
 
 def _check_shapes(B, q, k, v, ndim):
@@ -256,18 +263,7 @@ def ring_attention(
     from .core.ring import ring
 
     memory_budget = check_path_options("auto", memory_budget, None)[1]
-    B = backend_of(queries=queries, keys=keys, values=values)
-    ndim = len(queries.shape)
-    names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
-    what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
-    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
-        check_array(B, name, x, 4 if ndim == 4 else 3, what)
-        check_float(B, name, x)
-    q, k, v = (
-        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
-        for x in (queries, keys, values)
-    )
-    _check_shapes(B, q, k, v, ndim)
+    B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     rank, size, shift = B.ring_exchange(axis_name if group is None else group)
     batch, heads, num_q, _ = q.shape
     num_k = k.shape[2]
