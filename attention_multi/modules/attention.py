@@ -135,16 +135,17 @@ class _Attention(Module):
             return self._dtype
         return self._backend.dtype_name(next(iter(arrays.values())))
 
-    def _mask(self, queries, keys, heads=1, valid_lens=None, **forms):
+    def _mask(self, queries, num_keys, heads=1, valid_lens=None, **forms):
         """The normalized mask of a call: ``valid_lens`` and ``forms``
-        (``mask``, ``bias``, ``causal``, ``window``) for (batch, heads, Q, K)."""
+        (``mask``, ``bias``, ``causal``, ``window``, ``offset``) for
+        (batch, heads, Q, num_keys)."""
         B = self._backend
         return make_mask(
             B,
             queries.shape[0],
             heads,
             queries.shape[1],
-            keys.shape[1],
+            num_keys,
             valid_lens=valid_lens,
             dtype=B.dtype_name(queries),
             heads_axis=False,
@@ -232,7 +233,7 @@ class AdditiveAttention(_Attention):
         (batch, Q); ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
         B = self._backend
-        mask = self._mask(queries, keys, valid_lens=valid_lens)
+        mask = self._mask(queries, keys.shape[1], valid_lens=valid_lens)
         empty = self._empty(queries, keys, values)
         if empty is not None:
             return empty
@@ -334,7 +335,13 @@ class DotProductAttention(_Attention):
                 f"{tuple(keys.shape)}"
             )
         m = self._mask(
-            queries, keys, valid_lens=valid_lens, mask=mask, bias=bias, causal=causal, window=window
+            queries,
+            keys.shape[1],
+            valid_lens=valid_lens,
+            mask=mask,
+            bias=bias,
+            causal=causal,
+            window=window,
         )
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
@@ -481,21 +488,16 @@ class MultiHeadAttention(_Attention):
                 else B.asarray(np.asarray(end, np.int32), device=B.device_of(cache.keys))
             )
             cache = KVCache(k, v, length)
-        m = make_mask(
-            B,
-            queries.shape[0],
-            h,
-            queries.shape[1],
+        m = self._mask(
+            queries,
             num_keys,
-            valid_lens=valid_lens,
+            h,
+            valid_lens,
             mask=mask,
             bias=bias,
             causal=causal,
             window=window,
             offset=offset,
-            dtype=B.dtype_name(queries),
-            heads_axis=False,
-            device=B.device_of(queries),
         )
         out = self.attention._attend(q, k, v, m, key)
         out = B.transpose(out, (0, 2, 1, 3))
