@@ -118,14 +118,10 @@ def _read(source: Source) -> tuple[dict[str, np.ndarray], str]:
     )
 
 
-def _mapping(
-    source: Source, target: _Target, exact: bool = False
-) -> tuple[dict[str, np.ndarray], Mapping]:
+def _mapping(source: Source, target: _Target) -> tuple[dict[str, np.ndarray], Mapping]:
     params, label = _read(source)
     shapes = {n: v.shape for n, v in params.items()}
-    return params, match(
-        shapes, target.shapes, exact=exact, source_label=label, target_label=target.label
-    )
+    return params, match(shapes, target.shapes, source_label=label, target_label=target.label)
 
 
 def mapping(source: Source, like: Any) -> Mapping:
