@@ -166,8 +166,8 @@ class _Attention(Module):
 
     @property
     def last_path(self) -> TakenPath | None:
-        """The path the last call took: ``"fused"``, ``"chunked"`` or ``"full"``
-        (None before the first call)."""
+        """The path the last call took: ``"fused"``, ``"tiled"``, ``"chunked"``,
+        ``"full"``, or ``"empty"`` when an axis was empty (None before the first call)."""
         return self.__dict__.get("_attention_path")
 
 
