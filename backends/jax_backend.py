@@ -91,7 +91,7 @@ class JaxBackend(NumpyLike):
         ):
             return None
         lens = boolean = bias = None
-        is_causal = mask.top_left_causal and num_q == keys.shape[2]
+        is_causal = mask.top_left_causal
         if mask.per_batch_lens is not None:
             lens = mask.per_batch_lens
         elif not is_causal and not mask.unmasked:

@@ -134,7 +134,7 @@ class TorchBackend(NumpyLike):
         if queries.shape[1] != keys.shape[1]:
             options["enable_gqa"] = True
         device = queries.device
-        if mask.top_left_causal and queries.shape[2] == keys.shape[2]:
+        if mask.top_left_causal:
             options["is_causal"] = True
         elif not mask.unmasked:
             num_q, num_k = queries.shape[2], keys.shape[2]

@@ -125,7 +125,7 @@ def attend(
         plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
     # (a kernel that skips the masked half of top-left causal attention
     # itself beats tiles that each carry a mask)
-    kernel_causal = mask.top_left_causal and B.fused_causal and num_q == num_k
+    kernel_causal = mask.top_left_causal and B.fused_causal
     if plan is not None and (
         path == "tiled" or (path == "auto" and not kernel_causal and plan.cost <= TILED_WORK_MAX)
     ):

@@ -173,30 +173,28 @@ def _is_bool(value):
     return isinstance(value, (bool, np.bool_))
 
 
+def _check_int(name, value, least, what, allow_none):
+    """``value`` as a Python int >= ``least``; ``what`` names that range."""
+    if value is None and allow_none:
+        return None
+    what = f"None or {what}" if allow_none else what
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return int(value)
+
+
 def check_positive_int(name, value, *, allow_none=False):
     """``value`` as a Python int >= 1 (NumPy integers accepted; bools, floats
     and strings refused). With ``allow_none``, None passes through (a size
     still to be learned, or no limit)."""
-    if value is None and allow_none:
-        return None
-    what = "None or a positive int" if allow_none else "a positive int"
-    if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return int(value)
+    return _check_int(name, value, 1, "a positive int", allow_none)
 
 
 def check_nonnegative_int(name, value, *, allow_none=False):
     """``value`` as a Python int >= 0 (as ``check_positive_int`` otherwise)."""
-    if value is None and allow_none:
-        return None
-    what = "None or an int >= 0" if allow_none else "an int >= 0"
-    if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
-    if value < 0:
-        raise ValueError(f"{name} must be {what}, got {value!r}")
-    return int(value)
+    return _check_int(name, value, 0, "an int >= 0", allow_none)
 
 
 def check_dropout(name, value):

@@ -117,9 +117,11 @@ class Mask:
 
     @property
     def top_left_causal(self):
-        """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0)."""
+        """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
+        over as many keys as queries: what a kernel's ``is_causal`` means."""
         return (
             self.causal
+            and self.num_queries == self.num_keys
             and self.offset_known == 0
             and self.lens is None
             and self.window is None

@@ -33,6 +33,14 @@ def work_itemsize(B, x):
     return 8 if B.dtype_name(x) == "float64" else 4
 
 
+def queries_per_block(B, q, block_k, memory_budget):
+    """Queries per block of online softmax over ``block_k`` keys: the block's
+    scores fill at most a sixteenth of ``memory_budget`` (the backward pass
+    holds about eight such arrays)."""
+    batch, heads = q.shape[:2]
+    return max(1, memory_budget // 16 // (batch * heads * block_k * work_itemsize(B, q)))
+
+
 def expand_kv(B, keys, values, heads):
     """Grouped-query attention: repeat each kv head for its query heads."""
     group = heads // keys.shape[1]
@@ -157,8 +165,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             # square blocks along the diagonal: those beyond it are skipped
             # whole (causal attention then computes about half the blocks)
             block_k = min(block_k, DEFAULT_DIAGONAL_BLOCK)
-        per_query = batch * heads * block_k * work_itemsize(B, q)
-        block_q = max(1, memory_budget // 16 // per_query)  # (backward: ~8 such arrays)
+        block_q = queries_per_block(B, q, block_k, memory_budget)
         if mask.causal or mask.window is not None:
             block_q = min(block_q, block_k)
     drop = dropout_fn(B, dropout, key)

@@ -22,7 +22,14 @@ the mask of each block is computed from a possibly traced key position.
 """
 
 from .masking import compute_dtype
-from .paths import _scaled, expand_kv, finish_blocks, merge_blocks, softmax_block, work_itemsize
+from .paths import (
+    _scaled,
+    expand_kv,
+    finish_blocks,
+    merge_blocks,
+    queries_per_block,
+    softmax_block,
+)
 
 
 def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
@@ -37,8 +44,7 @@ def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
     work = compute_dtype(dtype)
     batch, heads, num_q = q.shape[:3]
     block, d = k.shape[2], k.shape[-1]
-    per_query = batch * heads * block * work_itemsize(B, q)
-    block_q = max(1, memory_budget // 16 // per_query)  # (backward: ~8 such arrays)
+    block_q = queries_per_block(B, q, block, memory_budget)
     rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     qs = [_scaled(B, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
     kv = B.concatenate([k, v], -1)  # one message per step
