@@ -47,10 +47,7 @@ def masked_softmax(X: Array, valid_lens: Any) -> Array:
     mask = make_mask(B, b, 1, q, k, valid_lens=valid_lens, device=B.device_of(X))
     if b * q * k == 0:
         return zeros_for_empty(B, (b, q, k), X)
-    visible = mask.boolean(B, B.device_of(X))
-    if visible is not None:
-        visible = visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
-    return _masked_softmax(B, X, visible)
+    return _masked_softmax(B, X, mask.boolean_one_head(B, B.device_of(X)))
 
 
 def dot_product_attention(

@@ -141,6 +141,15 @@ class Mask:
             visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
         return visible
 
+    def boolean_one_head(self, B, device):
+        """``boolean`` of a one-head mask without its heads axis: (batch|1, Q, K)."""
+        visible = self.boolean(B, device)
+        return (
+            None
+            if visible is None
+            else visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
+        )
+
     def additive(self, B, dtype, device):
         """float: ``bias`` (or 0) where a query may see a key, ``fill_value``
         where it may not; None when nothing is masked and there is no bias."""

@@ -238,10 +238,7 @@ class AdditiveAttention(_Attention):
         if empty is not None:
             return empty
         scores = self._scores(self.W_q(queries), self.W_k(keys))
-        visible = mask.boolean(B, B.device_of(queries))
-        if visible is not None:  # (batch, 1, Q|1, K) -> (batch, Q|1, K)
-            visible = visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
-        weights = masked_softmax(B, scores, visible)
+        weights = masked_softmax(B, scores, mask.boolean_one_head(B, B.device_of(queries)))
         values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
         _, values4 = mask.guard_unused(B, values4, values4)
         self._keep_attention(weights)
