@@ -11,7 +11,6 @@ with a float64 run of d2l's own model.
 import contextlib
 import copy
 import importlib.util
-import math
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +143,7 @@ def test_mxnet_outside_record_equals_the_seeds_and_inside_draws_masks(mx, seeds)
     no eval()): deterministic and equal to ours. Inside record() both draw
     masks, and gradients flow through ours."""
     make_fixtures, make_models = seeds
-    npx, mnp, autograd = mx.npx, mx.np, mx.autograd
+    mnp, autograd = mx.np, mx.autograd
     # seed 001/004's example
     keys = mnp.ones((2, 10, 2))
     values = mnp.tile(mnp.arange(40, dtype="float32").reshape(1, 10, 4), (2, 1, 1))
@@ -185,3 +184,190 @@ def test_mxnet_outside_record_equals_the_seeds_and_inside_draws_masks(mx, seeds)
         dot(queries, keys, values, lens).asnumpy(), [[[2, 3, 4, 5]], [[10, 11, 12, 13]]]
     )
     assert np.abs(mha.W_q.weight.grad().asnumpy()).sum() > 0
+
+
+# ---------------------------------------------------------------------------
+# B. The book's Transformer with our attention in all six places (PyTorch)
+
+VOCAB, HIDDENS, FFN, HEADS, BLOCKS, STEPS = 11, 8, 16, 2, 2, 4
+
+
+def _seq2seq_batch():
+    """A tiny padded seq2seq batch (pad 0, bos 1), d2l's teacher forcing."""
+    rng = np.random.default_rng(3)
+    src_lens, tgt_lens = np.array([6, 4, 5, 2]), np.array([5, 6, 3, 4])
+    src = rng.integers(2, VOCAB, size=(4, 6))
+    tgt = rng.integers(2, VOCAB, size=(4, 6))
+    src[np.arange(6) >= src_lens[:, None]] = 0
+    tgt[np.arange(6) >= tgt_lens[:, None]] = 0
+    dec_in = np.concatenate([np.ones((4, 1), np.int64), tgt[:, :-1]], axis=1)
+    return src, dec_in, tgt, src_lens
+
+
+def _swap_torch(net):
+    """d2l 1.0's MultiHeadAttention(num_hiddens, num_heads, dropout) -> ours."""
+    for blk in net.encoder.blks:
+        blk.attention = am.MultiHeadAttention(HIDDENS, HEADS, 0.0, backend="torch")
+    for blk in net.decoder.blks:
+        blk.attention1 = am.MultiHeadAttention(HIDDENS, HEADS, 0.0, backend="torch")
+        blk.attention2 = am.MultiHeadAttention(HIDDENS, HEADS, 0.0, backend="torch")
+    return net
+
+
+def _train_torch(torch, net, batch, dtype):
+    """d2l's loop: Adam, the masked cross-entropy of d2l's Seq2Seq.loss."""
+    src, dec_in, tgt, src_lens = (torch.as_tensor(a) for a in batch)
+    net.to(dtype).train()
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    losses = []
+    for _ in range(STEPS):
+        logits = net(src, dec_in, src_lens)
+        per_token = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), tgt.reshape(-1), reduction="none"
+        )
+        mask = (tgt.reshape(-1) != 0).to(dtype)
+        loss = (per_token * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return np.array(losses)
+
+
+def _greedy_torch(torch, net, src, src_lens, steps=5):
+    """d2l's predict_step: one token at a time, self-attention without valid_lens."""
+    net.eval()
+    with torch.no_grad():
+        state = net.decoder.init_state(net.encoder(src, src_lens), src_lens)
+        outputs, logits, weights = [torch.ones((src.shape[0], 1), dtype=torch.int64)], [], []
+        for _ in range(steps):
+            Y, state = net.decoder(outputs[-1], state)
+            outputs.append(Y.argmax(2))
+            logits.append(Y.double().numpy())
+            weights.append(
+                [
+                    blk.attention1.attention.attention_weights.double().numpy()
+                    for blk in net.decoder.blks
+                ]
+            )
+    return torch.cat(outputs[1:], 1).numpy(), np.concatenate(logits, 1), weights
+
+
+def test_torch_transformer_with_our_attention_trains_like_d2ls():
+    """Encoder self-attention, decoder self- and cross-attention swapped for
+    ours: a few Adam steps give d2l's own losses and weights within float32
+    rounding of a float64 run of d2l's own model (both float32 runs are
+    compared with it, not with each other); greedy decoding, where d2l's
+    decoder calls self-attention with valid_lens=None, gives d2l's tokens,
+    logits and attention weights."""
+    torch = pytest.importorskip("torch")
+    from tests import d2l_torch
+
+    batch = _seq2seq_batch()
+    src, dec_in, _, src_lens = (torch.as_tensor(a) for a in batch)
+    torch.manual_seed(0)
+    d2l = d2l_torch.EncoderDecoder(
+        d2l_torch.TransformerEncoder(VOCAB, HIDDENS, FFN, HEADS, BLOCKS, 0.0),
+        d2l_torch.TransformerDecoder(VOCAB, HIDDENS, FFN, HEADS, BLOCKS, 0.0),
+    )
+    with torch.no_grad():  # (d2l keeps its weights: deepcopy refuses a graph)
+        d2l(src, dec_in, src_lens)  # sizes the lazy layers
+        ours = _swap_torch(copy.deepcopy(d2l))
+        ours(src, dec_in, src_lens)
+    ours.load_state_dict(d2l.state_dict())  # strict: the same names
+    assert sum(isinstance(m, am.MultiHeadAttention) for m in ours.modules()) == 6
+    d2l64 = copy.deepcopy(d2l)
+
+    want = _train_torch(torch, d2l64, batch, torch.float64)
+    got_d2l = _train_torch(torch, d2l, batch, torch.float32)
+    got = _train_torch(torch, ours, batch, torch.float32)
+    assert want[-1] < 0.9 * want[0]  # it learns
+    np.testing.assert_allclose(got_d2l, want, rtol=1e-6)  # measured: 1e-7
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    final = {k: v.double().numpy() for k, v in d2l64.state_dict().items()}
+    for name, value in ours.state_dict().items():
+        np.testing.assert_allclose(value.double().numpy(), final[name], atol=1e-5, err_msg=name)
+
+    # greedy decoding at our trained weights, against d2l's own in float64
+    d2l64.load_state_dict(ours.state_dict())
+    tokens, logits, weights = _greedy_torch(torch, ours, src, src_lens)
+    tokens64, logits64, weights64 = _greedy_torch(torch, d2l64, src, src_lens)
+    np.testing.assert_array_equal(tokens, tokens64)
+    np.testing.assert_allclose(logits, logits64, rtol=1e-5, atol=1e-5)
+    for step, (w, w64) in enumerate(zip(weights, weights64)):
+        for blk, (a, b) in enumerate(zip(w, w64)):
+            assert a.shape == (4 * HEADS, 1, step + 1)
+            np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"step {step}, block {blk}")
+
+
+# ---------------------------------------------------------------------------
+# B. The same on MXNet: d2l's encoder, Gluon's record()/backward()/Trainer
+
+
+def _mx_encoder(mx, make_models, dtype, swap=False):
+    """d2l's MXNet TransformerEncoder, sized by one call; ``swap``: ours in
+    every block (Gluon refuses a child of another type: delete it first)."""
+    enc = make_models.TransformerEncoder(VOCAB, HIDDENS, FFN, HEADS, BLOCKS, 0.0)
+    enc.initialize(mx.init.Xavier())
+    src, _, _, src_lens = _seq2seq_batch()
+    enc(mx.np.array(src), mx.np.array(src_lens))
+    if swap:
+        for blk in enc.blks:
+            del blk.attention
+            blk.attention = am.MultiHeadAttention(HIDDENS, HEADS, 0.0, backend="mxnet")
+        enc(mx.np.array(src), mx.np.array(src_lens))  # sizes ours
+    if dtype != "float32":
+        enc.cast(dtype)
+    return enc
+
+
+def _train_mx(mx, enc, dtype):
+    """Gluon's loop: record(), backward(), Trainer('adam'); a masked squared
+    error of the encoder's outputs against a fixed target."""
+    autograd, mnp = mx.autograd, mx.np
+    src, _, _, src_lens = _seq2seq_batch()
+    target = np.random.default_rng(4).normal(size=(4, 6, HIDDENS))
+    mask = (np.arange(6) < src_lens[:, None]).astype(dtype)
+    X, lens = mnp.array(src, dtype=dtype), mnp.array(src_lens)
+    target, mask = mnp.array(target, dtype=dtype), mnp.array(mask, dtype=dtype)
+    trainer = mx.gluon.Trainer(enc.collect_params(), "adam", {"learning_rate": 0.01})
+    losses = []
+    for _ in range(STEPS):
+        with autograd.record():
+            out = enc(X, lens)
+            loss = (((out - target) ** 2).sum(axis=-1) * mask).sum() / mask.sum()
+        loss.backward()
+        trainer.step(1)
+        losses.append(float(loss))
+    return np.array(losses)
+
+
+def test_mxnet_encoder_with_our_attention_trains_like_d2ls(mx, seeds):
+    """d2l's MXNet encoder, our MultiHeadAttention in every block: Gluon's
+    training loop gives d2l's own losses and weights within float32 rounding
+    of a float64 run of d2l's own encoder."""
+    _, make_models = seeds
+    mx.random.seed(0)
+    d2l = _mx_encoder(mx, make_models, "float32")
+    start = {k: v.data().asnumpy() for k, v in d2l._collect_params_with_prefix().items()}
+    nets = {
+        "d2l64": _mx_encoder(mx, make_models, "float64"),
+        "d2l": d2l,
+        "ours": _mx_encoder(mx, make_models, "float32", swap=True),
+    }
+    assert all(isinstance(b.attention, am.MultiHeadAttention) for b in nets["ours"].blks)
+    for net in nets.values():
+        params = net._collect_params_with_prefix()
+        assert sorted(params) == sorted(start)
+        for name, p in params.items():
+            p.set_data(mx.np.array(start[name], dtype=p.dtype))
+    losses = {
+        n: _train_mx(mx, net, "float64" if n == "d2l64" else "float32") for n, net in nets.items()
+    }
+    want = losses["d2l64"]
+    assert want[-1] < 0.9 * want[0]  # it learns
+    np.testing.assert_allclose(losses["d2l"], want, rtol=1e-6)
+    np.testing.assert_allclose(losses["ours"], want, rtol=1e-6)
+    final = {k: v.data().asnumpy() for k, v in nets["d2l64"]._collect_params_with_prefix().items()}
+    for name, p in nets["ours"]._collect_params_with_prefix().items():
+        np.testing.assert_allclose(p.data().asnumpy(), final[name], atol=1e-5, err_msg=name)
