@@ -56,10 +56,11 @@ class GluonModule(gluon.Block):
 
     def _fill_lazy_param(self, name, value):
         param = getattr(self, name)
-        if param._deferred_init:
-            param.shape = tuple(value.shape)
-            param._finish_deferred_init()
-        param.set_data(value)
+        with autograd.pause():  # a first call inside record(), as Gluon's own layers allow
+            if param._deferred_init:
+                param.shape = tuple(value.shape)
+                param._finish_deferred_init()
+            param.set_data(value)
 
     def _unsized(self):
         return [n for n, p in self._collect_params_with_prefix().items() if p._data is None]

@@ -371,3 +371,22 @@ def test_mxnet_encoder_with_our_attention_trains_like_d2ls(mx, seeds):
     final = {k: v.data().asnumpy() for k, v in nets["d2l64"]._collect_params_with_prefix().items()}
     for name, p in nets["ours"]._collect_params_with_prefix().items():
         np.testing.assert_allclose(p.data().asnumpy(), final[name], atol=1e-5, err_msg=name)
+
+
+def test_mxnet_lazy_attention_first_called_inside_record(mx):
+    """d2l's Gluon loop may size a lazy block inside record() (Gluon's own
+    deferred initialization allows it): the parameters are created, and the
+    gradients are those of the float64 oracle's loss."""
+    x = np.random.default_rng(5).normal(size=(2, 3, 4)).astype(np.float32)
+    X = mx.np.array(x)
+    mha = am.MultiHeadAttention(8, 2, 0.5, backend="mxnet")
+    with mx.autograd.record():
+        out = mha(X, X, X, mx.np.array([3, 1]))
+    out.backward()
+    assert mha.sized and mha.W_q.weight.shape == (8, 4)
+    assert np.abs(mha.W_o.weight.grad().asnumpy()).sum() > 0
+    mha.eval()
+    want, _ = oracle.multi_head_attention(am.get_params(mha), x, x, x, np.array([3, 1]), 2)
+    np.testing.assert_allclose(
+        mha(X, X, X, mx.np.array([3, 1])).asnumpy(), want, rtol=1e-5, atol=1e-6
+    )
