@@ -304,17 +304,17 @@ def test_torch_transformer_with_our_attention_trains_like_d2ls():
 # B. The same on MXNet: d2l's encoder, Gluon's record()/backward()/Trainer
 
 
-def _mx_encoder(mx, make_models, dtype, swap=False):
+def _mx_encoder(mx, make_models, dtype, swap=False, dropout=0.0):
     """d2l's MXNet TransformerEncoder, sized by one call; ``swap``: ours in
     every block (Gluon refuses a child of another type: delete it first)."""
-    enc = make_models.TransformerEncoder(VOCAB, HIDDENS, FFN, HEADS, BLOCKS, 0.0)
+    enc = make_models.TransformerEncoder(VOCAB, HIDDENS, FFN, HEADS, BLOCKS, dropout)
     enc.initialize(mx.init.Xavier())
     src, _, _, src_lens = _seq2seq_batch()
     enc(mx.np.array(src), mx.np.array(src_lens))
     if swap:
         for blk in enc.blks:
             del blk.attention
-            blk.attention = am.MultiHeadAttention(HIDDENS, HEADS, 0.0, backend="mxnet")
+            blk.attention = am.MultiHeadAttention(HIDDENS, HEADS, dropout, backend="mxnet")
         enc(mx.np.array(src), mx.np.array(src_lens))  # sizes ours
     if dtype != "float32":
         enc.cast(dtype)
@@ -390,3 +390,23 @@ def test_mxnet_lazy_attention_first_called_inside_record(mx):
     np.testing.assert_allclose(
         mha(X, X, X, mx.np.array([3, 1])).asnumpy(), want, rtol=1e-5, atol=1e-6
     )
+
+
+def test_mxnet_encoder_with_dropout_predicts_as_d2ls_outside_record(mx, seeds):
+    """Dropout 0.5 everywhere: d2l.mxnet predicts with enc(X) outside
+    record(), never eval(); the encoder with ours then gives d2l's own output,
+    call after call, and inside record() draws masks."""
+    _, make_models = seeds
+    d2l = _mx_encoder(mx, make_models, "float32", dropout=0.5)
+    ours = _mx_encoder(mx, make_models, "float32", swap=True, dropout=0.5)
+    for name, p in ours._collect_params_with_prefix().items():
+        p.set_data(d2l._collect_params_with_prefix()[name].data())
+    src, _, _, src_lens = _seq2seq_batch()
+    X, lens = mx.np.array(src), mx.np.array(src_lens)
+    want = d2l(X, lens).asnumpy()
+    for _ in range(3):
+        np.testing.assert_allclose(ours(X, lens).asnumpy(), want, rtol=1e-5, atol=1e-6)
+    with mx.autograd.record():
+        drawn = [ours(X, lens).asnumpy() for _ in range(2)]
+        assert ours.blks[0].attention.training
+    assert not np.allclose(drawn[0], want) and not np.allclose(drawn[0], drawn[1])
