@@ -1,15 +1,35 @@
 """Native module base for MXNet: a Gluon ``Block``."""
 
 import mxnet as mx
-from mxnet import gluon, npx
+from mxnet import autograd, gluon, npx
 
 
 class GluonModule(gluon.Block):
-    """Native base: a Gluon ``Block``; ``save_parameters`` gives d2l names."""
+    """Native base: a Gluon ``Block``; ``save_parameters`` gives d2l names.
+
+    Dropout follows Gluon's convention, as ``gluon.nn.Dropout`` does: ``training``
+    is ``autograd.is_training()`` (True inside ``autograd.record()``, False
+    outside it), until ``train()`` or ``eval()`` pins it for this block and its
+    children: ``train()`` keeps dropout on even outside ``record()`` (as
+    ``autograd.train_mode()`` would), ``eval()`` keeps it off even inside
+    ``record()`` (as ``autograd.predict_mode()`` would). ``train(None)`` goes
+    back to following ``autograd``.
+    """
 
     def _native_init(self):
         gluon.Block.__init__(self)
-        self.training = True
+        self._training_mode = None  # None: follow autograd.is_training()
+
+    @property
+    def training(self):
+        mode = self.__dict__.get("_training_mode")
+        return autograd.is_training() if mode is None else mode
+
+    @training.setter
+    def training(self, mode):
+        if mode is not None and not isinstance(mode, bool):
+            raise TypeError(f"training must be True, False or None, got {mode!r}")
+        self._training_mode = mode
 
     def __call__(self, *args, **kwargs):
         # Block.__call__ takes positional arguments only.
@@ -36,10 +56,11 @@ class GluonModule(gluon.Block):
 
     def _fill_lazy_param(self, name, value):
         param = getattr(self, name)
-        if param._deferred_init:
-            param.shape = tuple(value.shape)
-            param._finish_deferred_init()
-        param.set_data(value)
+        with autograd.pause():  # a first call inside record(), as Gluon's own layers allow
+            if param._deferred_init:
+                param.shape = tuple(value.shape)
+                param._finish_deferred_init()
+            param.set_data(value)
 
     def _unsized(self):
         return [n for n, p in self._collect_params_with_prefix().items() if p._data is None]
@@ -104,6 +125,8 @@ class GluonModule(gluon.Block):
             )
 
     def train(self, mode=True):
+        """Pin dropout on (True) or off (False) for this block and its
+        children, or follow ``autograd.is_training()`` again (None)."""
         self.training = mode
         for child in self._children.values():
             child.train(mode)

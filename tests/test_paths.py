@@ -213,7 +213,7 @@ def test_auto_path_choice(backend):
     assert m.last_path == "full"
     # dropout active: a kernel with its own dropout, else the tiles; the
     # weights are those before dropout
-    m = am.DotProductAttention(0.5, backend=backend)
+    m = am.DotProductAttention(0.5, backend=backend).train()  # (MXNet: outside record())
     key = backend.dropout_key(0)
     m(q, k, v, lens, **({} if key is None else {"key": key}))
     assert m.last_path == (
@@ -250,7 +250,7 @@ def test_dropout_on_every_path(backend, path):
     q, k, v = _inputs(8, nk=16)
     lens = np.array([10, 16, 0])
     args = [backend.asarray(x, "float32") for x in (q, k, v)] + [backend.asarray(lens)]
-    m = am.DotProductAttention(0.5, backend=backend, path=path, chunk_size=8)
+    m = am.DotProductAttention(0.5, backend=backend, path=path, chunk_size=8).train()
     outs = []
     for i in range(40):
         kw = {} if key is None else {"key": backend.fold_key(key, i)}
