@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -206,6 +207,8 @@ class TorchMHA(_Torch):
         torch = self.torch
         kw = dict(kw)
         B, H, Q, d = q.shape
+        if v.shape[-1] != d:
+            raise NotSupported("values of another size than the keys (one embed_dim)")
         E = H * d
         mha = torch.nn.MultiheadAttention(E, kw.pop("heads"), bias=False, batch_first=True)
         with torch.no_grad():
@@ -703,10 +706,13 @@ ADAPTERS: dict[str, Callable[[], Adapter]] = {
 
 
 def load_function(spec: str) -> Callable:
-    """``module:function`` imported (ValueError naming what is wrong)."""
+    """``module:function`` imported (ValueError naming what is wrong); the
+    current directory is searched first, as ``python -m`` does."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"--impl {spec!r}: expected NAME or module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
