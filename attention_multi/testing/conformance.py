@@ -155,7 +155,7 @@ def numpy_dtype(dtype: str) -> Any:
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":  # round to nearest even on the top 16 bits, without ml_dtypes
         bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # type: ignore[assignment]
         out = bits.astype(np.uint32).view(np.float32).astype(np.float64)
         return np.where(np.isnan(x), x, out)
     return np.asarray(x).astype(dtype).astype(np.float64)
@@ -171,7 +171,7 @@ SHAPES = {
 }
 
 
-def _oracle(q, k, v, forms):
+def _oracle(q: np.ndarray, k: np.ndarray, v: np.ndarray, forms: dict) -> tuple:
     """(output, (dq, dk, dv)) of the oracle; top-left causal as its boolean mask."""
     forms = dict(forms)
     Q, K = q.shape[2], k.shape[2]
@@ -188,38 +188,38 @@ def _oracle(q, k, v, forms):
     return out, forms
 
 
-def _oracle_grads(q, k, v, g, forms):
+def _oracle_grads(q: Any, k: Any, v: Any, g: Any, forms: dict) -> tuple:
     if q.size == 0 or k.shape[2] == 0:
         return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
     return ref.attention_gradients(q, k, v, g, **forms)[:3]
 
 
-def _specs(rng):
+def _specs(rng: np.random.Generator) -> Any:
     """(family, variant, shape name or tuple, forms builder) of every forward case."""
     normal = rng.standard_normal
     S = SHAPES
 
-    def lens1(shape, zero=True):
+    def lens1(shape: tuple, zero: bool = True) -> dict:
         B, _, _, _, K, _ = shape
         lens = rng.integers(1, K + 1, B)
         if zero:
             lens[-1] = 0
         return {"valid_lens": lens}
 
-    def lens2(shape):
+    def lens2(shape: tuple) -> dict:
         B, _, _, Q, K, _ = shape
         lens = rng.integers(0, K + 1, (B, Q))
         lens[0, 0], lens[-1, -1] = 0, K
         return {"valid_lens": lens}
 
-    def bool_mask(shape, heads=True):
+    def bool_mask(shape: tuple, heads: bool = True) -> dict:
         B, H, _, Q, K, _ = shape
         m = rng.random((B, H if heads else 1, Q, K)) < 0.6
         m[0, 0, 0] = False  # an empty row
         m[..., -1] = False  # a key nobody may see
         return {"mask": m}
 
-    def bias(shape):
+    def bias(shape: tuple) -> dict:
         B, H, _, Q, K, _ = shape
         b = np.where(rng.random((B, H, Q, K)) < 0.25, -np.inf, normal((B, H, Q, K)))
         b[-1, -1, 0] = -np.inf  # a row nobody may see
@@ -268,7 +268,7 @@ def _specs(rng):
     yield "empty-axis", "B=0", (0, 2, 2, 3, 5, 4), lambda s: {}
 
 
-def _poisoned(k, v, forms, poison):
+def _poisoned(k: np.ndarray, v: np.ndarray, forms: dict, poison: Any) -> tuple:
     """Keys and values with ``poison`` where no query may look."""
     if poison is None:
         return k, v
@@ -278,7 +278,7 @@ def _poisoned(k, v, forms, poison):
         lens = np.asarray(forms["valid_lens"])
         hidden = np.arange(K)[None, :] >= (lens if lens.ndim == 1 else lens.max(1))[:, None]
     else:  # a boolean mask: the keys no query of any head may see
-        hidden = ~np.asarray(forms["mask"]).any(axis=(1, 2))
+        hidden = ~np.asarray(forms["mask"]).any(axis=(1, 2))  # type: ignore[assignment]
     k[np.broadcast_to(hidden[:, None], k.shape[:3])] = poison
     v[np.broadcast_to(hidden[:, None], v.shape[:3])] = poison
     return k, v
@@ -288,7 +288,9 @@ def _poisoned(k, v, forms, poison):
 _QUICK_ALL_DTYPES = {"plain/q<k", "lens-1d/empty-row/q<k", "mask/empty-row/q<k", "window/(1,0)/q=k"}
 
 
-def make_case(id: str, family: str, dtype: str, queries, keys, values, **forms: Any) -> Case:
+def make_case(
+    id: str, family: str, dtype: str, queries: Any, keys: Any, values: Any, **forms: Any
+) -> Case:
     """A case of your own (float64 inputs, rounded to ``dtype`` here), with the
     oracle's expectation; ``forms`` as in the signature above."""
     q, k, v = (_round(np.asarray(x, np.float64), dtype) for x in (queries, keys, values))
@@ -331,7 +333,9 @@ def conformance_cases(
         first.add(family)
         for dtype in dtypes:
             q, k, v, g = (_round(x, dtype) for x in (q64, k64, v64, g64))
-            f = {n: (_round(x, dtype) if n == "bias" else x) for n, x in forms.items()}
+            f: dict[str, Any] = {
+                n: (_round(x, dtype) if n == "bias" else x) for n, x in forms.items()
+            }
             if decode:  # graded against one causal pass
                 want, oracle_forms = _oracle(q, k, v, {"causal": "bottom-right"})
             else:
@@ -403,7 +407,7 @@ def select(cases: list[Case], patterns: list[str]) -> list[Case]:
 # -- grading -------------------------------------------------------------------------------------
 
 
-def _max_error(got, want) -> float:
+def _max_error(got: Any, want: np.ndarray) -> float:
     got = np.asarray(got, np.float64)
     if got.shape != want.shape:
         raise ValueError(f"shape {got.shape}, expected {want.shape}")
@@ -416,9 +420,10 @@ def _max_error(got, want) -> float:
 def grade(case: Case, output: Any, grads: Any = None) -> Result:
     """Grade an output (and gradients ``(dq, dk, dv)`` for a ``grad`` case)."""
     try:
-        errors = [_max_error(output, case.expected)]
+        errors = [_max_error(output, np.asarray(case.expected))]
         atol, rtol = case.tolerance()
-        ok = errors[0] <= atol + rtol * float(np.max(np.abs(case.expected), initial=0.0))
+        want = np.asarray(case.expected)
+        ok = errors[0] <= atol + rtol * float(np.max(np.abs(want), initial=0.0))
         if case.grad:
             if grads is None:
                 raise NotSupported("no gradients")
@@ -479,7 +484,7 @@ def run_case(case: Case, attention: Callable[..., Any]) -> Result:
         if missing:
             raise NotSupported(f"takes no {', '.join(missing)}")
 
-        def call(q, k, v, **forms):
+        def call(q: Any, k: Any, v: Any, **forms: Any) -> Any:
             forms = {n: np.asarray(x, dtype) if n == "bias" else x for n, x in forms.items()}
             return attention(
                 np.asarray(q, dtype), np.asarray(k, dtype), np.asarray(v, dtype), **forms

@@ -101,7 +101,7 @@ def _only_q_eq_k(what, Q, K):
 
 
 class _Torch(Native):
-    needs = ("torch",)
+    needs: tuple[str, ...] = ("torch",)
     grads = True
 
     def setup(self):
@@ -506,7 +506,7 @@ class D2L(_Torch):
 
     name = "d2l"
     title = "d2l.torch.DotProductAttention"
-    needs = ("d2l", "torch")
+    needs: tuple[str, ...] = ("d2l", "torch")
 
     def __init__(self, module: Any = None):
         self.module = module  # a module with d2l's DotProductAttention (default: d2l.torch)
@@ -547,7 +547,7 @@ class Keras(Native):
 
     def setup(self):
         os.environ.setdefault("KERAS_BACKEND", "jax")
-        import keras
+        import keras  # type: ignore[import-not-found]
 
         self.keras = keras
 
@@ -616,8 +616,8 @@ class Flax(Native):
     grads = True
 
     def setup(self):
-        Jax.setup(self)  # type: ignore[arg-type]
-        from flax import nnx
+        Jax.setup(self)
+        from flax import nnx  # type: ignore[import-not-found]
 
         self.nnx = nnx
 
@@ -668,7 +668,7 @@ class Flax(Native):
         return out.reshape(B, Q, H, d)
 
     def gradients(self, f, q, k, v, g):
-        return Jax.gradients(self, f, q, k, v, g)  # type: ignore[arg-type]
+        return Jax.gradients(self, f, q, k, v, g)
 
 
 # -- a user's function -------------------------------------------------------------------------
@@ -717,7 +717,7 @@ def load_function(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"--impl {spec!r}: cannot import {module_name!r} ({exc})") from None
-    function = module
+    function: Any = module
     for part in attr.split("."):
         function = getattr(function, part, None)
         if function is None:
