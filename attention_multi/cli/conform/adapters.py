@@ -13,6 +13,7 @@ import importlib.util
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -154,7 +155,9 @@ class TorchSDPA(_Torch):
         elif causal == "bottom-right":
             from torch.nn.attention.bias import causal_lower_right
 
-            kw["attn_mask"] = causal_lower_right(Q, K)
+            with warnings.catch_warnings():  # "will produce NaNs" for Q > K: graded, not warned
+                warnings.simplefilter("ignore", UserWarning)
+                kw["attn_mask"] = causal_lower_right(Q, K)
         if "scale" in forms:
             kw["scale"] = forms["scale"]
         return kw
@@ -355,6 +358,8 @@ class Jax(Native):
         return kw
 
     def call(self, q, k, v, kw):
+        if v.shape[-1] != q.shape[-1]:
+            raise NotSupported("values of another size than the queries and keys")
         return self.jax.nn.dot_product_attention(q, k, v, **kw)
 
     def gradients(self, f, q, k, v, g):
@@ -587,6 +592,8 @@ class Keras(Native):
         kw = dict(kw)
         B, H, Hkv, Q, K, d = kw.pop("shape")
         dtype = kw.pop("dtype")
+        if v.shape[-1] != d:
+            raise NotSupported("values of another size than the keys (identity projections)")
         layers = self.keras.layers
         if H == Hkv:
             layer = layers.MultiHeadAttention(H, d, use_bias=False, dtype=dtype)
@@ -647,6 +654,8 @@ class Flax(Native):
         kw = dict(kw)
         B, H, Hkv, Q, K, d = kw.pop("shape")
         dtype = kw.pop("dtype")
+        if v.shape[-1] != d:
+            raise NotSupported("values of another size than the keys (identity projections)")
         E = H * d
         jnp = self.jnp
         layer = self.nnx.MultiHeadAttention(

@@ -77,16 +77,23 @@ def run(backend_names, inputs):
         else:
             chosen.append(adapter)
     all_cases = cases(inputs)
-    cells = {}
+    cells, titles, errors = {}, [], []
     for adapter in chosen:
         start = time.perf_counter()
-        cells[adapter.name] = {c.id: cell(run_one(adapter, c)) for c in all_cases}
+        results = {c.id: run_one(adapter, c) for c in all_cases}
+        cells[adapter.name] = {i: cell(r) for i, r in results.items()}
+        errors += [
+            f"- {adapter.name} raises on {i}: {r.detail.removeprefix('raises ')}"
+            for i, r in results.items()
+            if r.status == "error"
+        ]
         print(
             f"report: {adapter.name}: {len(all_cases)} cases, {time.perf_counter() - start:.2f} s",
             file=sys.stderr,
             flush=True,
         )
-        notes.append(f"- {adapter.name}: {adapter.title}")
+        titles.append(f"- {adapter.name}: {adapter.title}")
+    notes = titles + notes + errors
     return [a.name for a in chosen], cells, [c.id for c in all_cases], notes
 
 
