@@ -1,4 +1,4 @@
-"""The ``attention-multi`` command: ``info``, ``report``, ``bench`` and ``port``.
+"""The ``attention-multi`` command: ``info``, ``report``, ``bench``, ``conform`` and ``port``.
 
 The tools sit on top of the library and import it; the library never imports them.
 """
@@ -9,7 +9,7 @@ import sys
 import backends
 
 from ..files import WriteError
-from . import bench, port, report
+from . import bench, conform, port, report
 
 EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT
 
@@ -45,6 +45,12 @@ COMMANDS = {
         report.main,
     ),
     "bench": (bench, "time attention against each framework's own; peak memory", None, bench.main),
+    "conform": (
+        conform,
+        "grade an attention implementation (a framework's, ours, yours) against the oracle",
+        None,
+        conform.main,
+    ),
     "port": (
         port,
         "convert an MXNet Gluon .params file to PyTorch or NumPy",

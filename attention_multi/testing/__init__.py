@@ -5,6 +5,9 @@
 - a pytest plugin (``attention_multi.testing.plugin``, registered by an entry
   point when attention-multi is installed): a ``backend`` fixture that runs a
   test once per installed backend; ``--am-backends=torch,jax`` chooses them.
+- the conformance grid (``conformance``): ``conformance_cases()`` and
+  ``run_case(case, attention)`` grade your attention function against the
+  float64 oracle, case by case (docs/guide/conformance.md).
 
 Nothing here imports a framework or pytest.
 """
@@ -17,7 +20,17 @@ import numpy as np
 
 import backends
 
-__all__ = ["assert_close", "default_tolerances"]
+from .conformance import Case, NotSupported, Result, conformance_cases, run_case
+
+__all__ = [
+    "Case",
+    "NotSupported",
+    "Result",
+    "assert_close",
+    "conformance_cases",
+    "default_tolerances",
+    "run_case",
+]
 
 # (rtol, atol) by dtype, as torch.testing.assert_close chooses them.
 _TOLERANCES = {

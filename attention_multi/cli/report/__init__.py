@@ -15,8 +15,13 @@ are compared, so its cells must FAIL and the exit code must be 1 (report.md
 says that the run was planted). The tests use it to prove that a disagreement
 is caught.
 
+A section grades the frameworks' own attention (``frameworks.py``: torch SDPA
+and nn.MultiheadAttention, jax.nn.dot_product_attention, MXNet's length
+softmax, d2l's code when installed) for the chosen backends' frameworks;
+it does not change the exit status.
+
 Files: ``cases.py`` (what is checked), ``run.py`` (running it on a backend),
-``render.py`` (Markdown and figures).
+``render.py`` (Markdown and figures), ``frameworks.py`` (the frameworks' own).
 """
 
 import argparse
@@ -27,8 +32,9 @@ from pathlib import Path
 import backends
 
 from ...files import WriteError, atomic_write, check_writable, make_directory
+from . import frameworks
 from .cases import DTYPES, MECHANISMS, make_inputs, references, rounded
-from .render import figures, markdown, summary
+from .render import figures, markdown, summary, table
 from .run import backend_state, device_state, run_cells, time_forward
 
 __all__ = ["MECHANISMS", "add_arguments", "main"]
@@ -149,6 +155,7 @@ def main(args):
         f"--devices {','.join(args.devices)}"
     )
     lines = markdown(command, notes, cells, timings, args.plant)
+    lines += frameworks.markdown(*frameworks.run(args.backends, inputs), table)
     print("\n".join(lines))
 
     lines += ["## Figures", ""]
