@@ -69,16 +69,17 @@ def resolve_backend(backend: str | Backend | None = None) -> Backend:
     return get_backend(backend)
 
 
+def _device_name(name: Any) -> Any:
+    """``name``, or for None the device ATTENTION_MULTI_DEVICE names (default ``"cpu"``)."""
+    return (os.environ.get(DEVICE_ENV, "").strip() or "cpu") if name is None else name
+
+
 def parse_device(name: str | None = None) -> tuple[DeviceKind, int]:
     """``"gpu"`` -> ``("cuda", 0)``; ``None`` reads ATTENTION_MULTI_DEVICE."""
-    if name is None:
-        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
-    return backends.parse_device(name)
+    return backends.parse_device(_device_name(name))
 
 
 def native_device(backend: Backend, name: Any = None) -> Any:
     """The framework's device object for a device name (ValueError if absent);
     ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
-    if name is None:
-        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
-    return backend.native_device(name)
+    return backend.native_device(_device_name(name))
