@@ -19,8 +19,10 @@ DEVICES = ("cpu", "cuda")
 
 def load_backend(name):
     """The backend, or skip (fail if required) when it cannot be imported."""
+    from attention_multi import get_backend
+
     try:
-        B = backends.get_backend(name)
+        B = get_backend(name)
     except ImportError as exc:
         if name in REQUIRED:
             pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)

@@ -1,7 +1,9 @@
 """Backends: one small class per framework, behind one protocol (``protocol.Backend``).
 
-``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
+``load("torch")`` loads a backend by name; ``backend_of_array(array)`` finds
 the backend of an array, looking only at frameworks that are already imported.
+The library fetches backends through these two; its users call
+``attention_multi.get_backend``, the one public way.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ __all__ = [
     "available_backends",
     "backend_of_array",
     "canonical_name",
-    "get_backend",
+    "load",
     "parse_device",
 ]
 
@@ -68,13 +70,10 @@ def available_backends() -> list[str]:
     return [n for n in BACKEND_NAMES if importlib.util.find_spec(_SPECS[n][2]) is not None]
 
 
-def get_backend(name_or_array: str | Backend | Any) -> Backend:
-    """The backend for a name (``"torch"``), a Backend, or an array."""
-    if isinstance(name_or_array, Backend):
-        return name_or_array
-    if isinstance(name_or_array, str):
-        return _load(canonical_name(name_or_array))
-    return backend_of_array(name_or_array)
+def load(name: str) -> Backend:
+    """The backend named ``name`` (or an alias), imported on first use;
+    ImportError naming the pip extra when its framework is missing."""
+    return _load(canonical_name(name))
 
 
 def _load(name: str) -> Backend:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..config import native_device, resolve_backend
+from ..config import get_backend, native_device
 from ..core.checks import check_bool, check_positive_int
 from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
 
@@ -47,7 +47,7 @@ class Module:
 
     def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
-            cls = resolve_backend(backend).native_class(cls)
+            cls = get_backend(backend).native_class(cls)
         return object.__new__(cls)
 
     def _start(
@@ -127,9 +127,7 @@ class Module:
 
 def _rebuild(public_class: type, backend_name: str) -> Any:
     """Unpickling: an empty instance of ``public_class``'s native class."""
-    import backends
-
-    return object.__new__(backends.get_backend(backend_name).native_class(public_class))
+    return object.__new__(get_backend(backend_name).native_class(public_class))
 
 
 class Linear(Module):

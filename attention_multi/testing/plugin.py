@@ -25,6 +25,8 @@ import pytest
 import backends
 from backends import Backend
 
+from ..config import get_backend
+
 _CHOSEN = pytest.StashKey[tuple[list[str], bool]]()
 _PARAM = "am_backend_name"  # what this plugin parametrizes
 
@@ -83,7 +85,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def backend(request: pytest.FixtureRequest, am_backend_name: str) -> Backend:
     """The ``backends.Backend`` this test runs on, one per chosen backend."""
     try:
-        return backends.get_backend(am_backend_name)
+        return get_backend(am_backend_name)
     except ImportError as exc:
         reason = str(exc)
     if request.config.stash[_CHOSEN][1]:

@@ -107,6 +107,8 @@ def add_arguments(parser):
 def main(args):
     import backends
 
+    from ...config import get_backend
+
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     available = backends.available_backends()
     shapes = (
@@ -151,7 +153,7 @@ def main(args):
             print(f"skipping {name}: not installed", file=sys.stderr)
             continue
         try:
-            backends.get_backend(name)
+            get_backend(name)
         except ImportError as exc:
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
