@@ -34,9 +34,7 @@ def load_backend(name):
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
-        pairs = [
-            (b, d) for b in backends.BACKEND_NAMES for d in DEVICES if b != "numpy" or d == "cpu"
-        ]
+        pairs = [(s.name, d) for s in backends.BACKENDS for d in DEVICES if s.cuda or d == "cpu"]
         metafunc.parametrize("backend_name, device_name", pairs, ids=[f"{b}-{d}" for b, d in pairs])
     elif "backend_name" in names:
         metafunc.parametrize("backend_name", backends.BACKEND_NAMES)

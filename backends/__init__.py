@@ -17,17 +17,9 @@ import numpy
 
 from .devices import parse_device
 from .protocol import Backend
+from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, listing
 
-BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")
-ALIASES = {"pytorch": "torch", "np": "numpy", "mx": "mxnet"}
-
-# backend name -> (module of this package, class, framework module, pip extra)
-_SPECS = {
-    "numpy": ("numpy_backend", "NumpyBackend", "numpy", None),
-    "torch": ("torch_backend", "TorchBackend", "torch", "torch"),
-    "jax": ("jax_backend", "JaxBackend", "jax", "jax"),
-    "mxnet": ("mxnet_backend", "MXNetBackend", "mxnet", "mxnet"),
-}
+_SPECS: dict[str, BackendSpec] = {s.name: s for s in BACKENDS}
 _loaded: dict[str, Backend] = {}
 
 
@@ -42,11 +34,15 @@ def _restore_numpy_bool() -> None:
 _restore_numpy_bool()
 
 __all__ = [
-    "Backend",
+    "ALIASES",
+    "BACKENDS",
     "BACKEND_NAMES",
+    "Backend",
+    "BackendSpec",
     "available_backends",
     "backend_of_array",
     "canonical_name",
+    "listing",
     "load",
     "parse_device",
 ]
@@ -60,14 +56,15 @@ def canonical_name(name: str) -> str:
     key = ALIASES.get(key, key)
     if key not in _SPECS:
         raise ValueError(
-            f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)} (alias: pytorch)"
+            f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)} "
+            f"(aliases: {', '.join(ALIASES)})"
         )
     return key
 
 
 def available_backends() -> list[str]:
     """Names of the backends whose framework is installed (nothing is imported)."""
-    return [n for n in BACKEND_NAMES if importlib.util.find_spec(_SPECS[n][2]) is not None]
+    return [s.name for s in BACKENDS if importlib.util.find_spec(s.framework) is not None]
 
 
 def load(name: str) -> Backend:
@@ -79,32 +76,29 @@ def load(name: str) -> Backend:
 def _load(name: str) -> Backend:
     backend = _loaded.get(name)
     if backend is None:
-        module_name, class_name, framework, extra = _SPECS[name]
+        spec = _SPECS[name]
         try:
-            module = importlib.import_module(f"{__name__}.{module_name}")
+            module = importlib.import_module(f"{__name__}.{spec.module}")
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
-            installed = importlib.util.find_spec(framework) is not None
+            installed = importlib.util.find_spec(spec.framework) is not None
             why = "failed to import" if installed else "is not installed"
             raise ImportError(
-                f"the {name!r} backend needs {framework}, which {why} ({exc}); "
-                f"install it with: pip install 'attention-multi[{extra}]'"
+                f"the {name!r} backend needs {spec.framework}, which {why} ({exc}); "
+                f"install it with: pip install 'attention-multi[{spec.extra}]'"
             ) from exc
-        backend = _loaded[name] = getattr(module, class_name)()
+        backend = _loaded[name] = getattr(module, spec.class_name)()
     return backend
 
 
 def backend_of_array(x: Any) -> Backend:
     """The backend an array belongs to (TypeError if none)."""
-    for name in ("torch", "jax", "mxnet"):
-        if _SPECS[name][2] in sys.modules:  # never import a framework to look
-            backend = _load(name)
+    for spec in BACKENDS:
+        if spec.framework in sys.modules:  # never import a framework to look
+            backend = _load(spec.name)
             if backend.is_array(x):
                 return backend
-    numpy_backend = _load("numpy")
-    if numpy_backend.is_array(x):
-        return numpy_backend
     raise TypeError(
         f"cannot tell which backend an object of type "
         f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
-        f"a numpy, torch, jax or mxnet array"
+        f"a {listing(BACKEND_NAMES)} array"
     )

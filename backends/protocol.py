@@ -26,6 +26,7 @@ from typing import Any, Callable, TypeVar
 import numpy
 
 from .devices import parse_device
+from .table import BACKENDS, listing
 from .types import Array, DeviceKind, DType, Shape
 
 T = TypeVar("T")
@@ -174,7 +175,7 @@ class Backend:
         of ``loss_fn(module, *inputs)``, by the framework's own autodiff."""
         raise NotImplementedError(
             f"the {self.name} backend has no automatic differentiation; "
-            f"train with the torch, jax or mxnet backend"
+            f"train with the {listing(s.name for s in BACKENDS if s.autodiff)} backend"
         )
 
     def value_and_grad(

@@ -4,6 +4,7 @@ checked against NumPy float64 computed here."""
 import numpy as np
 import pytest
 
+import backends
 from backends.protocol import Backend
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -37,7 +38,31 @@ def rounded(x, dtype):
 
 def test_is_a_backend_with_its_name(backend):
     assert isinstance(backend, Backend)
-    assert backend.name in ("numpy", "torch", "jax", "mxnet")
+    assert backend.name in backends.BACKEND_NAMES
+
+
+def test_its_row_of_the_table_agrees_with_its_class(backend):
+    """backends.BACKENDS names each class and repeats what messages need
+    without importing it (autodiff, CUDA): they must agree."""
+    (spec,) = [s for s in backends.BACKENDS if s.name == backend.name]
+    assert type(backend).__name__ == spec.class_name
+    assert type(backend).__module__ == f"backends.{spec.module}"
+    assert backend.autodiff == spec.autodiff
+    if not spec.cuda:
+        with pytest.raises(ValueError, match="not available"):
+            backend.device("cuda")
+    for alias in spec.aliases:
+        assert backends.load(alias) is backend
+
+
+def test_names_and_messages_come_from_the_table():
+    names = tuple(s.name for s in backends.BACKENDS)
+    assert backends.BACKEND_NAMES == names and len(set(names)) == len(names)
+    assert backends.listing(names) == "numpy, torch, jax or mxnet"
+    with pytest.raises(ValueError, match=r"numpy, torch, jax, mxnet \(aliases: np, pytorch, mx\)"):
+        backends.canonical_name("cntk")
+    with pytest.raises(TypeError, match="a numpy, torch, jax or mxnet array"):
+        backends.backend_of_array(b"x")
 
 
 def test_asarray_to_numpy_round_trip(backend, dtype):

@@ -19,7 +19,8 @@ def backend_of(**arrays):
             found[name] = backends.backend_of_array(x)
         except TypeError:
             raise TypeError(
-                f"{name} must be a numpy, torch, jax or mxnet array, got {type(x).__name__}"
+                f"{name} must be a {backends.listing(backends.BACKEND_NAMES)} array, "
+                f"got {type(x).__name__}"
             ) from None
     names = sorted({b.name for b in found.values()})
     if len(names) > 1:

@@ -39,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAMES",
         default=None,
         help="comma-separated backends for the `backend` fixture of "
-        "attention_multi.testing (numpy, torch, jax, mxnet); "
+        f"attention_multi.testing ({', '.join(backends.BACKEND_NAMES)}); "
         "default: every installed one",
     )
 
