@@ -21,13 +21,16 @@ Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 import numpy
 
 from .devices import parse_device
 from .table import BACKENDS, listing
 from .types import Array, DeviceKind, DType, Shape
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -46,7 +49,7 @@ class Backend:
     """
 
     name: str = ""  # canonical name, e.g. "torch"
-    module_base: type | None = None  # base class that makes a module native
+    module_base: type[NativeModule] | None = None  # base class that makes a module native
     float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
     autodiff: bool = False  # whether ``gradients`` works
     runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
@@ -286,3 +289,81 @@ class Backend:
 
     def _register_class(self, cls: type) -> None:
         """Hook for frameworks that must know about new module classes."""
+
+
+def _missing(member: str) -> NotImplementedError:
+    return NotImplementedError(f"a backend's module_base must provide {member}")
+
+
+class NativeModule(Protocol):
+    """The native-module contract: what a backend's ``module_base`` provides.
+
+    Every module (``attention_multi.modules.Module``) is an instance of a
+    subclass of its public class and of ``module_base`` (``Backend.native_class``),
+    and calls these members; the mechanism itself is written once, in the
+    public class. The base may in turn read ``_backend``, ``_device`` (the
+    native device), ``_dtype`` (a dtype name) and ``forward`` from the public
+    class, and call ``_size_lazy_params(name, shape)`` when loading a
+    parameter into a lazily sized layer sizes it. ``tests/test_backends.py``
+    checks that every backend's ``module_base`` provides each member.
+
+    (The bodies only raise: ``attention_multi.modules.Module`` names this
+    class as its base for type checkers alone, at run time it is
+    ``module_base`` that provides the members.)
+    """
+
+    training: bool  # train/eval mode, read by dropout
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``forward(*args, **kwargs)``, through the framework's call machinery."""
+        raise _missing("__call__")
+
+    def train(self, mode: bool = True) -> Self:
+        """Set ``training`` here and in every child; returns ``self``."""
+        raise _missing("train")
+
+    def eval(self) -> Self:
+        """``train(False)``."""
+        raise _missing("eval")
+
+    def to_device(self, device: Any) -> Self:
+        """Move parameters and buffers to ``device`` (a name or a native device)."""
+        raise _missing("to_device")
+
+    def named_arrays(self) -> dict[str, Array]:
+        """``{dotted name: parameter array}`` over this module and its children."""
+        raise _missing("named_arrays")
+
+    def _native_init(self) -> None:
+        """Set up the native base; the first thing a module's ``__init__`` does."""
+        raise _missing("_native_init")
+
+    def _add_param(self, name: str, value: Array) -> None:
+        """Register the trainable parameter ``name`` with initial ``value``."""
+        raise _missing("_add_param")
+
+    def _add_buffer(self, name: str, value: Array) -> None:
+        """Register ``name`` as a constant array that moves with the module
+        (not a parameter, not saved)."""
+        raise _missing("_add_buffer")
+
+    def _param(self, name: str) -> Array:
+        """The array of parameter ``name``, as the math takes it."""
+        raise _missing("_param")
+
+    def _assign_param(self, dotted_name: str, value: Array) -> None:
+        """Overwrite the parameter ``dotted_name`` (``"W_q.weight"``) in place."""
+        raise _missing("_assign_param")
+
+    def _add_lazy_param(self, name: str, shape: tuple) -> None:
+        """Register a parameter whose size is not known yet (``None`` in
+        ``shape``), the framework's own "not yet sized" kind where it has one."""
+        raise _missing("_add_lazy_param")
+
+    def _fill_lazy_param(self, name: str, value: Array) -> None:
+        """Give a lazily sized parameter its shape and first ``value``."""
+        raise _missing("_fill_lazy_param")
+
+    def _unsized(self) -> list[str]:
+        """Dotted names of the parameters not sized yet (empty once sized)."""
+        raise _missing("_unsized")
