@@ -73,17 +73,16 @@ def use_backend(name: str | Backend) -> Iterator[Backend]:
         stack.pop()
 
 
-def _device_name(name: Any) -> Any:
-    """``name``, or for None the device ATTENTION_MULTI_DEVICE names (default ``"cpu"``)."""
-    return (os.environ.get(DEVICE_ENV, "").strip() or "cpu") if name is None else name
-
-
 def parse_device(name: str | None = None) -> tuple[DeviceKind, int]:
     """``"gpu"`` -> ``("cuda", 0)``; ``None`` reads ATTENTION_MULTI_DEVICE."""
-    return backends.parse_device(_device_name(name))
+    if name is None:
+        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    return backends.parse_device(name)
 
 
 def native_device(backend: Backend, name: Any = None) -> Any:
     """The framework's device object for a device name (ValueError if absent);
     ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
-    return backend.native_device(_device_name(name))
+    if name is None:
+        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    return backend.native_device(name)
