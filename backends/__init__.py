@@ -19,7 +19,8 @@ from .devices import parse_device
 from .protocol import Backend
 from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, listing
 
-_SPECS: dict[str, BackendSpec] = {s.name: s for s in BACKENDS}
+# backend name -> (module of this package, class, framework module, pip extra)
+_SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
 _loaded: dict[str, Backend] = {}
 
 
@@ -64,7 +65,7 @@ def canonical_name(name: str) -> str:
 
 def available_backends() -> list[str]:
     """Names of the backends whose framework is installed (nothing is imported)."""
-    return [s.name for s in BACKENDS if importlib.util.find_spec(s.framework) is not None]
+    return [n for n in BACKEND_NAMES if importlib.util.find_spec(_SPECS[n][2]) is not None]
 
 
 def load(name: str) -> Backend:
@@ -76,25 +77,25 @@ def load(name: str) -> Backend:
 def _load(name: str) -> Backend:
     backend = _loaded.get(name)
     if backend is None:
-        spec = _SPECS[name]
+        module_name, class_name, framework, extra = _SPECS[name]
         try:
-            module = importlib.import_module(f"{__name__}.{spec.module}")
+            module = importlib.import_module(f"{__name__}.{module_name}")
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
-            installed = importlib.util.find_spec(spec.framework) is not None
+            installed = importlib.util.find_spec(framework) is not None
             why = "failed to import" if installed else "is not installed"
             raise ImportError(
-                f"the {name!r} backend needs {spec.framework}, which {why} ({exc}); "
-                f"install it with: pip install 'attention-multi[{spec.extra}]'"
+                f"the {name!r} backend needs {framework}, which {why} ({exc}); "
+                f"install it with: pip install 'attention-multi[{extra}]'"
             ) from exc
-        backend = _loaded[name] = getattr(module, spec.class_name)()
+        backend = _loaded[name] = getattr(module, class_name)()
     return backend
 
 
 def backend_of_array(x: Any) -> Backend:
     """The backend an array belongs to (TypeError if none)."""
-    for spec in BACKENDS:
-        if spec.framework in sys.modules:  # never import a framework to look
-            backend = _load(spec.name)
+    for name in BACKEND_NAMES:
+        if _SPECS[name][2] in sys.modules:  # never import a framework to look
+            backend = _load(name)
             if backend.is_array(x):
                 return backend
     raise TypeError(
