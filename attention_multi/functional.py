@@ -241,7 +241,6 @@ def ring_attention(
     step is recomputed in the backward pass.
     """
     from .core import DEFAULT_MEMORY_BUDGET, check_path_options
-    from .core.attend import default_scale
     from .core.ring import ring
 
     memory_budget = check_path_options("auto", memory_budget, None)[1]
@@ -263,7 +262,7 @@ def ring_attention(
         dtype=B.dtype_name(q),
         device=B.device_of(q),
     )
-    scale = default_scale(q.shape[-1]) if scale is None else scale
+    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:

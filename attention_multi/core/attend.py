@@ -12,12 +12,6 @@ intermediates; modules take ``memory_budget=`` to change it per module."""
 PATHS = ("auto", "fused", "tiled", "chunked", "full")
 
 
-def default_scale(d):
-    """The scale of the scores when none is given: ``1 / sqrt(d)``, ``d`` the
-    feature size of queries and keys."""
-    return 1.0 / math.sqrt(d)
-
-
 def check_path_options(path, memory_budget, chunk_size):
     """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
     return (
@@ -107,7 +101,7 @@ def attend(
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)  # raises
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    scale = default_scale(queries.shape[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
     batch, heads, num_q = queries.shape[:3]
     num_k = keys.shape[2]
 
