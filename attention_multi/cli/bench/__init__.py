@@ -33,6 +33,7 @@ import json
 import os
 import sys
 
+from ...config import get_backend
 from ...files import atomic_write, check_writable
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
@@ -106,8 +107,6 @@ def add_arguments(parser):
 
 def main(args):
     import backends
-
-    from ...config import get_backend
 
     wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
     available = backends.available_backends()
