@@ -19,8 +19,10 @@ DEVICES = ("cpu", "cuda")
 
 def load_backend(name):
     """The backend, or skip (fail if required) when it cannot be imported."""
+    from attention_multi import get_backend
+
     try:
-        B = backends.get_backend(name)
+        B = get_backend(name)
     except ImportError as exc:
         if name in REQUIRED:
             pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
@@ -32,9 +34,7 @@ def load_backend(name):
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
-        pairs = [
-            (b, d) for b in backends.BACKEND_NAMES for d in DEVICES if b != "numpy" or d == "cpu"
-        ]
+        pairs = [(s.name, d) for s in backends.BACKENDS for d in DEVICES if s.cuda or d == "cpu"]
         metafunc.parametrize("backend_name, device_name", pairs, ids=[f"{b}-{d}" for b, d in pairs])
     elif "backend_name" in names:
         metafunc.parametrize("backend_name", backends.BACKEND_NAMES)

@@ -68,7 +68,7 @@ def asarray(
     data: Any, dtype: str | None = None, backend: BackendLike = None, device: DeviceLike = None
 ) -> Array:
     """``data`` as an array of ``backend`` (default: the current one) on ``device``."""
-    from .config import native_device, resolve_backend
+    from .config import native_device
 
-    B = resolve_backend(backend)
+    B = get_backend(backend)
     return B.asarray(data, dtype, native_device(B, device))

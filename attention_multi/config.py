@@ -28,9 +28,9 @@ def get_backend(backend: str | Backend | Any = None) -> Backend:
     """A Backend (an object with ``.name``): with no argument the current
     default (``use_backend`` > ``set_backend`` > ATTENTION_MULTI_BACKEND >
     ``"numpy"``); else the backend of a name (``"torch"``), a Backend, or an
-    array (``am.get_backend(tensor)``). Same as ``backends.get_backend``."""
+    array (``am.get_backend(tensor)``). The one public way to fetch a backend."""
     if backend is not None:
-        return backends.get_backend(backend)
+        return _given(backend)
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
@@ -39,34 +39,38 @@ def get_backend(backend: str | Backend | Any = None) -> Backend:
         return chosen
     name = os.environ.get(BACKEND_ENV, "").strip()
     if not name:
-        return backends.get_backend("numpy")
+        return backends.load("numpy")
     try:
-        return backends.get_backend(name)
+        return backends.load(name)
     except ValueError as exc:
         raise ValueError(f"{BACKEND_ENV}={name!r}: {exc}") from None
 
 
+def _given(backend: str | Backend | Any) -> Backend:
+    """The backend of a name, a Backend or an array."""
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        return backends.load(backend)
+    return backends.backend_of_array(backend)
+
+
 def set_backend(name: str | Backend) -> Backend:
     """Make ``name`` the default backend for the whole process."""
-    backend = _state["backend"] = backends.get_backend(name)
+    backend = _state["backend"] = _given(name)
     return backend
 
 
 @contextlib.contextmanager
 def use_backend(name: str | Backend) -> Iterator[Backend]:
     """Use ``name`` as the default backend inside a ``with`` block (this thread)."""
-    backend = backends.get_backend(name)
+    backend = _given(name)
     stack = _local.__dict__.setdefault("stack", [])
     stack.append(backend)
     try:
         yield backend
     finally:
         stack.pop()
-
-
-def resolve_backend(backend: str | Backend | None = None) -> Backend:
-    """A Backend from ``backend=`` (name, Backend or None for the default)."""
-    return get_backend(backend)
 
 
 def parse_device(name: str | None = None) -> tuple[DeviceKind, int]:

@@ -10,9 +10,9 @@ from .core import masked_softmax as _masked_softmax
 from .core.checks import (
     backend_of,
     check_array,
-    check_divides,
     check_dropout,
     check_float,
+    check_heads,
     check_positive_int,
     valid_lens_array,
 )
@@ -170,22 +170,6 @@ def transpose_output(X: Array, num_heads: int) -> Array:
     bh, n, size = X.shape
     X = B.transpose(X.reshape((bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
     return X.reshape((bh // num_heads, n, num_heads * size))
-
-
-def check_heads(num_hiddens: int, num_heads: int) -> int:
-    """``num_heads`` (a positive int) dividing ``num_hiddens``, as an int."""
-    num_heads = check_positive_int("num_heads", num_heads)
-    check_divides("num_heads", num_heads, "num_hiddens", num_hiddens)
-    return num_heads
-
-
-def check_kv_heads(num_heads: int, num_kv_heads: int | None) -> int:
-    """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
-    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
-    if num_kv_heads is None:
-        return num_heads
-    check_divides("num_kv_heads", num_kv_heads, "num_heads", num_heads)
-    return num_kv_heads
 
 
 def nadaraya_watson(

@@ -1,7 +1,9 @@
 """Backends: one small class per framework, behind one protocol (``protocol.Backend``).
 
-``get_backend("torch")`` loads a backend by name; ``get_backend(array)`` finds
+``load("torch")`` loads a backend by name; ``backend_of_array(array)`` finds
 the backend of an array, looking only at frameworks that are already imported.
+The library fetches backends through these two; its users call
+``attention_multi.get_backend``, the one public way.
 """
 
 from __future__ import annotations
@@ -15,17 +17,10 @@ import numpy
 
 from .devices import parse_device
 from .protocol import Backend
-
-BACKEND_NAMES = ("numpy", "torch", "jax", "mxnet")
-ALIASES = {"pytorch": "torch", "np": "numpy", "mx": "mxnet"}
+from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, listing
 
 # backend name -> (module of this package, class, framework module, pip extra)
-_SPECS = {
-    "numpy": ("numpy_backend", "NumpyBackend", "numpy", None),
-    "torch": ("torch_backend", "TorchBackend", "torch", "torch"),
-    "jax": ("jax_backend", "JaxBackend", "jax", "jax"),
-    "mxnet": ("mxnet_backend", "MXNetBackend", "mxnet", "mxnet"),
-}
+_SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
 _loaded: dict[str, Backend] = {}
 
 
@@ -40,12 +35,16 @@ def _restore_numpy_bool() -> None:
 _restore_numpy_bool()
 
 __all__ = [
-    "Backend",
+    "ALIASES",
+    "BACKENDS",
     "BACKEND_NAMES",
+    "Backend",
+    "BackendSpec",
     "available_backends",
     "backend_of_array",
     "canonical_name",
-    "get_backend",
+    "listing",
+    "load",
     "parse_device",
 ]
 
@@ -58,7 +57,8 @@ def canonical_name(name: str) -> str:
     key = ALIASES.get(key, key)
     if key not in _SPECS:
         raise ValueError(
-            f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)} (alias: pytorch)"
+            f"unknown backend {name!r}; valid choices: {', '.join(BACKEND_NAMES)} "
+            f"(aliases: {', '.join(ALIASES)})"
         )
     return key
 
@@ -68,13 +68,10 @@ def available_backends() -> list[str]:
     return [n for n in BACKEND_NAMES if importlib.util.find_spec(_SPECS[n][2]) is not None]
 
 
-def get_backend(name_or_array: str | Backend | Any) -> Backend:
-    """The backend for a name (``"torch"``), a Backend, or an array."""
-    if isinstance(name_or_array, Backend):
-        return name_or_array
-    if isinstance(name_or_array, str):
-        return _load(canonical_name(name_or_array))
-    return backend_of_array(name_or_array)
+def load(name: str) -> Backend:
+    """The backend named ``name`` (or an alias), imported on first use;
+    ImportError naming the pip extra when its framework is missing."""
+    return _load(canonical_name(name))
 
 
 def _load(name: str) -> Backend:
@@ -96,16 +93,13 @@ def _load(name: str) -> Backend:
 
 def backend_of_array(x: Any) -> Backend:
     """The backend an array belongs to (TypeError if none)."""
-    for name in ("torch", "jax", "mxnet"):
+    for name in BACKEND_NAMES:
         if _SPECS[name][2] in sys.modules:  # never import a framework to look
             backend = _load(name)
             if backend.is_array(x):
                 return backend
-    numpy_backend = _load("numpy")
-    if numpy_backend.is_array(x):
-        return numpy_backend
     raise TypeError(
         f"cannot tell which backend an object of type "
         f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
-        f"a numpy, torch, jax or mxnet array"
+        f"a {listing(BACKEND_NAMES)} array"
     )

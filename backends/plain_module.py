@@ -6,9 +6,12 @@ tracked so that they can be listed, loaded and (for JAX) flattened.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .types import Array
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 class PlainModule:
@@ -75,16 +78,16 @@ class PlainModule:
             owner = getattr(owner, part)
         object.__setattr__(owner, name, value)
 
-    def train(self, mode: bool = True) -> PlainModule:
+    def train(self, mode: bool = True) -> Self:
         self.training = mode
         for c in self._child_names:
             getattr(self, c).train(mode)
         return self
 
-    def eval(self) -> PlainModule:
+    def eval(self) -> Self:
         return self.train(False)
 
-    def to_device(self, device: Any) -> PlainModule:
+    def to_device(self, device: Any) -> Self:
         """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
         dev = self._backend.native_device(device)
         for n in self._param_names + self._buffer_names:

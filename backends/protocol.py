@@ -1,32 +1,41 @@
 """The backend protocol: what a framework provides to the attention core.
 
-A new backend subclasses ``NumpyLike`` (``numpy_like.py``), sets ``xp`` to its
-NumPy-like namespace, and implements the methods marked *required*; math with
-NumPy's spelling then comes from ``xp``, and it overrides only its quirks.
+``Backend`` reads in six groups, in this order (``NativeModule``, below, is
+what the framework's module base provides):
 
-Required: ``is_array``, ``asarray``, ``to_numpy``, ``dtype_name``,
-``astype``, ``device``, ``device_of``, ``to_device``, ``uniform``,
-``dropout``, ``seed``. Math (NumPy spelling, from ``xp`` unless overridden):
-``matmul``, ``linear``, ``softmax``, ``where``, ``logical_and``, ``exp``, ``tanh``, ``sqrt``,
-``max``, ``sum``, ``any``, ``repeat``, ``transpose``, ``concatenate``,
-``broadcast_to``, ``take``, ``arange``, ``zeros``. Capabilities, with defaults here:
-``autodiff``/``gradients``/``checkpoint``, ``is_concrete``/``is_tracing``,
-``runtime_cond``/``cond``, ``enable_float64``,
-``dropout_key``/``fold_key``, ``parallel_map``/``concurrency``,
-``write_slice`` (KV caches), ``register_tree`` (containers traced through),
-``fused_attention`` (with ``fused_causal``), ``ring_exchange``, and
-``module_base``: the class that makes a module native to the framework.
+1. **Required**: ``name``, ``module_base``, and arrays, devices and randomness
+   in the framework's terms (11 methods). No defaults here.
+2. **Array math**: 21 functions with NumPy's names and arguments, declared here;
+   ``NumpyLike`` binds them from ``xp``.
+3. **Capability flags**: class attributes the core reads to choose a path;
+   the defaults describe a framework without the capability.
+4. **Kernels**: the framework's own attention, ring exchange, autodiff,
+   recomputation, run-time branch, slice write and parallel map; each default
+   is the core's generic way, or a clear refusal.
+5. **Tracing and key hooks**: for frameworks that trace (``jax.jit``,
+   ``torch.compile``) or take explicit PRNG keys; defaults for eager ones.
+6. **Provided here**: derived from the above; not overridden.
+
+A new backend subclasses ``NumpyLike`` (``numpy_like.py``), sets ``name``,
+``xp`` (its NumPy-like namespace), ``array_type`` and ``module_base``,
+overrides the required methods where NumPy's CPU-only versions do not fit
+and the math its framework spells differently, then sets the flags and
+writes the kernels it has. Everything in groups 3-5 is optional.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 import numpy
 
 from .devices import parse_device
+from .table import BACKENDS, listing
 from .types import Array, DeviceKind, DType, Shape
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -36,48 +45,9 @@ HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
 class Backend:
-    """One framework, as the attention core sees it: arrays, devices,
-    randomness, capabilities, and the class that makes modules native.
-
-    The class attributes describe the framework; the methods are grouped as
-    in the module's docstring (required, math from ``xp``, capabilities with
-    defaults here).
-    """
-
-    name: str = ""  # canonical name, e.g. "torch"
-    module_base: type | None = None  # base class that makes a module native
-    float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
-    autodiff: bool = False  # whether ``gradients`` works
-    runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
-    compiles_per_shape: bool = False  # whether each new array shape costs a compilation
-    kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
-    has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
-    fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
-    fused_causal: bool = False  # whether it skips the masked half of top-left causal
-
-    # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
-    # Declared, not defined, here: a subclass supplies them.
-    matmul: Callable[..., Array]  # (a, b, transpose_b=False): over the last two axes
-    linear: Callable[..., Array]  # (x, weight, bias=None): x @ weight.T + bias
-    softmax: Callable[..., Array]  # (x, axis=-1)
-    exp_inplace: Callable[..., Array]  # (x): exp, reusing x's memory where it can
-    arange: Callable[..., Array]  # (n, device=None): int32 [0, n)
-    zeros: Callable[..., Array]  # (shape, dtype, device=None)
-    exp: Callable[..., Array]
-    tanh: Callable[..., Array]
-    sqrt: Callable[..., Array]
-    where: Callable[..., Array]
-    logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
-    max: Callable[..., Array]
-    sum: Callable[..., Array]
-    any: Callable[..., Array]
-    repeat: Callable[..., Array]
-    transpose: Callable[..., Array]
-    concatenate: Callable[..., Array]
-    broadcast_to: Callable[..., Array]
-    minimum: Callable[..., Array]
-    maximum: Callable[..., Array]
-    take: Callable[..., Array]
+    """One framework, as the attention core sees it, in the six groups of
+    this module's docstring: required, array math, capability flags,
+    kernels, tracing and key hooks, provided here."""
 
     def __init__(self) -> None:
         self._native_classes: dict[type, type] = {}
@@ -85,7 +55,10 @@ class Backend:
     def __repr__(self) -> str:
         return f"<attention_multi backend {self.name!r}>"
 
-    # -- arrays (required) ----------------------------------------------------
+    # == 1. Required: the framework's arrays, devices and randomness ===========
+    name: str = ""  # canonical name, e.g. "torch" (a row of table.BACKENDS)
+    module_base: type[NativeModule] | None = None  # base class that makes a module native
+
     def is_array(self, x: Any) -> bool:
         """True if ``x`` is an array (or tracer) of this framework."""
         raise NotImplementedError
@@ -106,7 +79,6 @@ class Backend:
         """``x`` cast to the dtype named ``dtype``."""
         raise NotImplementedError
 
-    # -- devices (required) -----------------------------------------------------
     def device(self, kind: DeviceKind, index: int = 0) -> Any:
         """Native device for ``("cpu"|"cuda", index)``; ValueError if absent."""
         raise NotImplementedError
@@ -119,14 +91,6 @@ class Backend:
         """``x`` on the native ``device`` (``x`` itself when ``device`` is None)."""
         raise NotImplementedError
 
-    def native_device(self, device: Any) -> Any:
-        """The framework's device for a name (``"cuda:0"``); a native device
-        object passes through. ValueError if it is absent."""
-        if device is not None and not isinstance(device, str):
-            return device
-        return self.device(*parse_device("cpu" if device is None else device))
-
-    # -- randomness (required) --------------------------------------------------
     def uniform(
         self, shape: Shape, low: float, high: float, dtype: DType = "float32", device: Any = None
     ) -> Array:
@@ -142,88 +106,44 @@ class Backend:
         from (frameworks with explicit keys: only the initialization's)."""
         raise NotImplementedError
 
-    # -- capabilities -------------------------------------------------------------
-    def is_concrete(self, x: Array) -> bool:
-        """False while ``x`` is traced (values unknown: ``jax.jit``,
-        ``torch.compile``...); value checks and host-side decisions then wait."""
-        return True
+    # == 2. Array math: NumPy's names and arguments =============================
+    # Declared, not defined, here: ``NumpyLike`` binds them from ``xp`` (the
+    # same spelling in every framework: ``numpy_like.SAME_SPELLING``) or
+    # writes them once; a backend overrides only what its framework spells
+    # differently (torch: ``max = torch.amax``).
+    matmul: Callable[..., Array]  # (a, b, transpose_b=False): over the last two axes
+    linear: Callable[..., Array]  # (x, weight, bias=None): x @ weight.T + bias
+    softmax: Callable[..., Array]  # (x, axis=-1)
+    exp_inplace: Callable[..., Array]  # (x): exp, reusing x's memory where it can
+    arange: Callable[..., Array]  # (n, device=None): int32 [0, n)
+    zeros: Callable[..., Array]  # (shape, dtype, device=None)
+    logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
+    exp: Callable[..., Array]
+    tanh: Callable[..., Array]
+    sqrt: Callable[..., Array]
+    where: Callable[..., Array]
+    max: Callable[..., Array]
+    sum: Callable[..., Array]
+    any: Callable[..., Array]
+    repeat: Callable[..., Array]
+    transpose: Callable[..., Array]
+    concatenate: Callable[..., Array]
+    broadcast_to: Callable[..., Array]
+    minimum: Callable[..., Array]
+    maximum: Callable[..., Array]
+    take: Callable[..., Array]
 
-    def is_tracing(self) -> bool:
-        """True while the framework traces a function (``jax.jit``,
-        ``jax.grad``, ``torch.compile``...), whatever the arrays at hand:
-        lazily sized modules cannot create their parameters then."""
-        return False
+    # == 3. Capability flags: what the core may ask of this framework ==========
+    float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
+    autodiff: bool = False  # whether ``gradients`` works
+    runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
+    compiles_per_shape: bool = False  # whether each new array shape costs a compilation
+    kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
+    has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
+    fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
+    fused_causal: bool = False  # whether it skips the masked half of top-left causal
 
-    def enable_float64(self) -> None:
-        """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""
-
-    def dropout_key(self, seed: int) -> Any:
-        """What a training-mode call passes as ``key=``: None, or a PRNG key
-        for frameworks without a global random generator (JAX)."""
-        return None
-
-    def fold_key(self, key: Any, index: int) -> Any:
-        """A key for the ``index``-th of several dropout draws within one call
-        (frameworks with a global RNG ignore keys: ``key`` is returned)."""
-        return key
-
-    def gradients(
-        self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
-    ) -> tuple[float, dict[str, Array], list[Array]]:
-        """``(float loss, {param name: gradient}, [gradient of each input])``
-        of ``loss_fn(module, *inputs)``, by the framework's own autodiff."""
-        raise NotImplementedError(
-            f"the {self.name} backend has no automatic differentiation; "
-            f"train with the torch, jax or mxnet backend"
-        )
-
-    def value_and_grad(
-        self, module: Any, loss_fn: Callable[[Any], Array]
-    ) -> tuple[float, dict[str, Array]]:
-        """``(float loss, {param name: gradient})`` of ``loss_fn(module)``."""
-        loss, grads, _ = self.gradients(loss_fn, module)
-        return loss, grads
-
-    def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
-        """``[fn(t) for t in tasks]``, in parallel where the framework does not
-        parallelize each operation itself."""
-        return [fn(t) for t in tasks]
-
-    def concurrency(self) -> int:
-        """How many tasks ``parallel_map`` runs at once."""
-        return 1
-
-    def cond(
-        self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R], operand: T
-    ) -> R:
-        """``true_fn(operand)`` if ``pred`` else ``false_fn(operand)``; with
-        ``runtime_cond``, also while traced (decided when the program runs)."""
-        return true_fn(operand) if bool(pred) else false_fn(operand)
-
-    def checkpoint(self, fn: Callable[..., R], *args: Any) -> R:
-        """``fn(*args)``; under the framework's autodiff, recomputed in the
-        backward pass instead of keeping its intermediates (where it can)."""
-        return fn(*args)
-
-    def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
-        """A copy of ``buffer`` with ``update`` written at ``start`` along
-        ``axis`` (the other axes whole): out of place, so autodiff sees it.
-        ``start`` is an int, or a 0-d int array that may be traced where the
-        framework compiles (JAX: then the write is clamped to the buffer)."""
-        out = buffer.copy()
-        index: list[Any] = [slice(None)] * len(buffer.shape)
-        index[axis] = slice(start, start + update.shape[axis])
-        out[tuple(index)] = update
-        return out
-
-    def register_tree(
-        self, cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]
-    ) -> None:
-        """Let the framework trace through instances of ``cls`` (JAX: a
-        pytree node, so that ``jax.jit`` takes and returns them); elsewhere
-        nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
-        children) -> obj``. Registering a class twice is harmless."""
-
+    # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(
         self,
         queries: Array,
@@ -263,7 +183,99 @@ class Backend:
             f"backend has none (use torch.distributed or a JAX mesh)"
         )
 
-    # -- modules ---------------------------------------------------------------
+    def gradients(
+        self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
+    ) -> tuple[float, dict[str, Array], list[Array]]:
+        """``(float loss, {param name: gradient}, [gradient of each input])``
+        of ``loss_fn(module, *inputs)``, by the framework's own autodiff."""
+        raise NotImplementedError(
+            f"the {self.name} backend has no automatic differentiation; "
+            f"train with the {listing(s.name for s in BACKENDS if s.autodiff)} backend"
+        )
+
+    def checkpoint(self, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)``; under the framework's autodiff, recomputed in the
+        backward pass instead of keeping its intermediates (where it can)."""
+        return fn(*args)
+
+    def cond(
+        self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R], operand: T
+    ) -> R:
+        """``true_fn(operand)`` if ``pred`` else ``false_fn(operand)``; with
+        ``runtime_cond``, also while traced (decided when the program runs)."""
+        return true_fn(operand) if bool(pred) else false_fn(operand)
+
+    def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
+        """A copy of ``buffer`` with ``update`` written at ``start`` along
+        ``axis`` (the other axes whole): out of place, so autodiff sees it.
+        ``start`` is an int, or a 0-d int array that may be traced where the
+        framework compiles (JAX: then the write is clamped to the buffer)."""
+        out = buffer.copy()
+        index: list[Any] = [slice(None)] * len(buffer.shape)
+        index[axis] = slice(start, start + update.shape[axis])
+        out[tuple(index)] = update
+        return out
+
+    def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
+        """``[fn(t) for t in tasks]``, in parallel where the framework does not
+        parallelize each operation itself."""
+        return [fn(t) for t in tasks]
+
+    def concurrency(self) -> int:
+        """How many tasks ``parallel_map`` runs at once."""
+        return 1
+
+    # == 5. Tracing and key hooks: defaults for an eager framework ===============
+    def is_concrete(self, x: Array) -> bool:
+        """False while ``x`` is traced (values unknown: ``jax.jit``,
+        ``torch.compile``...); value checks and host-side decisions then wait."""
+        return True
+
+    def is_tracing(self) -> bool:
+        """True while the framework traces a function (``jax.jit``,
+        ``jax.grad``, ``torch.compile``...), whatever the arrays at hand:
+        lazily sized modules cannot create their parameters then."""
+        return False
+
+    def register_tree(
+        self, cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]
+    ) -> None:
+        """Let the framework trace through instances of ``cls`` (JAX: a
+        pytree node, so that ``jax.jit`` takes and returns them); elsewhere
+        nothing. ``flatten(obj) -> (children, aux)``, ``unflatten(aux,
+        children) -> obj``. Registering a class twice is harmless."""
+
+    def enable_float64(self) -> None:
+        """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""
+
+    def dropout_key(self, seed: int) -> Any:
+        """What a training-mode call passes as ``key=``: None, or a PRNG key
+        for frameworks without a global random generator (JAX)."""
+        return None
+
+    def fold_key(self, key: Any, index: int) -> Any:
+        """A key for the ``index``-th of several dropout draws within one call
+        (frameworks with a global RNG ignore keys: ``key`` is returned)."""
+        return key
+
+    def _register_class(self, cls: type) -> None:
+        """Hook for frameworks that must know about new module classes."""
+
+    # == 6. Provided here, from the members above ===============================
+    def native_device(self, device: Any) -> Any:
+        """The framework's device for a name (``"cuda:0"``); a native device
+        object passes through. ValueError if it is absent."""
+        if device is not None and not isinstance(device, str):
+            return device
+        return self.device(*parse_device("cpu" if device is None else device))
+
+    def value_and_grad(
+        self, module: Any, loss_fn: Callable[[Any], Array]
+    ) -> tuple[float, dict[str, Array]]:
+        """``(float loss, {param name: gradient})`` of ``loss_fn(module)``."""
+        loss, grads, _ = self.gradients(loss_fn, module)
+        return loss, grads
+
     def native_class(self, public_class: type) -> type:
         """The subclass of ``public_class`` that is native to this framework."""
         cls = self._native_classes.get(public_class)
@@ -283,5 +295,80 @@ class Backend:
             self._native_classes[public_class] = cls
         return cls
 
-    def _register_class(self, cls: type) -> None:
-        """Hook for frameworks that must know about new module classes."""
+
+def _missing(member: str) -> NotImplementedError:
+    return NotImplementedError(f"a backend's module_base must provide {member}")
+
+
+class NativeModule(Protocol):
+    """The native-module contract: what a backend's ``module_base`` provides.
+
+    Every module (``attention_multi.modules.Module``) is an instance of a
+    subclass of its public class and of ``module_base`` (``Backend.native_class``),
+    and calls these members; the mechanism itself is written once, in the
+    public class. The base may in turn read ``_backend``, ``_device`` (the
+    native device), ``_dtype`` (a dtype name) and ``forward`` from the public
+    class, and call ``_size_lazy_params(name, shape)`` when loading a
+    parameter into a lazily sized layer sizes it. ``tests/test_backends.py``
+    checks that every backend's ``module_base`` provides each member.
+
+    (The bodies only raise: ``attention_multi.modules.Module`` names this
+    class as its base for type checkers alone, at run time it is
+    ``module_base`` that provides the members.)
+    """
+
+    training: bool  # train/eval mode, read by dropout
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``forward(*args, **kwargs)``, through the framework's call machinery."""
+        raise _missing("__call__")
+
+    def train(self, mode: bool = True) -> Self:
+        """Set ``training`` here and in every child; returns ``self``."""
+        raise _missing("train")
+
+    def eval(self) -> Self:
+        """``train(False)``."""
+        raise _missing("eval")
+
+    def to_device(self, device: Any) -> Self:
+        """Move parameters and buffers to ``device`` (a name or a native device)."""
+        raise _missing("to_device")
+
+    def named_arrays(self) -> dict[str, Array]:
+        """``{dotted name: parameter array}`` over this module and its children."""
+        raise _missing("named_arrays")
+
+    def _native_init(self) -> None:
+        """Set up the native base; the first thing a module's ``__init__`` does."""
+        raise _missing("_native_init")
+
+    def _add_param(self, name: str, value: Array) -> None:
+        """Register the trainable parameter ``name`` with initial ``value``."""
+        raise _missing("_add_param")
+
+    def _add_buffer(self, name: str, value: Array) -> None:
+        """Register ``name`` as a constant array that moves with the module
+        (not a parameter, not saved)."""
+        raise _missing("_add_buffer")
+
+    def _param(self, name: str) -> Array:
+        """The array of parameter ``name``, as the math takes it."""
+        raise _missing("_param")
+
+    def _assign_param(self, dotted_name: str, value: Array) -> None:
+        """Overwrite the parameter ``dotted_name`` (``"W_q.weight"``) in place."""
+        raise _missing("_assign_param")
+
+    def _add_lazy_param(self, name: str, shape: tuple) -> None:
+        """Register a parameter whose size is not known yet (``None`` in
+        ``shape``), the framework's own "not yet sized" kind where it has one."""
+        raise _missing("_add_lazy_param")
+
+    def _fill_lazy_param(self, name: str, value: Array) -> None:
+        """Give a lazily sized parameter its shape and first ``value``."""
+        raise _missing("_fill_lazy_param")
+
+    def _unsized(self) -> list[str]:
+        """Dotted names of the parameters not sized yet (empty once sized)."""
+        raise _missing("_unsized")

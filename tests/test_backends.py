@@ -4,7 +4,8 @@ checked against NumPy float64 computed here."""
 import numpy as np
 import pytest
 
-from backends.protocol import Backend
+import backends
+from backends.protocol import Backend, NativeModule
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
@@ -37,7 +38,31 @@ def rounded(x, dtype):
 
 def test_is_a_backend_with_its_name(backend):
     assert isinstance(backend, Backend)
-    assert backend.name in ("numpy", "torch", "jax", "mxnet")
+    assert backend.name in backends.BACKEND_NAMES
+
+
+def test_its_row_of_the_table_agrees_with_its_class(backend):
+    """backends.BACKENDS names each class and repeats what messages need
+    without importing it (autodiff, CUDA): they must agree."""
+    (spec,) = [s for s in backends.BACKENDS if s.name == backend.name]
+    assert type(backend).__name__ == spec.class_name
+    assert type(backend).__module__ == f"backends.{spec.module}"
+    assert backend.autodiff == spec.autodiff
+    if not spec.cuda:
+        with pytest.raises(ValueError, match="not available"):
+            backend.device("cuda")
+    for alias in spec.aliases:
+        assert backends.load(alias) is backend
+
+
+def test_names_and_messages_come_from_the_table():
+    names = tuple(s.name for s in backends.BACKENDS)
+    assert backends.BACKEND_NAMES == names and len(set(names)) == len(names)
+    assert backends.listing(names) == "numpy, torch, jax or mxnet"
+    with pytest.raises(ValueError, match=r"numpy, torch, jax, mxnet \(aliases: np, pytorch, mx\)"):
+        backends.canonical_name("cntk")
+    with pytest.raises(TypeError, match="a numpy, torch, jax or mxnet array"):
+        backends.backend_of_array(b"x")
 
 
 def test_asarray_to_numpy_round_trip(backend, dtype):
@@ -181,6 +206,36 @@ def test_value_and_grad_or_a_clear_error(backend):
     assert set(grads) == {"w"}
     numeric = (f(0.5 + 1e-6) - f(0.5 - 1e-6)) / 2e-6
     assert backend.to_numpy(grads["w"])[0] == pytest.approx(numeric, rel=1e-3)
+
+
+def native_module_members():
+    """(methods, attributes) that ``NativeModule`` declares."""
+    methods = [
+        n
+        for n, v in vars(NativeModule).items()
+        if callable(v) and (n == "__call__" or not n.startswith("__"))
+    ]
+    return methods, list(NativeModule.__annotations__)
+
+
+def test_module_base_provides_the_native_module_contract(backend):
+    """backends.protocol.NativeModule, the contract every module relies on, is
+    provided in full by the backend's module_base (methods) and the modules
+    it makes (attributes)."""
+    import attention_multi as am
+
+    methods, attributes = native_module_members()
+    assert len(methods) + len(attributes) == 14 and "_add_lazy_param" in methods
+    base = backend.module_base
+    assert NativeModule not in base.__mro__  # (else its raising bodies would count)
+    missing = [n for n in methods if not callable(getattr(base, n, None))]
+    assert not missing, f"{base.__name__} lacks {missing}"
+    module = am.Linear(2, 3, backend=backend)
+    assert isinstance(module, base)
+    assert [n for n in attributes if not hasattr(module, n)] == []
+    assert module.eval() is module and module.training is False
+    assert module.train() is module and module.training is True
+    assert set(module.named_arrays()) == {"weight", "bias"} and module._unsized() == []
 
 
 def test_native_class_is_cached_and_native(backend):

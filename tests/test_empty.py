@@ -89,9 +89,7 @@ MODULE_CASES = [(kind, path) for kind in ("dot", "multi_head") for path in PATHS
 
 def run_cases(backend_name):
     """Every case on one backend: ``{case: [shape, want, zero, finite, grads ok]}``."""
-    import backends
-
-    B = backends.get_backend(backend_name)
+    B = am.get_backend(backend_name)
     results = {}
     for axis in EMPTY:
         for kind, path in MODULE_CASES:

@@ -121,9 +121,7 @@ def test_unknown_backend_and_device(backend):
 
 def other_backend(backend):
     """A second backend to mix with ``backend`` (torch for the numpy row)."""
-    import backends
-
-    return backends.get_backend("torch" if backend.name == "numpy" else "numpy")
+    return am.get_backend("torch" if backend.name == "numpy" else "numpy")
 
 
 def test_arrays_of_two_backends(backend):

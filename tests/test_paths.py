@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-import backends
 from attention_multi import reference as oracle
 from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 
@@ -286,7 +285,7 @@ def test_under_jax_jit(path, mask):
     """Traced lengths: the tiled path skips blocks at run time (lax.cond); NaN in
     key and value rows that no query may see does not leak; gradients agree."""
     jax = pytest.importorskip("jax")
-    B = backends.get_backend("jax")
+    B = am.get_backend("jax")
     q, k, v = _inputs(10, nk=11)
     lens = (
         MASKS[mask]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import attention_multi as am
 import backends
 from attention_multi.cli.report import MECHANISMS
 
@@ -46,7 +47,7 @@ def run_report(*args, pythonpath=()):
 
 def importable(name):
     try:
-        backends.get_backend(name)
+        am.get_backend(name)
         return True
     except ImportError:
         return False

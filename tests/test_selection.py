@@ -39,7 +39,7 @@ def test_env_var_unknown_name_lists_choices(monkeypatch):
 def test_unknown_names_everywhere(bad):
     for call in (
         am.set_backend,
-        backends.get_backend,
+        am.get_backend,
         lambda n: am.DotProductAttention(0.0, backend=n),
     ):
         with pytest.raises(ValueError, match=f"unknown backend {bad!r}"):
@@ -51,8 +51,8 @@ def test_unknown_names_everywhere(bad):
 
 def test_aliases():
     pytest.importorskip("torch")
-    assert backends.get_backend("pytorch") is backends.get_backend("torch")
-    assert backends.get_backend("PyTorch").name == "torch"
+    assert am.get_backend("pytorch") is am.get_backend("torch")
+    assert am.get_backend("PyTorch").name == "torch"
 
 
 def test_uninstalled_backend_names_the_extra(monkeypatch):
@@ -64,7 +64,7 @@ def test_uninstalled_backend_names_the_extra(monkeypatch):
 
 
 def test_set_backend_and_nested_use_backend(backend):
-    numpy_backend = backends.get_backend("numpy")
+    numpy_backend = am.get_backend("numpy")
     am.set_backend(backend.name)
     assert am.get_backend() is backend
     with am.use_backend("numpy") as inner:
@@ -98,16 +98,19 @@ def test_backend_keyword_and_array_type_win(backend):
 
 
 def test_get_backend_of_arrays(backend):
-    assert backends.get_backend(backend.asarray([1.0])) is backend
+    assert am.get_backend(backend.asarray([1.0])) is backend
     with pytest.raises(TypeError, match="cannot tell which backend.*bytes"):
-        backends.get_backend(b"x")
+        am.get_backend(b"x")
 
 
-def test_am_get_backend_takes_what_backends_get_backend_takes(backend):
-    """am.get_backend(name or array or Backend) means what backends.get_backend does;
+def test_am_get_backend_takes_a_name_a_backend_or_an_array(backend):
+    """am.get_backend(name or array or Backend) is that backend, the one the
+    library's layer below loads (backends.load, backends.backend_of_array);
     with no argument it is the current default."""
     for given in (backend.name, backend.name.upper(), backend, backend.asarray([1.0])):
-        assert am.get_backend(given) is backends.get_backend(given) is backend
+        assert am.get_backend(given) is backend
+    assert backends.load(backend.name) is backends.backend_of_array(backend.asarray([1.0]))
+    assert backends.load(backend.name) is backend
     with am.use_backend(backend.name):
         assert am.get_backend() is backend
     with pytest.raises(ValueError, match="unknown backend 'cntk'"):
@@ -166,10 +169,9 @@ def _imported_after(code):
 def test_import_with_numpy_imports_no_framework():
     code = (
         "import numpy as np, attention_multi as am\n"
-        "import backends\n"
         "am.available_backends()\n"
         "x = np.ones((1, 2, 3))\n"
-        "assert backends.get_backend(x).name == 'numpy'\n"
+        "assert am.get_backend(x).name == 'numpy'\n"
         "am.DotProductAttention(0.0)(x, x, x, np.array([1])).sum()"
     )
     assert _imported_after(code) == ""

@@ -148,7 +148,7 @@ def test_without_backend():
 # repository's conftest.py has: the plugin must not multiply its cases.
 OWN_CONFTEST = """
 import pytest
-import backends
+import attention_multi as am
 
 def pytest_generate_tests(metafunc):
     if "backend_name" in metafunc.fixturenames:
@@ -156,7 +156,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def backend(backend_name):
-    return backends.get_backend(backend_name)
+    return am.get_backend(backend_name)
 """
 OWN_TESTS = """
 def test_own(backend):

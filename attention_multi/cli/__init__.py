@@ -8,6 +8,7 @@ import sys
 
 import backends
 
+from ..config import get_backend
 from ..files import WriteError
 from . import bench, conform, port, report
 
@@ -21,7 +22,7 @@ def _info(args):
             print(f"{name:6s}  not installed (pip install 'attention-multi[{name}]')")
             continue
         try:
-            B = backends.get_backend(name)
+            B = get_backend(name)
         except ImportError as exc:
             print(f"{name:6s}  unusable: {exc}")
             continue

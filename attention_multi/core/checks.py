@@ -19,7 +19,8 @@ def backend_of(**arrays):
             found[name] = backends.backend_of_array(x)
         except TypeError:
             raise TypeError(
-                f"{name} must be a numpy, torch, jax or mxnet array, got {type(x).__name__}"
+                f"{name} must be a {backends.listing(backends.BACKEND_NAMES)} array, "
+                f"got {type(x).__name__}"
             ) from None
     names = sorted({b.name for b in found.values()})
     if len(names) > 1:
@@ -235,3 +236,19 @@ def check_divides(name, value, of_name, of_value):
     num_hiddens); both already checked positive ints."""
     if of_value % value:
         raise ValueError(f"{of_name}={of_value!r} is not divisible by {name}={value!r}")
+
+
+def check_heads(num_hiddens, num_heads):
+    """``num_heads`` (a positive int) dividing ``num_hiddens``, as an int."""
+    num_heads = check_positive_int("num_heads", num_heads)
+    check_divides("num_heads", num_heads, "num_hiddens", num_hiddens)
+    return num_heads
+
+
+def check_kv_heads(num_heads, num_kv_heads):
+    """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
+    num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
+    if num_kv_heads is None:
+        return num_heads
+    check_divides("num_kv_heads", num_kv_heads, "num_heads", num_heads)
+    return num_kv_heads

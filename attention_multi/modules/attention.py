@@ -21,10 +21,11 @@ from ..core.checks import (
     check_bool,
     check_dropout,
     check_float,
+    check_heads,
+    check_kv_heads,
     check_positive_int,
 )
 from ..core.paths import work_itemsize
-from ..functional import check_heads, check_kv_heads
 from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
 from .base import Linear, Module
 from .cache import KVCache

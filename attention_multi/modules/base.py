@@ -11,43 +11,30 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..config import native_device, resolve_backend
+from ..config import get_backend, native_device
 from ..core.checks import check_bool, check_positive_int
 from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
 
 if TYPE_CHECKING:
-    from typing_extensions import Self, Unpack
+    from typing_extensions import Unpack
 
     from backends import Backend
+    from backends.protocol import NativeModule as _Native
+else:
+    _Native = object  # at run time the backend's module_base supplies the members
 
 
-class Module:
+class Module(_Native):
     """The base of every module. An instance is of a subclass native to its
     backend (``torch.nn.Module``, ``gluon.Block``, a JAX pytree or a plain
-    object), which provides the methods declared here."""
+    object), which provides the members of ``backends.protocol.NativeModule``."""
 
     _backend: Any = None  # set on the native subclasses by Backend.native_class
     training: bool
 
-    if TYPE_CHECKING:  # provided by the backend's module_base
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-        def train(self, mode: bool = True) -> Self: ...
-        def eval(self) -> Self: ...
-        def to_device(self, device: DeviceLike) -> Self: ...
-        def named_arrays(self) -> dict[str, Array]: ...
-        def _native_init(self) -> None: ...
-        def _add_param(self, name: str, value: Array) -> None: ...
-        def _add_buffer(self, name: str, value: Array) -> None: ...
-        def _param(self, name: str) -> Array: ...
-        def _assign_param(self, dotted_name: str, value: Array) -> None: ...
-        def _add_lazy_param(self, name: str, shape: tuple) -> None: ...
-        def _fill_lazy_param(self, name: str, value: Array) -> None: ...
-        def _unsized(self, prefix: str = "") -> list[str]: ...
-
     def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
-            cls = resolve_backend(backend).native_class(cls)
+            cls = get_backend(backend).native_class(cls)
         return object.__new__(cls)
 
     def _start(
@@ -127,9 +114,7 @@ class Module:
 
 def _rebuild(public_class: type, backend_name: str) -> Any:
     """Unpickling: an empty instance of ``public_class``'s native class."""
-    import backends
-
-    return object.__new__(backends.get_backend(backend_name).native_class(public_class))
+    return object.__new__(get_backend(backend_name).native_class(public_class))
 
 
 class Linear(Module):

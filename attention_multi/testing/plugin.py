@@ -25,6 +25,8 @@ import pytest
 import backends
 from backends import Backend
 
+from ..config import get_backend
+
 _CHOSEN = pytest.StashKey[tuple[list[str], bool]]()
 _PARAM = "am_backend_name"  # what this plugin parametrizes
 
@@ -37,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="NAMES",
         default=None,
         help="comma-separated backends for the `backend` fixture of "
-        "attention_multi.testing (numpy, torch, jax, mxnet); "
+        f"attention_multi.testing ({', '.join(backends.BACKEND_NAMES)}); "
         "default: every installed one",
     )
 
@@ -83,7 +85,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def backend(request: pytest.FixtureRequest, am_backend_name: str) -> Backend:
     """The ``backends.Backend`` this test runs on, one per chosen backend."""
     try:
-        return backends.get_backend(am_backend_name)
+        return get_backend(am_backend_name)
     except ImportError as exc:
         reason = str(exc)
     if request.config.stash[_CHOSEN][1]:

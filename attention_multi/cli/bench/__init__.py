@@ -33,6 +33,7 @@ import json
 import os
 import sys
 
+from ...config import get_backend
 from ...files import atomic_write, check_writable
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
@@ -151,7 +152,7 @@ def main(args):
             print(f"skipping {name}: not installed", file=sys.stderr)
             continue
         try:
-            backends.get_backend(name)
+            get_backend(name)
         except ImportError as exc:
             print(f"skipping {name}: {exc}", file=sys.stderr)
             continue

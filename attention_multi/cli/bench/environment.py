@@ -6,6 +6,8 @@ import sys
 
 import numpy as np
 
+from backends import BACKENDS
+
 
 def machine():
     cpu = platform.processor() or platform.machine()
@@ -18,7 +20,7 @@ def machine():
     except OSError:
         pass
     versions = {"python": platform.python_version(), "numpy": np.__version__}
-    for name in ("torch", "jax", "mxnet"):
+    for name in (s.framework for s in BACKENDS):
         if name in sys.modules:
             versions[name] = getattr(sys.modules[name], "__version__", "?")
     from backends.numpy_threads import blas_config

@@ -20,13 +20,12 @@ def long_child(spec):
         spec[k] for k in ("backend", "path", "length", "out", "threads")
     )
     import attention_multi as am
-    import backends
 
     if backend == "torch":
         import torch
 
         torch.set_num_threads(threads)
-    B = backends.get_backend(backend)
+    B = am.get_backend(backend)
     E, h = LONG["heads"] * LONG["head_size"], LONG["heads"]
     rng = np.random.default_rng(0)
     x = B.asarray(rng.standard_normal((LONG["batch"], T, E), dtype=np.float32))

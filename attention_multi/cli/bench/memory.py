@@ -44,9 +44,7 @@ def memory_child(name):
     else:
         import jax
 
-        import backends
-
-        B = backends.get_backend("jax")
+        B = am.get_backend("jax")
         T, heads = shape["length"], shape["heads"]
         E = heads * shape["head_size"]
         m = am.MultiHeadAttention(E, E, E, E, heads, 0.0, backend="jax").eval()

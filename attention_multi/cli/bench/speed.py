@@ -217,9 +217,8 @@ def bench_jax_dot(shape, seconds):
 
 def bench_mxnet_dot(shape, seconds):
     import attention_multi as am
-    import backends
 
-    backends.get_backend("mxnet")  # sets NumPy mode before the seed's code runs
+    am.get_backend("mxnet")  # sets NumPy mode before the seed's code runs
     from mxnet import np as mnp
     from mxnet import npx
 

@@ -3,6 +3,7 @@
 import datetime
 
 import attention_multi as am
+import backends
 
 from ...files import atomic_write
 from .cases import DTYPES, MECHANISMS, RUNS, TOLERANCES, target
@@ -184,9 +185,8 @@ def figures(out, B, device, inputs, trainer):
             f"w = {w_fit:.3f}, loss per epoch " + ", ".join(f"{x:.2f}" for x in losses) + "."
         )
     else:
-        ax_loss.text(
-            0.5, 0.5, "no autodiff backend\n(torch, jax or mxnet)", ha="center", va="center"
-        )
+        trainers = backends.listing(s.name for s in backends.BACKENDS if s.autodiff)
+        ax_loss.text(0.5, 0.5, f"no autodiff backend\n({trainers})", ha="center", va="center")
         lines.append(
             "NWKernelRegression not trained: no autodiff backend ran "
             "(pip install 'attention-multi[torch]')."

@@ -47,7 +47,7 @@ def backend_state(name):
     if name not in backends.available_backends():
         return None, f"not installed (pip install 'attention-multi[{name}]')"
     try:
-        return backends.get_backend(name), ""
+        return am.get_backend(name), ""
     except ImportError as exc:
         cause = exc.__cause__ or exc
         reason = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""

@@ -1,0 +1,42 @@
+"""The one table of backends: every list of backend names, and every message
+that names them, is derived from ``BACKENDS``. A new backend is one more row."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["ALIASES", "BACKENDS", "BACKEND_NAMES", "BackendSpec", "listing"]
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One row: what the library knows of a backend without importing it."""
+
+    name: str  # canonical name, e.g. "torch"
+    module: str  # module of this package that defines the class
+    class_name: str  # the ``Backend`` subclass in it
+    framework: str  # the framework's import name
+    extra: str | None  # pip extra that installs the framework
+    aliases: tuple[str, ...] = ()  # other accepted names
+    autodiff: bool = True  # the class's ``autodiff`` (tests check they agree)
+    cuda: bool = True  # whether it can run on CUDA devices
+
+
+BACKENDS: tuple[BackendSpec, ...] = (
+    BackendSpec(
+        "numpy", "numpy_backend", "NumpyBackend", "numpy", None, ("np",), autodiff=False, cuda=False
+    ),
+    BackendSpec("torch", "torch_backend", "TorchBackend", "torch", "torch", ("pytorch",)),
+    BackendSpec("jax", "jax_backend", "JaxBackend", "jax", "jax"),
+    BackendSpec("mxnet", "mxnet_backend", "MXNetBackend", "mxnet", "mxnet", ("mx",)),
+)
+
+BACKEND_NAMES: tuple[str, ...] = tuple(s.name for s in BACKENDS)
+ALIASES: dict[str, str] = {alias: s.name for s in BACKENDS for alias in s.aliases}
+
+
+def listing(names: Iterable[str], last: str = "or") -> str:
+    """``"numpy, torch, jax or mxnet"``: names for a message."""
+    names = list(names)
+    return "".join(names) if len(names) < 2 else f"{', '.join(names[:-1])} {last} {names[-1]}"
