@@ -397,9 +397,8 @@ class Ours(Native):
 
     def setup(self):
         import attention_multi as am
-        import backends
 
-        self.am, self.B = am, backends.get_backend(self.backend_name)
+        self.am, self.B = am, am.get_backend(self.backend_name)
         self.B.enable_float64()
 
     def array(self, x, dtype):
@@ -463,9 +462,9 @@ class MXNetSoftmax(Native):
     needs = ("mxnet",)
 
     def setup(self):
-        import backends
+        import attention_multi as am
 
-        backends.get_backend("mxnet")  # numpy.bool for MXNet on numpy 1.26
+        am.get_backend("mxnet")  # numpy.bool for MXNet on numpy 1.26
         import mxnet
 
         self.mx = mxnet
