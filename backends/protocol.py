@@ -154,6 +154,22 @@ class Backend:
         lazily sized modules cannot create their parameters then."""
         return False
 
+    def host_code_traced(self) -> bool:
+        """True while host NumPy code is itself being traced into the graph
+        (``torch.compile``'s dynamo turns NumPy calls into graph operations):
+        the core then decides nothing from arrays it computes on the host."""
+        return False
+
+    def may_differentiate(self, x: Array) -> bool:
+        """False when no gradient can flow through ``x`` in this call (no
+        autodiff recording it): work done only for gradients is skipped."""
+        return self.autodiff
+
+    def snapshot(self, x: Array) -> Array:
+        """A copy of ``x`` that later in-place writes to ``x`` do not reach
+        (an immutable framework's array is returned as it is)."""
+        return x.copy()
+
     def enable_float64(self) -> None:
         """Make float64 computable (JAX turns on x64; elsewhere nothing to do)."""
 

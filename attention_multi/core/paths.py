@@ -85,7 +85,8 @@ def weights(B, q, k, mask, scale):
 def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    k, v = mask.guard_unused(B, k, v)  # (keys too: NaN must not reach gradients)
+    # (the scores are masked by where: NaN in unused keys reaches only gradients)
+    k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
     w = weights(B, q, k, mask, scale)
     w4 = w.reshape(tuple(q.shape[:2]) + tuple(w.shape[1:]))
     drop = dropout_fn(B, dropout, key)

@@ -344,8 +344,10 @@ class DotProductAttention(_Attention):
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
-    def _attend(self, queries, keys, values, mask, key):
-        """Attention on checked (batch, heads, n, d) inputs and a normalized mask."""
+    def _attend(self, queries, keys, values, mask, key, private=False):
+        """Attention on checked (batch, heads, n, d) inputs and a normalized
+        mask; ``private``: queries and keys that only this call holds."""
+        read = self.__dict__.pop("_attention_read", False)  # the last call's weights
         out, kept, taken = attend(
             self._backend,
             queries,
@@ -357,6 +359,8 @@ class DotProductAttention(_Attention):
             path=self.path,
             memory_budget=self.memory_budget,
             chunk_size=self.chunk_size,
+            want_weights=read,
+            private=private,
         )
         self._keep_attention(kept)
         self.__dict__["_attention_path"] = taken
@@ -496,7 +500,7 @@ class MultiHeadAttention(_Attention):
             window=window,
             offset=offset,
         )
-        out = self.attention._attend(q, k, v, m, key)
+        out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
         out = self.W_o(out.reshape((b, n, self.num_hiddens)))
