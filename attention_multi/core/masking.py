@@ -46,7 +46,7 @@ def fill_value(dtype):
     return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
 
 
-_CONSTANTS = {}  # (backend, what, device) -> array, made outside traces
+_CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
 _CONSTANTS_MAX = 64
 
 

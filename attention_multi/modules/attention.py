@@ -273,7 +273,8 @@ class DotProductAttention(_Attention):
 
     How it is computed (keywords, also module attributes):
 
-    - ``path="auto"``: the backend's fused kernel when dropout is inactive
+    - ``path="auto"``: the full path for small calls (at most
+      ``SMALL_SCORES`` scores); else the backend's fused kernel when dropout is inactive
       (eval mode or ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)
       scores would exceed ``memory_budget``; else the full path, which
@@ -287,9 +288,15 @@ class DotProductAttention(_Attention):
       (default: up to 1024 keys, as many queries as fit the budget).
 
     All paths agree up to float rounding. ``attention_weights`` is available
-    after every call; after a fused or chunked call it is computed on first
-    access from the kept queries and keys (this materializes the
-    (batch, queries, keys) weights).
+    after every call: the weights (before dropout) of the call that produced
+    them. Small calls (``SMALL_SCORES``) take the full path, which keeps
+    them; after a fused, tiled or chunked call they are computed on first
+    access from copies of the call's queries, keys and mask, which later
+    writes into the caller's arrays do not reach. Reading them makes the
+    next call take the full path while its scores fit in
+    ``memory_budget`` (weights read after every call, as d2l's Transformer
+    does, cost no second pass); a call whose weights are not read lets the
+    one after it go back to ``"auto"``'s choice.
     """
 
     def __init__(
