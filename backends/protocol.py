@@ -54,6 +54,7 @@ class Backend:
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
+    weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
 
     # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
     # Declared, not defined, here: a subclass supplies them.

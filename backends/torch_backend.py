@@ -14,6 +14,9 @@ except ImportError:  # pragma: no cover (older torch)
     _get_proxy_mode = None
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def _proxy_mode():
     """Whether ``make_fx`` (the tracer under ``torch.export``) is recording."""
     return _get_proxy_mode is not None and _get_proxy_mode() is not None
@@ -63,6 +66,7 @@ class TorchBackend(NumpyLike):
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
+    weak_scalars = True
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
@@ -83,7 +87,10 @@ class TorchBackend(NumpyLike):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def dtype_name(self, x):
-        return str(x.dtype)[len("torch.") :]
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[x.dtype] = str(x.dtype)[len("torch.") :]
+        return name
 
     def astype(self, x, dtype):
         return x.to(getattr(torch, dtype))

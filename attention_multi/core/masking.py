@@ -76,6 +76,13 @@ def fill(B, dtype, device):
     )
 
 
+def fill_against(B, dtype, device):
+    """``fill_value`` to pass to ``where`` beside an array of the compute
+    dtype: a Python float where the backend keeps that array's dtype
+    (``Backend.weak_scalars``; torch's ``where`` is faster so), else ``fill``."""
+    return fill_value(dtype) if B.weak_scalars else fill(B, dtype, device)
+
+
 def _positions(B, num_keys, device):
     """int32 (1, 1, 1, K): the key positions 0..K-1."""
     return _constant(
@@ -543,7 +550,7 @@ def masked_softmax(B, scores, visible):
     x = B.astype(scores, work) if work != dtype else scores
     if visible is None:
         return B.astype(B.softmax(x, -1), dtype)
-    weights = B.softmax(B.where(visible, x, fill(B, work, B.device_of(x))), -1)
+    weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
     return B.astype(B.where(visible, weights, 0.0), dtype)
 
 
