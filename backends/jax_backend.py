@@ -53,6 +53,9 @@ class JaxBackend(NumpyLike):
     def is_tracing(self):
         return not _trace_state_clean()
 
+    def snapshot(self, x):
+        return x  # (JAX arrays are immutable)
+
     def asarray(self, x, dtype=None, device=None):
         if dtype == "float64" and not jax.config.jax_enable_x64:
             raise TypeError(

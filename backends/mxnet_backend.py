@@ -61,6 +61,9 @@ class MXNetBackend(NumpyLike):
         x = np.asarray(x)
         return mnp.array(x, dtype=dtype or x.dtype, ctx=device)
 
+    def may_differentiate(self, x):
+        return autograd.is_recording()
+
     def to_numpy(self, x):
         if x.size == 0:  # asnumpy() fails on an empty array never written
             return np.zeros(x.shape, np.dtype(x.dtype))

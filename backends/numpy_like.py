@@ -40,6 +40,9 @@ def np_dtype(name: DType) -> np.dtype:
     return np.dtype(name)
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 class NumpyLike(Backend):
     xp: Any = None  # the framework's NumPy-like namespace
     array_type: Any = ()  # what ``is_array`` accepts (a type or a tuple of types)
@@ -63,7 +66,11 @@ class NumpyLike(Backend):
         return np.asarray(x)
 
     def dtype_name(self, x: Array) -> str:
-        return np.dtype(x.dtype).name
+        dtype = x.dtype  # (NumPy 1.x computes ``.name`` in Python: once per dtype here)
+        name = _DTYPE_NAMES.get(dtype)
+        if name is None:
+            name = _DTYPE_NAMES[dtype] = np.dtype(dtype).name
+        return name
 
     def astype(self, x: Array, dtype: DType) -> Array:
         return x.astype(np_dtype(dtype))

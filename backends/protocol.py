@@ -142,6 +142,7 @@ class Backend:
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
+    weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
 
     # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(
@@ -236,6 +237,22 @@ class Backend:
         ``jax.grad``, ``torch.compile``...), whatever the arrays at hand:
         lazily sized modules cannot create their parameters then."""
         return False
+
+    def host_code_traced(self) -> bool:
+        """True while host NumPy code is itself being traced into the graph
+        (``torch.compile``'s dynamo turns NumPy calls into graph operations):
+        the core then decides nothing from arrays it computes on the host."""
+        return False
+
+    def may_differentiate(self, x: Array) -> bool:
+        """False when no gradient can flow through ``x`` in this call (no
+        autodiff recording it): work done only for gradients is skipped."""
+        return self.autodiff
+
+    def snapshot(self, x: Array) -> Array:
+        """A copy of ``x`` that later in-place writes to ``x`` do not reach
+        (an immutable framework's array is returned as it is)."""
+        return x.copy()
 
     def register_tree(
         self, cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]

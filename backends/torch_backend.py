@@ -8,14 +8,18 @@ import torch.utils.checkpoint
 from .numpy_like import NumpyLike
 from .torch_module import TorchModule
 
+try:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
+except ImportError:  # pragma: no cover (older torch)
+    _get_proxy_mode = None
+
+
+_DTYPE_NAMES: dict = {}
+
 
 def _proxy_mode():
     """Whether ``make_fx`` (the tracer under ``torch.export``) is recording."""
-    try:
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
-    except ImportError:  # pragma: no cover (older torch)
-        return False
-    return get_proxy_mode() is not None
+    return _get_proxy_mode is not None and _get_proxy_mode() is not None
 
 
 def _send_recv(x, step, group):
@@ -62,6 +66,7 @@ class TorchBackend(NumpyLike):
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
+    weak_scalars = True
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
@@ -82,7 +87,10 @@ class TorchBackend(NumpyLike):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def dtype_name(self, x):
-        return str(x.dtype)[len("torch.") :]
+        name = _DTYPE_NAMES.get(x.dtype)
+        if name is None:
+            name = _DTYPE_NAMES[x.dtype] = str(x.dtype)[len("torch.") :]
+        return name
 
     def astype(self, x, dtype):
         return x.to(getattr(torch, dtype))
@@ -105,6 +113,15 @@ class TorchBackend(NumpyLike):
         """``torch.compile``, ``torch.export`` (and so ONNX export),
         ``torch.jit.trace``, ``make_fx``."""
         return torch.compiler.is_compiling() or torch.jit.is_tracing() or _proxy_mode()
+
+    def host_code_traced(self):
+        return torch.compiler.is_compiling()
+
+    def may_differentiate(self, x):
+        return x.requires_grad and torch.is_grad_enabled()
+
+    def snapshot(self, x):
+        return x.clone()
 
     def linear(self, x, weight, bias=None):
         return F.linear(x, weight, bias)

@@ -3,6 +3,8 @@ sequence step by step equals one causal pass (and the float64 oracle), on
 every backend; under jax.jit one compiled step serves every length; errors
 for a cache of another module, backend, batch or past max_len."""
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -48,7 +50,9 @@ def dtype(request, backend):
     return request.param
 
 
-def test_gqa_projections_and_oracle(backend, dtype):
+def test_gqa_projections_and_oracle(backend, dtype, monkeypatch):
+    # "auto"'s choice beyond small calls (which take the full path), at these sizes
+    monkeypatch.setattr(importlib.import_module("attention_multi.core.attend"), "SMALL_SCORES", 0)
     mha, params = build(backend, dtype)
     assert tuple(mha.W_k.named_arrays()["weight"].shape) == (HIDDEN // 2, SIZE)
     assert sorted(am.get_params(mha)) == sorted(params)  # names unchanged

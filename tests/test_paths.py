@@ -5,6 +5,8 @@ chunked path run several blocks of queries and of keys), on every backend, for e
 No timing here: speed is measured by ``attention-multi bench``.
 """
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -197,10 +199,14 @@ def test_chunked_many_blocks_matches_full(backend, mask):
     np.testing.assert_allclose(outs[1], outs[0], **TOL)
 
 
-def test_auto_path_choice(backend):
+def test_auto_path_choice(backend, monkeypatch):
     q, k, v = (backend.asarray(x, "float32") for x in _inputs(7))
     lens = backend.asarray(MASKS["2d"])
     m = am.DotProductAttention(0.0, backend=backend).eval()
+    m(q, k, v, lens)
+    assert m.last_path == "full"  # at most SMALL_SCORES scores
+    # the choice beyond small calls, at these sizes
+    monkeypatch.setattr(importlib.import_module("attention_multi.core.attend"), "SMALL_SCORES", 0)
     m(q, k, v, lens)
     assert m.last_path == ("fused" if backend.has_fused_attention else "tiled")
     # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit

@@ -34,6 +34,13 @@ def zeros_for_empty(B, shape, like, *inputs):
     return out
 
 
+SMALL_SCORES = 1 << 15
+"""``"auto"`` takes the full path at once for calls with at most this many
+(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
+kernel cost more host time than the arithmetic they could save (the d2l
+examples and chapter-11 training batches are far below it), and the full
+path keeps the weights."""
+
 TILED_WORK_MAX = 0.9
 """``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
 one kernel call over all the scores: they skip padding, causal or window
@@ -53,6 +60,8 @@ def attend(
     path="auto",
     memory_budget=None,
     chunk_size=None,
+    want_weights=False,
+    private=False,
 ):
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
@@ -75,10 +84,13 @@ def attend(
       follows ``chunk_size`` or else ``memory_budget``; under autodiff the
       blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
-    - ``"auto"`` (default): ``"tiled"`` when the lengths are known and its
-      tiles, each call counted, cost at most ``TILED_WORK_MAX`` of one
-      kernel call over all the scores (unless the mask is top-left causal
-      and the backend's kernel skips that work itself,
+    - ``"auto"`` (default): ``"full"`` when the float32 scores fit in
+      ``memory_budget`` and there are at most ``SMALL_SCORES`` of them or
+      ``want_weights`` (the caller will read the weights); else
+      ``"tiled"`` when the lengths are known and its tiles, each call
+      counted, cost at most ``TILED_WORK_MAX`` of one kernel call over all
+      the scores (unless the mask is top-left causal and the backend's
+      kernel skips that work itself,
       ``Backend.fused_causal``), or when the lengths are traced and
       the backend skips blocks at run time; else ``"fused"`` if the backend's
       kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
@@ -96,7 +108,11 @@ def attend(
     Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
     a function computing them, path taken)``. The weights are those before
     dropout; fused, tiled and chunked calls compute them only when the
-    function is called.
+    function is called, from this call's queries, keys and mask: from
+    copies taken now (``Backend.snapshot``; with ``private``, queries and
+    keys that nobody else can write, such as projections made for the
+    call, are kept as they are), so that writes into the caller's arrays
+    after the call do not change them.
     """
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)  # raises
@@ -105,13 +121,21 @@ def attend(
     batch, heads, num_q = queries.shape[:3]
     num_k = keys.shape[2]
 
-    def kept():
-        return paths.weights(B, queries, keys, mask, scale)
-
     if 0 in (batch, heads, num_q, num_k):  # nothing to attend: no kernel is called
         out = zeros_for_empty(B, (batch, heads, num_q, values.shape[-1]), queries, keys, values)
         weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
         return out, weights, "empty"
+    scores = batch * heads * num_q * num_k
+    scores_bytes = scores * paths.work_itemsize(B, queries)
+    if path == "auto" and scores_bytes <= budget and (scores <= SMALL_SCORES or want_weights):
+        out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
+        return out, weights, "full"
+    q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))
+    mask_kept = mask.frozen(B)
+
+    def kept():
+        return paths.weights(B, q_kept, k_kept, mask_kept, scale)
+
     plan = None
     # (keyed dropout draws differ by path: with a key, the path must not depend
     # on whether values are traced, so that jit and eager calls agree)
@@ -150,7 +174,6 @@ def attend(
             return out, kept, "fused"
     if plan is not None:
         return paths.tiled(B, queries, keys, values, mask, scale, plan, dropout, key), kept, "tiled"
-    scores_bytes = batch * heads * num_q * num_k * paths.work_itemsize(B, queries)
     if path == "chunked" or (path != "full" and scores_bytes > budget):
         out = paths.chunked(B, queries, keys, values, mask, scale, budget, chunk_size, dropout, key)
         return out, kept, "chunked"

@@ -27,6 +27,8 @@ blocks that no query may see, and drop the mask on blocks that every query may
 see entirely.
 """
 
+import math
+
 import numpy as np
 
 from backends.protocol import HALF_DTYPES
@@ -44,11 +46,51 @@ def fill_value(dtype):
     return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
 
 
+_CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
+_CONSTANTS_MAX = 64
+
+
+def _constant(B, what, device, make):
+    """``make()``, kept for the next call outside traces (small calls pay
+    for every operator: constants are made once)."""
+    if B.is_tracing():
+        return make()
+    cache_key = (B.name, what, device)
+    value = _CONSTANTS.get(cache_key)
+    if value is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        value = _CONSTANTS[cache_key] = make()
+    return value
+
+
 def fill(B, dtype, device):
     """``fill_value`` as a 0-d array of the compute dtype (a Python float
     would promote float32 to float64 in NumPy 1.x)."""
     work = compute_dtype(dtype)
-    return B.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device)
+    return _constant(
+        B,
+        ("fill", work),
+        device,
+        lambda: B.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device),
+    )
+
+
+def fill_against(B, dtype, device):
+    """``fill_value`` to pass to ``where`` beside an array of the compute
+    dtype: a Python float where the backend keeps that array's dtype
+    (``Backend.weak_scalars``; torch's ``where`` is faster so), else ``fill``."""
+    return fill_value(dtype) if B.weak_scalars else fill(B, dtype, device)
+
+
+def _positions(B, num_keys, device):
+    """int32 (1, 1, 1, K): the key positions 0..K-1."""
+    return _constant(
+        B,
+        ("positions", num_keys),
+        device,
+        lambda: B.arange(num_keys, device).reshape((1, 1, 1, num_keys)),
+    )
 
 
 class Mask:
@@ -58,7 +100,9 @@ class Mask:
     1) key lengths; ``offset`` int or 0-d int array (traced); ``causal``;
     ``window`` (left, right) or None; ``allowed`` bool and ``bias`` float,
     both 4-D and broadcastable to (batch, heads, Q, K). ``lens_known`` and
-    ``offset_known`` are host copies, None while traced.
+    ``offset_known`` are host copies, None while traced. ``host``: False
+    while host NumPy code is itself traced (``Backend.host_code_traced``),
+    when nothing is decided from the rows' intervals on the host.
     """
 
     def __init__(
@@ -76,8 +120,10 @@ class Mask:
         window=None,
         allowed=None,
         bias=None,
+        host=True,
     ):
         self.batch, self.heads = batch, heads
+        self.host = host
         self.num_queries, self.num_keys = num_queries, num_keys
         self.lens, self.lens_known = lens, lens_known
         if offset is None:
@@ -131,14 +177,18 @@ class Mask:
 
     def boolean(self, B, device):
         """bool (batch|1, heads|1, Q, K): True where a query may see a key;
-        None when every query is known to see every key."""
+        None when every query is known to see every key. Made once per Mask."""
+        cached = self.__dict__.get("_visible")
+        if cached is not None and cached[0] == device:
+            return cached[1]
         visible = None
         if self.intervals and not self._sees_all():
             lo, hi = self.bounds(B, device)
-            j = B.arange(self.num_keys, device).reshape((1, 1, 1, self.num_keys))
+            j = _positions(B, self.num_keys, device)
             visible = j < hi if lo is None else B.logical_and(j >= lo, j < hi)
         if self.allowed is not None:
             visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
+        self.__dict__["_visible"] = (device, visible)
         return visible
 
     def boolean_one_head(self, B, device):
@@ -159,12 +209,40 @@ class Mask:
         return B.where(visible, 0.0 if self.bias is None else self.bias, fill(B, dtype, device))
 
     # -- the row intervals ----------------------------------------------------------
+    def _fact(self, name, compute):
+        """A host decision about this Mask, computed once."""
+        facts = self.__dict__.setdefault("_facts", {})
+        if name not in facts:
+            facts[name] = compute()
+        return facts[name]
+
     def _sees_all(self):
         """Known on the host: every row's interval is all the keys."""
         if not self.intervals:
             return True
-        known = self._bounds_known()
-        return known is not None and (known[0] <= 0).all() and (known[1] >= self.num_keys).all()
+
+        def compute():
+            if self._only_lengths():  # (one reduction, not the rows' intervals)
+                return self.known_on_host() and self._least_length() >= self.num_keys
+            known = self._bounds_known()
+            return (
+                known is not None
+                and bool((known[0] <= 0).all())
+                and bool((known[1] >= self.num_keys).all())
+            )
+
+        return self._fact("sees_all", compute)
+
+    def _only_lengths(self):
+        """Only lengths make the intervals (no causal, no window)."""
+        return self.lens is not None and not self.causal and self.window is None
+
+    def _least_length(self):
+        """The least known length (host)."""
+        return self._fact(
+            "least_length",
+            lambda: int(self.lens_known.min()) if self.lens_known.size else self.num_keys,
+        )
 
     def bounds(self, B, device):
         """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
@@ -191,7 +269,7 @@ class Mask:
 
     def known_on_host(self):
         """Whether the rows' intervals are known on the host (not traced)."""
-        return not (
+        return self.host and not (
             (self.lens is not None and self.lens_known is None)
             or ((self.causal or self.window is not None) and self.offset_known is None)
         )
@@ -277,7 +355,7 @@ class Mask:
         and keys ``[k0, k1)``, with positions counted from the block's start.
         A block that every query sees whole gets a Mask without constraints."""
         if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
-            return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0)
+            return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0, host=self.host)
 
         def rows(x, axis_q):
             if x is None:
@@ -306,6 +384,7 @@ class Mask:
             window=self.window,
             allowed=rows(self.allowed, False),
             bias=rows(self.bias, False),
+            host=self.host,
         )
 
     def keys_from(self, k0, size):
@@ -336,7 +415,19 @@ class Mask:
             offset_known=offset_known,
             causal=self.causal,
             window=self.window,
+            host=self.host,
         )
+
+    def frozen(self, B):
+        """This Mask over copies of its arrays (``Backend.snapshot``), which
+        the caller's later in-place writes do not reach."""
+        copy = Mask.__new__(Mask)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.pop("_visible", None)  # (may be ``allowed`` itself)
+        for name in ("lens", "allowed", "bias"):
+            if getattr(self, name) is not None:
+                setattr(copy, name, B.snapshot(getattr(self, name)))
+        return copy
 
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
@@ -345,32 +436,60 @@ class Mask:
         if self.allowed is None:
             if not self.intervals:
                 return None if self.num_keys else B.zeros((1, 1, 1, 1), "bool", device)
-            known = self._bounds_known()
-            if known is not None and (known[1] > known[0]).all():
+            if self._fact("rows_nonempty", self._rows_nonempty):
                 return None
             lo, hi = self.bounds(B, device)
             return hi > (0 if lo is None else lo)
         return B.any(self.boolean(B, device), -1, keepdims=True)
+
+    def _rows_nonempty(self):
+        if self._only_lengths() and self.known_on_host():
+            return self.num_keys > 0 and self._least_length() > 0
+        known = self._bounds_known()
+        return known is not None and bool((known[1] > known[0]).all())
+
+    def _keys_all_used(self):
+        """Known on the host: each batch element's rows together see every
+        key (their intervals overlap or touch: the union is [least lo, last hi))."""
+        if self._only_lengths() and self.lens.shape[2] == 1 and self.known_on_host():
+            return self._least_length() >= self.num_keys
+        known = self._bounds_known()
+        if known is None:
+            return False
+        lo, hi = known
+        rows = hi > lo
+        return bool(
+            rows.any(axis=1).all()
+            and (np.where(rows, lo, 1).min(axis=1) == 0).all()
+            and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all()
+        )
 
     def used_keys(self, B, device):
         """bool (batch|1, 1, K, 1): True where some query of that batch
         element may see the key; None when every key is known to be seen."""
         if self.allowed is None and not self.intervals:
             return None
+        one_row = (
+            not self.causal
+            and self.window is None
+            and (self.lens is None or self.lens.shape[2] == 1)
+            and (self.allowed is None or tuple(self.allowed.shape[1:3]) == (1, 1))
+        )
         if self.allowed is None and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
-            # the rows' intervals overlap or touch: their union is [least lo, last hi)
-            known = self._bounds_known()
-            if known is not None:
-                lo, hi = known
-                rows = hi > lo
-                if (
-                    rows.any(axis=1).all()
-                    and (np.where(rows, lo, 1).min(axis=1) == 0).all()
-                    and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all()
-                ):
-                    return None
+            if self._fact("keys_all_used", self._keys_all_used):
+                return None
+        if one_row:  # every query of an element sees the same keys: (batch|1, 1, 1, K)
+            visible = self.boolean(B, device)
+            return (
+                None
+                if visible is None
+                else visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
+            )
+        if self.allowed is None and (
+            self.window is None or self.lens is None or self.lens.shape[2] == 1
+        ):
             lo, hi = self.bounds(B, device)
             nonempty = hi > (0 if lo is None else lo)
             last = B.max(B.where(nonempty, hi, 0), 2, keepdims=True)
@@ -384,18 +503,32 @@ class Mask:
         # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
         return used.reshape((used.shape[0], 1, used.shape[3], 1))
 
-    def guard_unused(self, B, keys, values):
+    def guard_unused(self, B, keys, values, guard_keys=True):
         """Zero key and value rows that no query may see (NaN there must not
-        leak into the product); ``keys``/``values`` (batch, heads, K, d)."""
+        leak into the product); ``keys``/``values`` (batch, heads, K, d).
+        ``guard_keys=False``: the values only (for a caller that masks the
+        scores by ``where`` and computes no gradient through the keys)."""
         used = self.used_keys(B, B.device_of(keys))
-        if used is None or all_finite(B, keys, values):
+        if used is None or (
+            _size(keys) + _size(values) >= FINITE_CHECK_MIN and all_finite(B, keys, values)
+        ):
             return keys, values
-        return B.where(used, keys, 0.0), B.where(used, values, 0.0)
+        return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
 
     def zero_empty_rows(self, B, out):
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
         return out if rows is None else B.where(rows, out, 0.0)
+
+
+FINITE_CHECK_MIN = 1 << 16
+"""Keys and values with at least this many elements (together) are checked
+for non-finite entries on the host before their unused rows are zeroed,
+which a finite pair skips; below it the zeroing costs less than that read."""
+
+
+def _size(x):
+    return math.prod(x.shape)
 
 
 def all_finite(B, *arrays):
@@ -417,7 +550,7 @@ def masked_softmax(B, scores, visible):
     x = B.astype(scores, work) if work != dtype else scores
     if visible is None:
         return B.astype(B.softmax(x, -1), dtype)
-    weights = B.softmax(B.where(visible, x, fill(B, work, B.device_of(x))), -1)
+    weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
     return B.astype(B.where(visible, weights, 0.0), dtype)
 
 
@@ -472,6 +605,7 @@ def make_mask(
         finite = bias != float("-inf")  # -inf masks, as in additive masks
         allowed = finite if allowed is None else B.logical_and(allowed, finite)
     offset_known = None
+    host = not B.host_code_traced()
     if offset is not None:
         if B.is_array(offset):
             offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
@@ -490,4 +624,5 @@ def make_mask(
         window=window,
         allowed=allowed,
         bias=bias,
+        host=host,
     )

@@ -19,7 +19,7 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
-from .masking import Mask, compute_dtype, fill, masked_softmax
+from .masking import Mask, compute_dtype, fill, fill_against, masked_softmax
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
@@ -85,7 +85,8 @@ def weights(B, q, k, mask, scale):
 def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    k, v = mask.guard_unused(B, k, v)  # (keys too: NaN must not reach gradients)
+    # (the scores are masked by where: NaN in unused keys reaches only gradients)
+    k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
     w = weights(B, q, k, mask, scale)
     w4 = w.reshape(tuple(q.shape[:2]) + tuple(w.shape[1:]))
     drop = dropout_fn(B, dropout, key)
@@ -116,7 +117,7 @@ def softmax_block(B, qs, k, v, mask, work, dropout=None):
     s = _scores(B, qs, k, mask, work)
     visible = mask.boolean(B, device)
     if visible is not None:
-        s = B.where(visible, s, fill(B, work, device))
+        s = B.where(visible, s, fill_against(B, work, device))
     row_max = B.max(s, -1, keepdims=True)
     p = B.exp(s - row_max)
     if visible is not None:  # a row with no visible key has s == row_max
@@ -301,7 +302,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     s = _scores(B, qs, k, mask, work)
     visible = mask.boolean(B, B.device_of(q))
     if visible is not None:
-        s = B.where(visible, s, fill(B, work, B.device_of(q)))
+        s = B.where(visible, s, fill_against(B, work, B.device_of(q)))
     shift = mask.bias is not None or not B.is_concrete(q)
     if not shift:
         info = np.finfo(np.dtype(work))

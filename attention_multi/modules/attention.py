@@ -274,7 +274,8 @@ class DotProductAttention(_Attention):
 
     How it is computed (keywords, also module attributes):
 
-    - ``path="auto"``: the backend's fused kernel when dropout is inactive
+    - ``path="auto"``: the full path for small calls (at most
+      ``SMALL_SCORES`` scores); else the backend's fused kernel when dropout is inactive
       (eval mode or ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)
       scores would exceed ``memory_budget``; else the full path, which
@@ -288,9 +289,15 @@ class DotProductAttention(_Attention):
       (default: up to 1024 keys, as many queries as fit the budget).
 
     All paths agree up to float rounding. ``attention_weights`` is available
-    after every call; after a fused or chunked call it is computed on first
-    access from the kept queries and keys (this materializes the
-    (batch, queries, keys) weights).
+    after every call: the weights (before dropout) of the call that produced
+    them. Small calls (``SMALL_SCORES``) take the full path, which keeps
+    them; after a fused, tiled or chunked call they are computed on first
+    access from copies of the call's queries, keys and mask, which later
+    writes into the caller's arrays do not reach. Reading them makes the
+    next call take the full path while its scores fit in
+    ``memory_budget`` (weights read after every call, as d2l's Transformer
+    does, cost no second pass); a call whose weights are not read lets the
+    one after it go back to ``"auto"``'s choice.
     """
 
     def __init__(
@@ -345,8 +352,10 @@ class DotProductAttention(_Attention):
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
-    def _attend(self, queries, keys, values, mask, key):
-        """Attention on checked (batch, heads, n, d) inputs and a normalized mask."""
+    def _attend(self, queries, keys, values, mask, key, private=False):
+        """Attention on checked (batch, heads, n, d) inputs and a normalized
+        mask; ``private``: queries and keys that only this call holds."""
+        read = self.__dict__.pop("_attention_read", False)  # the last call's weights
         out, kept, taken = attend(
             self._backend,
             queries,
@@ -358,6 +367,8 @@ class DotProductAttention(_Attention):
             path=self.path,
             memory_budget=self.memory_budget,
             chunk_size=self.chunk_size,
+            want_weights=read,
+            private=private,
         )
         self._keep_attention(kept)
         self.__dict__["_attention_path"] = taken
@@ -497,7 +508,7 @@ class MultiHeadAttention(_Attention):
             window=window,
             offset=offset,
         )
-        out = self.attention._attend(q, k, v, m, key)
+        out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
         out = self.W_o(out.reshape((b, n, self.num_hiddens)))

@@ -84,11 +84,13 @@ class Module(_Native):
             return x
         return self._backend.dropout(x, p, key)
 
-    # attention_weights is computed on first access from what the call kept.
+    # attention_weights is computed on first access from what the call kept;
+    # a read tells the next call that its weights will be read too.
     @property
     def attention_weights(self) -> Array | None:
         """The attention weights of the last call, as d2l users read them."""
         kept = self.__dict__.get("_attention_kept")
+        self.__dict__["_attention_read"] = True
         if callable(kept):
             kept = kept()
             self.__dict__["_attention_kept"] = kept
@@ -108,6 +110,7 @@ class Module(_Native):
         parent = getattr(super(), "__getstate__", None)  # absent before 3.11
         state = dict(parent() if parent is not None else self.__dict__)
         state.pop("_attention_kept", None)
+        state.pop("_attention_read", None)
         state.pop("_device", None)  # used only while building; JAX devices don't pickle
         return state
 

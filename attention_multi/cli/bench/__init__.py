@@ -39,6 +39,7 @@ from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
 from .ring import RING, RING_BUDGET, ring_table, run_ring
+from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
 from .timing import rss_now_mib
 
@@ -93,6 +94,9 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory cases under autograd"
+    )
+    parser.add_argument(
+        "--no-small", action="store_true", help="skip the small-calls table (d2l's sizes)"
     )
     parser.add_argument(
         "--json",
@@ -190,6 +194,17 @@ def main(args):
         "of interleaved bursts of calls.\n"
     )
     print(table(rows))
+    small_rows = []
+    if not args.no_small:
+        print("  small calls ...", file=sys.stderr, flush=True)
+        small_rows = run_small(usable, seconds)
+        print(
+            "\nSmall calls, where d2l calls attention: ours against the seeds' code of the "
+            "same framework (NumPy and JAX: seed 000 written in NumPy and in jax.numpy "
+            "under jit), medians of per-pair ratios of interleaved calls; overhead = "
+            "ours - theirs per call.\n"
+        )
+        print(small_table(small_rows))
     if memory_results:
         print(
             "\nPeak memory under autograd (forward+backward), one subprocess each, peak "
@@ -242,6 +257,7 @@ def main(args):
                         )
                         for r in rows
                     ],
+                    "small": small_rows,
                     "long": long_results,
                     "memory": memory_results,
                     "ring": ring_results,

@@ -1,0 +1,79 @@
+"""``attention_weights``: those of the call that produced them, whatever the
+caller writes into its arrays afterwards; a module whose weights are read
+computes them in the same pass on its next call."""
+
+import numpy as np
+import pytest
+
+import attention_multi as am
+from attention_multi import reference as oracle
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+RNG = np.random.default_rng(3)
+Q, K, V = (RNG.standard_normal(s).astype(np.float32) for s in ((2, 3, 4), (2, 7, 4), (2, 7, 5)))
+LENS = np.array([2, 6])
+MASK = RNG.random((2, 3, 7)) > 0.4
+MASK[:, :, 0] = True
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+ARRAYS = {
+    "numpy": lambda x: x.copy(),
+    "torch": lambda x: _torch().tensor(x),
+}
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+@pytest.mark.parametrize("path", ["fused", "tiled", "chunked"])
+def test_weights_are_those_of_the_call(name, path):
+    """Writes into the queries, keys, lengths or mask after the call leave
+    the reported weights as they were (they come from copies)."""
+    pytest.importorskip(name)
+    a = ARRAYS[name]
+    for form in ("lens", "mask"):
+        m = am.DotProductAttention(0.0, backend=name, path=path).eval()
+        q, k, v, lens, mask = a(Q), a(K), a(V), a(LENS), a(MASK)
+        if form == "lens":
+            m(q, k, v, lens)
+            expected = oracle.dot_product_attention(Q, K, V, LENS)[1]
+        else:
+            m(q, k, v, mask=mask)
+            w = oracle.attention(Q[:, None], K[:, None], V[:, None], mask=MASK[:, None])[1]
+            expected = w[:, 0]
+        assert m.last_path != "full"  # (weights computed on reading)
+        q[:] = 0
+        k[:] = 0
+        lens[:] = 1
+        mask[:] = True
+        got = m.attention_weights
+        np.testing.assert_allclose(np.asarray(got), expected, **TOL)
+
+
+@pytest.mark.parametrize("name", ["numpy", "torch"])
+def test_read_weights_are_computed_in_the_same_pass(name):
+    """Past SMALL_SCORES, "auto" takes another path; once the weights of a
+    call are read, the next call takes the full path (which keeps them),
+    and a call whose weights nobody read lets the one after it go back."""
+    pytest.importorskip(name)
+    a = ARRAYS[name]
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((16, 64, 16)).astype(np.float32) for _ in range(3))
+    lens = rng.integers(16, 65, 16)
+    m = am.DotProductAttention(0.0, backend=name).eval()
+    m(a(q), a(k), a(v), a(lens))
+    other = m.last_path
+    assert other != "full"
+    expected = oracle.dot_product_attention(q, k, v, lens)[1]
+    np.testing.assert_allclose(np.asarray(m.attention_weights), expected, **TOL)
+    m(a(q), a(k), a(v), a(lens))
+    assert m.last_path == "full"
+    np.testing.assert_allclose(np.asarray(m.attention_weights), expected, **TOL)
+    m(a(q), a(k), a(v), a(lens))
+    assert m.last_path == "full"  # (read again above)
+    m(a(q), a(k), a(v), a(lens))  # not read after the last call
+    assert m.last_path == other
