@@ -54,6 +54,10 @@ class Backend:
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
+    # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
+    # query row or visible key gives NaN, a NaN score the mask hides does not
+    # (the mask is a select, not an addition); if not, the core restores it
+    fused_keeps_nan: bool = False
 
     # -- math (NumPy's names and arguments; ``NumpyLike`` binds most from ``xp``).
     # Declared, not defined, here: a subclass supplies them.

@@ -392,6 +392,61 @@ class Mask:
             return keys, values
         return B.where(used, keys, 0.0), B.where(used, values, 0.0)
 
+    @property
+    def per_query(self):
+        """Some key is visible to some queries of a batch element and hidden
+        from others (not: no mask, per-batch lengths)."""
+        return not (self.unmasked or self.per_batch_lens is not None)
+
+    def kernel_inputs(self, B, queries, keys, values):
+        """``(keys, values, finish)`` for a framework's kernel: unused key and
+        value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
+        For a kernel without ``B.fused_keeps_nan`` the NaN rules are enforced
+        around it, on the device (no host read): NaN in a query row comes back
+        into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query mask,
+        which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
+        are zeroed before it and the rows that may see one are NaN after it."""
+        keys, values = self.guard_unused(B, keys, values)
+        if B.fused_keeps_nan:
+            return keys, values, lambda out: self.zero_empty_rows(B, out)
+        seen = None
+        # (a kernel that skips the hidden half of top-left causal itself never reads it)
+        if self.per_query and not (self.top_left_causal and B.fused_causal):
+            seen = self._sees_nan_keys(B, queries, keys)
+            keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
+
+        def finish(out):
+            dtype = B.dtype_name(out)
+            out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
+            if seen is not None:
+                nan = B.astype(B.asarray(np.float32(np.nan), device=B.device_of(out)), dtype)
+                out = B.where(seen, nan, out)
+            return self.zero_empty_rows(B, out)
+
+        return keys, values, finish
+
+    def _sees_nan_keys(self, B, queries, keys):
+        """bool (batch, heads, Q, 1): the query may see a key with a NaN.
+        One product of the visible keys (as 0/1, heads of a one-head mask in
+        its columns, batch broadcast) with each key's NaN flag."""
+        batch, heads, num_q = queries.shape[:3]
+        work = compute_dtype(B.dtype_name(queries))
+        bad = B.astype(B.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
+        if heads != bad.shape[1]:
+            bad = B.repeat(bad, heads // bad.shape[1], 1)
+        visible = B.astype(self.boolean(B, B.device_of(keys)), work)
+        columns = visible.shape[1] == 1
+        if columns:  # (b, 1, Q, K) @ (b, 1, K, heads) -> (b, 1, Q, heads)
+            bad = B.transpose(bad, (0, 3, 2, 1))
+        else:
+            visible = B.broadcast_to(visible, (visible.shape[0], heads, num_q, self.num_keys))
+        if visible.shape[0] != batch:
+            visible = B.broadcast_to(visible, (batch,) + tuple(visible.shape[1:]))
+        count = B.matmul(visible, bad)
+        if columns:
+            count = B.transpose(count, (0, 3, 2, 1))
+        return count > 0
+
     def zero_empty_rows(self, B, out):
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
@@ -406,6 +461,15 @@ def all_finite(B, *arrays):
     if not all(B.is_concrete(x) for x in arrays):
         return False
     return all(np.isfinite(float(B.to_numpy(B.sum(x.reshape((-1,)), 0)))) for x in arrays)
+
+
+def normalize(B, acc, total):
+    """``acc / total`` per row, 0 where the row saw no key. A row's softmax
+    total is at least 1 when it saw a key (its largest term is exp(0)), and
+    exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
+    propagates (``total > 0`` would turn it into zeros)."""
+    has_keys = total != 0
+    return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
 def masked_softmax(B, scores, visible):
