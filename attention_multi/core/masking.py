@@ -453,6 +453,17 @@ class Mask:
         return out if rows is None else B.where(rows, out, 0.0)
 
 
+def empty_rows(B, shape, dtype, device, *inputs):
+    """Zeros of ``shape`` for rows that see no key, computed by no kernel but
+    kept in the autodiff graph of ``inputs``: their gradients are exact zeros
+    (a select of one element of each, never taken, so NaN there stays out)."""
+    out = B.zeros(shape, dtype, device)
+    never = B.zeros((1,), "bool", device)
+    for x in inputs:
+        out = out + B.astype(B.sum(B.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
+    return out
+
+
 def all_finite(B, *arrays):
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
     read on the host (False while traced, or when a sum overflows). A pass

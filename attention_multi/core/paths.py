@@ -19,7 +19,7 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
-from .masking import Mask, compute_dtype, fill, masked_softmax, normalize
+from .masking import Mask, compute_dtype, empty_rows, fill, masked_softmax, normalize
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
@@ -194,7 +194,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
             state = B.checkpoint(step, state, qs, k, v)
         if state is None:  # no query of this block may see any key
-            outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
+            outs.append(empty_rows(B, (batch, heads, q1 - q0, v.shape[-1]), work, device, qs, k, v))
         else:
             outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
@@ -254,8 +254,8 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
 
     def tile(index):
         b, q0, q1, start, stop, whole = plan.tasks[index]
-        if stop <= start:
-            return B.zeros((1, heads, q1 - q0, dv), dtype, device)
+        if stop <= start:  # (still in the autodiff graph)
+            return empty_rows(B, (1, heads, q1 - q0, dv), dtype, device, q, k, v)
         sub = (
             Mask(1, heads, q1 - q0, stop - start)
             if whole
