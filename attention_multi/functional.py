@@ -27,7 +27,9 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     B = backend_of(X=X)
     check_array(B, "X", X, 2, "(N, T)")
     n, t = X.shape
-    lens = valid_lens_array(B, valid_len, n, -1, name="valid_len", device=B.device_of(X))
+    lens = valid_lens_array(
+        B, valid_len, n, -1, name="valid_len", device=B.device_of(X), num_keys=t
+    )
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
         return zeros_for_empty(B, (n, t), X)

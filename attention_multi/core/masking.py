@@ -498,6 +498,28 @@ def masked_softmax(B, scores, visible):
 
 # -- from the caller's arguments to one Mask ---------------------------------------------
 
+_SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+
+
+def _window_within(window, num_queries, num_keys, offset_known, offset):
+    """A window side that reaches past every key for every query means no
+    limit (None): the arithmetic on positions then never meets a side near
+    2**31 (which wraps in int32). While the offset is traced, sides are
+    clamped to 2**30 instead."""
+    if window is None or window == (None, None):
+        return window
+    if offset is None:
+        offset_known = num_keys - num_queries
+    if offset_known is None:
+        return tuple(None if s is None else min(s, _SIDE_MAX) for s in window)
+    left, right = window
+    # query positions p run over [offset, offset + Q): p - left <= 0 and p + right >= K - 1
+    if left is not None and left >= offset_known + num_queries - 1:
+        left = None
+    if right is not None and right >= num_keys - 1 - offset_known:
+        right = None
+    return None if left is None and right is None else (left, right)
+
 
 def make_mask(
     B,
@@ -528,7 +550,7 @@ def make_mask(
     """
     lens = lens_known = None
     if valid_lens is not None:
-        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device)
+        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device, num_keys=num_keys)
         shape = (batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         if B.is_concrete(lens):
             lens_known = B.to_numpy(lens).astype(np.int64).reshape(shape)
@@ -552,6 +574,7 @@ def make_mask(
             offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
         else:
             offset = offset_known = int(offset)
+    window = _window_within(window, num_queries, num_keys, offset_known, offset)
     return Mask(
         batch,
         heads,
