@@ -14,6 +14,7 @@ from .core.checks import (
     check_dropout,
     check_float,
     check_positive_int,
+    check_scale,
     valid_lens_array,
 )
 from .types import Array, Window
@@ -105,6 +106,7 @@ def dot_product_attention(
         device=B.device_of(q),
     )
     dropout = check_dropout("dropout", dropout)
+    scale = check_scale(scale)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
@@ -280,7 +282,8 @@ def ring_attention(
         dtype=B.dtype_name(q),
         device=B.device_of(q),
     )
-    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
+    scale = check_scale(scale)
+    scale = 1.0 / float(max(q.shape[-1], 1)) ** 0.5 if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:

@@ -231,6 +231,21 @@ def check_dropout(name, value):
     return rate
 
 
+def check_scale(value):
+    """``scale=``: None (1/sqrt(d)) or a finite real number > 0, as a float."""
+    if value is None:
+        return None
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"scale must be None or a positive real number, got {value!r} "
+            f"(type {type(value).__name__})"
+        )
+    scale = float(value)
+    if not 0.0 < scale < float("inf"):  # NaN fails too
+        raise ValueError(f"scale must be None or a finite real number > 0, got {value!r}")
+    return scale
+
+
 def check_bool(name, value):
     """``value`` as a Python bool (NumPy bools accepted; 0/1 and strings refused)."""
     if not _is_bool(value):
