@@ -413,7 +413,8 @@ class Mask:
         # (a kernel that skips the hidden half of top-left causal itself never reads it)
         if self.per_query and not (self.top_left_causal and B.fused_causal):
             seen = self._sees_nan_keys(B, queries, keys)
-            keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
+            if seen is not None:
+                keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
 
         def finish(out):
             dtype = B.dtype_name(out)
@@ -426,7 +427,8 @@ class Mask:
         return keys, values, finish
 
     def _sees_nan_keys(self, B, queries, keys):
-        """bool (batch, heads, Q, 1): the query may see a key with a NaN.
+        """bool (batch, heads, Q, 1): the query may see a key with a NaN;
+        None when every query sees every key.
         One product of the visible keys (as 0/1, heads of a one-head mask in
         its columns, batch broadcast) with each key's NaN flag."""
         batch, heads, num_q = queries.shape[:3]
@@ -434,7 +436,10 @@ class Mask:
         bad = B.astype(B.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
         if heads != bad.shape[1]:
             bad = B.repeat(bad, heads // bad.shape[1], 1)
-        visible = B.astype(self.boolean(B, B.device_of(keys)), work)
+        visible = self.boolean(B, B.device_of(keys))
+        if visible is None:  # every query sees every key after all
+            return None
+        visible = B.astype(visible, work)
         columns = visible.shape[1] == 1
         if columns:  # (b, 1, Q, K) @ (b, 1, K, heads) -> (b, 1, Q, heads)
             bad = B.transpose(bad, (0, 3, 2, 1))
