@@ -14,6 +14,7 @@ from .core.checks import (
     check_float,
     check_heads,
     check_positive_int,
+    check_scale,
     valid_lens_array,
 )
 from .types import Array, Window
@@ -27,7 +28,9 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     B = backend_of(X=X)
     check_array(B, "X", X, 2, "(N, T)")
     n, t = X.shape
-    lens = valid_lens_array(B, valid_len, n, -1, name="valid_len", device=B.device_of(X))
+    lens = valid_lens_array(
+        B, valid_len, n, -1, name="valid_len", device=B.device_of(X), num_keys=t
+    )
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
         return zeros_for_empty(B, (n, t), X)
@@ -103,6 +106,7 @@ def dot_product_attention(
         device=B.device_of(q),
     )
     dropout = check_dropout("dropout", dropout)
+    scale = check_scale(scale)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
@@ -262,7 +266,8 @@ def ring_attention(
         dtype=B.dtype_name(q),
         device=B.device_of(q),
     )
-    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
+    scale = check_scale(scale)
+    scale = 1.0 / float(max(q.shape[-1], 1)) ** 0.5 if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:

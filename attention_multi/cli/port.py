@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import atomic_write, check_writable
 from ..port import check_params, load_mxnet_params
 
 _EXIT_FAILED, _EXIT_BAD_INPUT = 1, 2
@@ -74,7 +74,8 @@ def add_arguments(parser):
     parser.epilog = (
         "exit status: 0 converted; 1 the file does not match --module, OUT "
         "is the input, OUT exists and --force is not given, or OUT cannot be "
-        "written (missing directory, permissions, full disk); 2 unreadable "
+        "written (missing directory, permissions, full disk, not a regular "
+        "file: a directory, FIFO or device is never replaced); 2 unreadable "
         "or malformed input, or bad arguments"
     )
 
@@ -137,6 +138,9 @@ def _write_npz(params, f):
     """Like numpy.savez, but any parameter name is fine (even 'file')."""
     import zipfile
 
+    bad = [n for n in params if "\x00" in n]
+    if bad:  # zip names end at a NUL: two names would become one
+        raise _CliError(f"names with a NUL byte cannot be .npz entries: {bad!r}", _EXIT_BAD_INPUT)
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
         for name, value in params.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as f:
@@ -161,7 +165,9 @@ def _write_torch(params, f):
 
 
 def _check_out(out, source, force, given):
-    """Refuse to write over the input, or over an existing OUT without --force."""
+    """Refuse to write over the input, over anything but a regular file (a
+    directory, FIFO or device, a name ending in a slash: --force or not), or
+    over an existing OUT without --force."""
     same = os.path.realpath(out) == os.path.realpath(source)
     if not same and os.path.exists(out):
         try:
@@ -175,6 +181,7 @@ def _check_out(out, source, force, given):
             f"(--force does not override this)",
             _EXIT_FAILED,
         )
+    check_writable(out)  # WriteError: exit 1, one line
     if os.path.lexists(out) and not force:
         raise _CliError(
             f"{out} exists; add --force to replace it, or choose another --out", _EXIT_FAILED

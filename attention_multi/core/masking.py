@@ -515,6 +515,66 @@ class Mask:
             return keys, values
         return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
 
+    @property
+    def per_query(self):
+        """Some key is visible to some queries of a batch element and hidden
+        from others (not: no mask, per-batch lengths)."""
+        return not (self.unmasked or self.per_batch_lens is not None)
+
+    def kernel_inputs(self, B, queries, keys, values):
+        """``(keys, values, finish)`` for a framework's kernel: unused key and
+        value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
+        For a kernel without ``B.fused_keeps_nan`` the NaN rules are enforced
+        around it, on the device (no host read): NaN in a query row comes back
+        into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query mask,
+        which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
+        are zeroed before it and the rows that may see one are NaN after it."""
+        keys, values = self.guard_unused(B, keys, values)
+        if B.fused_keeps_nan:
+            return keys, values, lambda out: self.zero_empty_rows(B, out)
+        seen = None
+        # (a kernel that skips the hidden half of top-left causal itself never reads it)
+        if self.per_query and not (self.top_left_causal and B.fused_causal):
+            seen = self._sees_nan_keys(B, queries, keys)
+            if seen is not None:
+                keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
+
+        def finish(out):
+            dtype = B.dtype_name(out)
+            out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
+            if seen is not None:
+                nan = B.astype(B.asarray(np.float32(np.nan), device=B.device_of(out)), dtype)
+                out = B.where(seen, nan, out)
+            return self.zero_empty_rows(B, out)
+
+        return keys, values, finish
+
+    def _sees_nan_keys(self, B, queries, keys):
+        """bool (batch, heads, Q, 1): the query may see a key with a NaN;
+        None when every query sees every key.
+        One product of the visible keys (as 0/1, heads of a one-head mask in
+        its columns, batch broadcast) with each key's NaN flag."""
+        batch, heads, num_q = queries.shape[:3]
+        work = compute_dtype(B.dtype_name(queries))
+        bad = B.astype(B.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
+        if heads != bad.shape[1]:
+            bad = B.repeat(bad, heads // bad.shape[1], 1)
+        visible = self.boolean(B, B.device_of(keys))
+        if visible is None:  # every query sees every key after all
+            return None
+        visible = B.astype(visible, work)
+        columns = visible.shape[1] == 1
+        if columns:  # (b, 1, Q, K) @ (b, 1, K, heads) -> (b, 1, Q, heads)
+            bad = B.transpose(bad, (0, 3, 2, 1))
+        else:
+            visible = B.broadcast_to(visible, (visible.shape[0], heads, num_q, self.num_keys))
+        if visible.shape[0] != batch:
+            visible = B.broadcast_to(visible, (batch,) + tuple(visible.shape[1:]))
+        count = B.matmul(visible, bad)
+        if columns:
+            count = B.transpose(count, (0, 3, 2, 1))
+        return count > 0
+
     def zero_empty_rows(self, B, out):
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
@@ -531,6 +591,17 @@ def _size(x):
     return math.prod(x.shape)
 
 
+def empty_rows(B, shape, dtype, device, *inputs):
+    """Zeros of ``shape`` for rows that see no key, computed by no kernel but
+    kept in the autodiff graph of ``inputs``: their gradients are exact zeros
+    (a select of one element of each, never taken, so NaN there stays out)."""
+    out = B.zeros(shape, dtype, device)
+    never = B.zeros((1,), "bool", device)
+    for x in inputs:
+        out = out + B.astype(B.sum(B.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
+    return out
+
+
 def all_finite(B, *arrays):
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
     read on the host (False while traced, or when a sum overflows). A pass
@@ -539,6 +610,15 @@ def all_finite(B, *arrays):
     if not all(B.is_concrete(x) for x in arrays):
         return False
     return all(np.isfinite(float(B.to_numpy(B.sum(x.reshape((-1,)), 0)))) for x in arrays)
+
+
+def normalize(B, acc, total):
+    """``acc / total`` per row, 0 where the row saw no key. A row's softmax
+    total is at least 1 when it saw a key (its largest term is exp(0)), and
+    exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
+    propagates (``total > 0`` would turn it into zeros)."""
+    has_keys = total != 0
+    return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
 def masked_softmax(B, scores, visible):
@@ -555,6 +635,28 @@ def masked_softmax(B, scores, visible):
 
 
 # -- from the caller's arguments to one Mask ---------------------------------------------
+
+_SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+
+
+def _window_within(window, num_queries, num_keys, offset_known, offset):
+    """A window side that reaches past every key for every query means no
+    limit (None): the arithmetic on positions then never meets a side near
+    2**31 (which wraps in int32). While the offset is traced, sides are
+    clamped to 2**30 instead."""
+    if window is None or window == (None, None):
+        return window
+    if offset is None:
+        offset_known = num_keys - num_queries
+    if offset_known is None:
+        return tuple(None if s is None else min(s, _SIDE_MAX) for s in window)
+    left, right = window
+    # query positions p run over [offset, offset + Q): p - left <= 0 and p + right >= K - 1
+    if left is not None and left >= offset_known + num_queries - 1:
+        left = None
+    if right is not None and right >= num_keys - 1 - offset_known:
+        right = None
+    return None if left is None and right is None else (left, right)
 
 
 def make_mask(
@@ -586,7 +688,7 @@ def make_mask(
     """
     lens = lens_known = None
     if valid_lens is not None:
-        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device)
+        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device, num_keys=num_keys)
         shape = (batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         if B.is_concrete(lens):
             lens_known = B.to_numpy(lens).astype(np.int64).reshape(shape)
@@ -611,6 +713,7 @@ def make_mask(
             offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
         else:
             offset = offset_known = int(offset)
+    window = _window_within(window, num_queries, num_keys, offset_known, offset)
     return Mask(
         batch,
         heads,

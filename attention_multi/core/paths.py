@@ -19,7 +19,7 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
-from .masking import Mask, compute_dtype, fill, fill_against, masked_softmax
+from .masking import Mask, compute_dtype, empty_rows, fill, fill_against, masked_softmax, normalize
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
@@ -95,12 +95,13 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
 
 def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
-    around it: unused key/value rows zeroed before, empty rows zeroed after."""
+    around it: unused key/value rows zeroed before, empty rows zeroed after,
+    NaN kept where the kernel would not (``Mask.kernel_inputs``)."""
     if not B.has_fused_attention:
         return None
-    k, v = mask.guard_unused(B, k, v)
+    k, v, finish = mask.kernel_inputs(B, q, k, v)  # (and the NaN rules)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
-    return None if out is None else mask.zero_empty_rows(B, out)
+    return None if out is None else finish(out)
 
 
 # -- online softmax ------------------------------------------------------------------
@@ -140,8 +141,7 @@ def merge_blocks(B, a, b):
 def finish_blocks(B, state):
     """``accumulator / row sum``; rows with no visible key give zeros."""
     _, row_sum, acc = state
-    has_keys = row_sum > 0
-    return B.where(has_keys, acc / B.where(has_keys, row_sum, 1.0), 0.0)
+    return normalize(B, acc, row_sum)
 
 
 def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0, key=None):
@@ -195,7 +195,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
             state = B.checkpoint(step, state, qs, k, v)
         if state is None:  # no query of this block may see any key
-            outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
+            outs.append(empty_rows(B, (batch, heads, q1 - q0, v.shape[-1]), work, device, qs, k, v))
         else:
             outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
@@ -255,8 +255,8 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
 
     def tile(index):
         b, q0, q1, start, stop, whole = plan.tasks[index]
-        if stop <= start:
-            return B.zeros((1, heads, q1 - q0, dv), dtype, device)
+        if stop <= start:  # (still in the autodiff graph)
+            return empty_rows(B, (1, heads, q1 - q0, dv), dtype, device, q, k, v)
         sub = (
             Mask(1, heads, q1 - q0, stop - start)
             if whole
