@@ -63,7 +63,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--backends",
         type=_backend_names,
-        default=list(backends.BACKEND_NAMES),
+        default=",".join(backends.BACKEND_NAMES),  # a string, so that argparse checks it too
         help="comma-separated, default: all (%(default)s)",
     )
     parser.add_argument(
