@@ -66,9 +66,7 @@ def main():
                 print(f"[{elapsed(started)}] {name} done: {word}", flush=True)
         if time.time() - last >= EVERY and len(ended) < len(procs):
             last = time.time()
-            state = [
-                f"{n} {progress(n, LOGS / f'{n}.log')}" for n in procs if n not in ended
-            ]
+            state = [f"{n} {progress(n, LOGS / f'{n}.log')}" for n in procs if n not in ended]
             print(f"[{elapsed(started)}] " + " · ".join(state), flush=True)
 
     rows, total = [], dict.fromkeys(COUNTS, 0)

@@ -223,8 +223,12 @@ def test_every_public_module_has_a_reference_page():
     }
     documented = documented_modules()
     assert public <= documented, f"no reference page for {sorted(public - documented)}"
-    for name in documented:
-        importlib.import_module(name)  # every directive names a real module
+    for name in documented:  # every directive names a real module, or an object in one
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError:
+            parent, _, attr = name.rpartition(".")
+            getattr(importlib.import_module(parent), attr)
 
 
 def test_every_public_name_is_on_the_package_page():
@@ -233,3 +237,34 @@ def test_every_public_name_is_on_the_package_page():
     assert set(attention_multi.__all__) <= set(dir(attention_multi))
     page = (DOCS / "reference" / "attention_multi.md").read_text()
     assert re.search(r"^::: attention_multi\s*$", page, re.M)
+
+
+def test_reference_lists_every_constructor_argument():
+    """The modules page shows each module's constructor (mkdocstrings merges
+    __init__ into the class, no private bases) and its table names every
+    argument: the signature's, both d2l editions', and ModuleOptions'."""
+    import inspect
+    import typing
+
+    import attention_multi.modules as modules
+    from attention_multi.types import ModuleOptions
+
+    options = (REPO / "mkdocs.yml").read_text()
+    assert re.search(r"^\s+merge_init_into_class: true$", options, re.M)
+    assert re.search(r"^\s+show_bases: false$", options, re.M)
+    page = (DOCS / "reference" / "modules.md").read_text()
+    assert re.search(r"^::: attention_multi\.modules\.attention\.bind_editions$", page, re.M)
+    for key in typing.get_type_hints(ModuleOptions):
+        assert f"`{key}=`" in page, key
+    rows = dict(re.findall(r"^\| `(\w+)` \| (.*) \|$", page, re.M))
+    for name in modules.__all__:
+        cls = getattr(modules, name)
+        if not inspect.isclass(cls) or cls is modules.Module:
+            continue
+        params = inspect.signature(cls.__init__).parameters.values()
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        names |= set(getattr(cls, "_SEEDS", ())) | set(getattr(cls, "_D2L10", ()))
+        names.discard("self")
+        assert name in rows, f"no row for {name}"
+        missing = [n for n in names if not re.search(rf"`[^`]*\b{n}\b", rows[name])]
+        assert not missing, f"{name}: {missing} not on the reference page"
