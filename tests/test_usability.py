@@ -128,3 +128,51 @@ def test_torch_export_does_not_warn_about_our_attributes():
         warnings.simplefilter("always")
         torch.export.export(model, (torch.rand(5), torch.rand(5, 4), torch.rand(5, 4)))
     assert not [w for w in caught if "_attention" in str(w.message)], caught
+
+
+# -- bench checks its arguments up front, with report's messages and exit status ----------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backends", "pytroch"], "argument --backends: unknown backend 'pytroch'; valid"),
+        (["--shapes", "huge"], "argument --shapes: unknown shape 'huge'; valid choices: small"),
+        (["--ring-processes", "two"], "argument --ring-processes: expected a positive integer"),
+        (["--seconds", "-1"], "argument --seconds: expected a positive number of seconds"),
+        (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
+        (["--long-length", "-5"], "argument --long-length: expected an integer >= 0"),
+        (
+            ["--ring-length", "100", "--ring-processes", "1,3"],
+            "--ring-length 100 is not a multiple of 16 times each of --ring-processes 1,3",
+        ),
+    ],
+)
+def test_bench_rejects_bad_arguments_before_any_work(capsys, args, message):
+    from attention_multi.cli import main
+
+    try:
+        code = main(["bench", *args, "--json", "/nonexistent-dir/x.json"])
+    except SystemExit as exc:  # argparse's own exit
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"attention-multi bench: error: {message}" in err, err
+    assert "Traceback" not in err and "long case" not in err
+
+
+def test_bench_and_report_share_the_backend_check(capsys):
+    import argparse
+
+    from attention_multi.cli import bench, report
+
+    for command in (bench, report):
+        parser = argparse.ArgumentParser(prog=f"attention-multi {command.__name__}")
+        command.add_arguments(parser)
+        assert parser.parse_args(["--backends", "pytorch,numpy"]).backends == ["torch", "numpy"]
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["--backends", "pytroch"])
+        assert info.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    messages = [line.split(": error: ", 1)[1] for line in errors if ": error: " in line]
+    assert len(messages) == 2 and messages[0] == messages[1], errors
