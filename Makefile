@@ -48,7 +48,8 @@ docs: $(LINT)/ready
 	@echo "[venv $*] building .venv-$* from requirements/$*.txt"
 	@start=$$(date +%s); set -o pipefail; \
 	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$* && \
-	.venv-$*/bin/python -m pip install --progress-bar off --prefer-binary -r requirements/$*.txt \
+	PYTHONUNBUFFERED=1 .venv-$*/bin/python -m pip install --progress-bar off --prefer-binary \
+		-r requirements/$*.txt \
 		| { grep --line-buffered -E "^(Collecting|Installing|Successfully)" || true; } \
 		| sed -u -e "s/^/[venv $*] /" -e "s/ (from -r .*//" && \
 	.venv-$*/bin/python -m pip install -q --no-deps -e . && \

@@ -81,7 +81,8 @@ def main():
             rows.append((name, code, seconds, ", ".join(f"{g} {r}" for g, r in gates)))
             continue
         line = closing_line(text)
-        print(f"\n{name}: {line or 'no closing line from pytest (see its log)'}")
+        print(f"\n{name} (pytest's closing line):")  # unprefixed, as pytest wrote it
+        print(line or "no closing line from pytest (see its log)")
         found = counts(line)
         for key in COUNTS:
             total[key] += found[key]
