@@ -49,8 +49,8 @@ def add_arguments(parser):
         "--args",
         metavar="K=V,...",
         default="",
-        help="the module's arguments, e.g. key_size=5,query_size=5,"
-        "value_size=5,num_hiddens=8,num_heads=2,dropout=0,bias=True",
+        help="the module's keyword arguments, comma-separated without spaces, "
+        "e.g. num_hiddens=8,num_heads=2,dropout=0,bias=True",
     )
     parser.add_argument(
         "--like",
@@ -274,6 +274,11 @@ def _mapped_onto(like, params, args):
 def _port(args):
     if args.args and not args.module:
         raise _CliError("--args needs --module", _EXIT_BAD_INPUT)
+    # OUT and the writer are checked before any work (building --like's model, reading IN)
+    out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
+    _check_out(out, args.input, args.force, given=bool(args.out))
+    if args.to == "torch":
+        _import_torch()
     like = _like_from_spec(args)
     module = _module_from_spec(args.module, args.args) if args.module else None
     try:
@@ -294,10 +299,6 @@ def _port(args):
             n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
             for n, v in params.items()
         }
-    out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
-    _check_out(out, args.input, args.force, given=bool(args.out))
-    if args.to == "torch":
-        _import_torch()  # before a file is made
     with atomic_write(out) as f:
         (_write_torch if args.to == "torch" else _write_npz)(params, f)
     dtypes = sorted({str(v.dtype) for v in params.values()})

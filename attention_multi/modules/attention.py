@@ -175,7 +175,8 @@ class _Attention(Module):
 class AdditiveAttention(_Attention):
     """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score.
 
-    Two signatures (see ``bind_editions``): the seeds'
+    Two signatures (see
+    [`bind_editions`][attention_multi.modules.attention.bind_editions]): the seeds'
     ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (3 or 4
     positional arguments) and d2l 1.0's ``AdditiveAttention(num_hiddens,
     dropout)`` (at most 2), whose ``W_k`` and ``W_q`` are lazily sized unless
@@ -378,7 +379,8 @@ class DotProductAttention(_Attention):
 class MultiHeadAttention(_Attention):
     """Multi-head attention over ``num_heads`` scaled dot-product heads.
 
-    Two signatures (see ``bind_editions``): the seeds'
+    Two signatures (see
+    [`bind_editions`][attention_multi.modules.attention.bind_editions]): the seeds'
     ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens,
     num_heads, dropout, bias=False)`` (5 to 7 positional arguments) and d2l
     1.0's ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``

@@ -35,6 +35,14 @@ import sys
 
 from ...config import get_backend
 from ...files import atomic_write, check_writable
+from ..arguments import (
+    backend_names,
+    nonnegative_int,
+    one_of,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
@@ -54,40 +62,43 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--backends",
+        type=backend_names,
         default="numpy,torch,jax,mxnet",
         help="comma-separated backends to measure (default: all installed)",
     )
     parser.add_argument(
         "--shapes",
+        type=one_of(list(DOT_SHAPES), "shape"),
         default=None,
         help="comma-separated from small,medium,large (default: all; --quick: medium)",
     )
     parser.add_argument(
         "--seconds",
-        type=float,
+        type=positive_float,
         default=None,
         help="timing budget per comparison (default 3; --quick 1)",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch intra-op threads (default: the number of cores)",
     )
     parser.add_argument(
         "--long-length",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help=f"T of the long-sequence case (default {LONG['length']}; --quick 4096; 0 skips it)",
     )
     parser.add_argument(
         "--ring-length",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help=f"T of the ring-attention case (default {RING['length']}; --quick 2048; 0 skips it)",
     )
     parser.add_argument(
         "--ring-processes",
+        type=positive_ints,
         default="1,2,4",
         help="comma-separated process counts of the ring case "
         "(default 1,2,4; T must be a multiple of 16 times each)",
@@ -112,11 +123,23 @@ def add_arguments(parser):
 def main(args):
     import backends
 
-    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    wanted = args.backends
     available = backends.available_backends()
-    shapes = (
-        args.shapes.split(",") if args.shapes else ["medium"] if args.quick else list(DOT_SHAPES)
+    shapes = args.shapes or (["medium"] if args.quick else list(DOT_SHAPES))
+    ring_length = (
+        args.ring_length
+        if args.ring_length is not None
+        else (2048 if args.quick else RING["length"])
     )
+    uneven = [n for n in args.ring_processes if ring_length % (16 * n)]
+    if ring_length and uneven:  # the ring splits T into 16-position blocks per process
+        print(
+            f"attention-multi bench: error: --ring-length {ring_length} is not a multiple "
+            f"of 16 times each of --ring-processes {','.join(map(str, args.ring_processes))} "
+            f"(not of {', '.join(str(16 * n) for n in uneven)})",
+            file=sys.stderr,
+        )
+        return 2
     seconds = args.seconds or (1.0 if args.quick else 3.0)
     length = (
         args.long_length
@@ -133,14 +156,9 @@ def main(args):
         print(f"  long case T={length} ...", file=sys.stderr, flush=True)
         launcher_rss = rss_now_mib()
         long_results = run_long([n for n in wanted if n in available], length, threads)
-    ring_length = (
-        args.ring_length
-        if args.ring_length is not None
-        else (2048 if args.quick else RING["length"])
-    )
     ring_results = []
     if ring_length and "torch" in wanted and "torch" in available:
-        sizes = [int(n) for n in args.ring_processes.split(",") if n.strip()]
+        sizes = args.ring_processes
         print(
             f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr, flush=True
         )
