@@ -49,6 +49,7 @@ class Backend:
     float_dtypes: tuple[str, ...] = FLOAT_DTYPES  # float dtypes this framework supports
     autodiff: bool = False  # whether ``gradients`` works
     runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
+    dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
     compiles_per_shape: bool = False  # whether each new array shape costs a compilation
     kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented

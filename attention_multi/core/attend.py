@@ -2,7 +2,7 @@
 
 import math
 
-from . import paths
+from . import blocked, paths
 from .checks import check_choice, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -112,6 +112,10 @@ def attend(
         out = zeros_for_empty(B, (batch, heads, num_q, values.shape[-1]), queries, keys, values)
         weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
         return out, weights, "empty"
+    if blocked.takes(B, mask, path, dropout, key):
+        block = (chunk_size, chunk_size) if chunk_size else None
+        out = blocked.blocked(B, queries, keys, values, mask, scale, block, dropout, key)
+        return out, kept, "tiled"
     plan = None
     # (keyed dropout draws differ by path: with a key, the path must not depend
     # on whether values are traced, so that jit and eager calls agree)

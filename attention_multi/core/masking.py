@@ -31,7 +31,15 @@ import numpy as np
 
 from backends.protocol import HALF_DTYPES
 
+from . import blocks, mods
 from .checks import check_mask_array, check_window, valid_lens_array
+
+# Every field of a Mask that constrains attention. "Is anything set?" asks this
+# list, so a new field can never read as "unmasked"; one that is neither an
+# interval nor a bias/score_mod restricts visibility (the safe default).
+FIELDS = ("lens", "causal", "window", "allowed", "bias", "mod", "score_mod", "segments")
+INTERVAL_FIELDS = frozenset(("lens", "causal", "window"))
+SCORE_FIELDS = frozenset(("bias", "score_mod"))  # change scores, not visibility
 
 
 def compute_dtype(dtype):
@@ -76,6 +84,13 @@ class Mask:
         window=None,
         allowed=None,
         bias=None,
+        mod=None,
+        score_mod=None,
+        segments=None,
+        segments_known=None,
+        bases=(0, 0, 0),
+        blocks=None,
+        backend=None,
     ):
         self.batch, self.heads = batch, heads
         self.num_queries, self.num_keys = num_queries, num_keys
@@ -85,6 +100,27 @@ class Mask:
         self.offset, self.offset_known = offset, offset_known
         self.causal, self.window = causal, window
         self.allowed, self.bias = allowed, bias
+        self.mod, self.score_mod, self.blocks = mod, score_mod, blocks
+        self.segments, self.segments_known = segments, segments_known
+        self.b_base, self.q_base, self.k_base = bases
+        self.backend = backend  # (evaluates mask_mod for block states)
+
+    def set_fields(self):
+        """The names in ``FIELDS`` that this mask sets."""
+        return frozenset(
+            f for f in FIELDS if getattr(self, f) is not None and getattr(self, f) is not False
+        )
+
+    @property
+    def dense(self):
+        """Something beyond the row intervals is set (a block then needs the
+        mask's value, not only its intervals)."""
+        return bool(self.set_fields() - INTERVAL_FIELDS)
+
+    @property
+    def restricted(self):
+        """Something beyond the row intervals restricts which keys are seen."""
+        return bool(self.set_fields() - INTERVAL_FIELDS - SCORE_FIELDS)
 
     # -- what kernels read ----------------------------------------------------------
     @property
@@ -95,18 +131,12 @@ class Mask:
     @property
     def unmasked(self):
         """Every query may see every key, and there is no bias."""
-        return not self.intervals and self.allowed is None and self.bias is None
+        return not self.set_fields()
 
     @property
     def only_lens(self):
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        return (
-            self.lens is not None
-            and not self.causal
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
-        )
+        return self.set_fields() == {"lens"}
 
     @property
     def per_batch_lens(self):
@@ -120,13 +150,9 @@ class Mask:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
         return (
-            self.causal
+            self.set_fields() == {"causal"}
             and self.num_queries == self.num_keys
             and self.offset_known == 0
-            and self.lens is None
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
         )
 
     def boolean(self, B, device):
@@ -139,6 +165,9 @@ class Mask:
             visible = j < hi if lo is None else B.logical_and(j >= lo, j < hi)
         if self.allowed is not None:
             visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
+        extra = mods.visible(B, self, device)
+        if extra is not None:
+            visible = extra if visible is None else B.logical_and(visible, extra)
         return visible
 
     def boolean_one_head(self, B, device):
@@ -194,6 +223,7 @@ class Mask:
         return not (
             (self.lens is not None and self.lens_known is None)
             or ((self.causal or self.window is not None) and self.offset_known is None)
+            or (self.segments is not None and self.segments_known is None)
         )
 
     def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
@@ -240,7 +270,14 @@ class Mask:
         if (np.maximum(lo, k0) >= np.minimum(hi, k1)).all():
             return "none"
         whole = (lo <= k0).all() and (hi >= k1).all()
-        return "all" if whole and self.allowed is None and self.bias is None else "some"
+        if self.restricted:  # mask_mod, segment_ids (blocks.py); mask= is dense
+            extra = blocks.extra_state(self, b0, b1, q0, q1, k0, k1)
+            if extra == "none":
+                return "none"
+            whole = whole and extra == "all"
+        # (the value forms blocks.py classifies drop from a whole block; others stay)
+        rest = self.set_fields() - INTERVAL_FIELDS - blocks.BLOCK_FIELDS
+        return "all" if whole and not rest else "some"
 
     def key_range(self, b0=0, b1=None, q0=0, q1=None):
         """Host ``(start, stop)``: the keys that any query of the block may see
@@ -270,13 +307,20 @@ class Mask:
         empty = stop <= start
         start[empty], stop[empty] = 0, 0
         whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
-        return start, stop, whole & (self.allowed is None) & (self.bias is None)
+        if self.segments_known is not None:  # narrowed to the rows' segments
+            for b in range(self.batch):
+                start[b], stop[b] = mods.segment_key_range(
+                    self, b, q0, q1 or self.num_queries, start[b], stop[b]
+                )
+        return start, stop, whole & (not self.dense)
 
-    def sub(self, b0, b1, q0, q1, k0, k1):
+    def sub(self, b0, b1, q0, q1, k0, k1, state=None):
         """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
         and keys ``[k0, k1)``, with positions counted from the block's start.
         A block that every query sees whole gets a Mask without constraints."""
-        if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
+        if state is None:
+            state = self.block_state(b0, b1, q0, q1, k0, k1)
+        if state == "all":
             return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0)
 
         def rows(x, axis_q):
@@ -306,6 +350,7 @@ class Mask:
             window=self.window,
             allowed=rows(self.allowed, False),
             bias=rows(self.bias, False),
+            **blocks.sub_fields(self, b0, b1, q0, q1, k0, k1),
         )
 
     def keys_from(self, k0, size):
@@ -314,10 +359,10 @@ class Mask:
         ``shard_map``); host copies are kept only when ``k0`` is an int.
         Only for interval masks (lengths, causal, window): ``allowed`` and
         ``bias`` are not sliced."""
-        if self.allowed is not None or self.bias is not None:
+        if self.dense:
             raise ValueError(
-                "a block of keys at a traced position takes only "
-                "valid_lens, causal and window, not mask= or bias="
+                "a block of keys at a traced position takes only valid_lens, "
+                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
             )
         host = isinstance(k0, int)
         lens_known = offset_known = None
@@ -342,7 +387,7 @@ class Mask:
     def rows_with_keys(self, B, device):
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
         None when every query is known to see one."""
-        if self.allowed is None:
+        if not self.restricted:
             if not self.intervals:
                 return None if self.num_keys else B.zeros((1, 1, 1, 1), "bool", device)
             known = self._bounds_known()
@@ -355,9 +400,9 @@ class Mask:
     def used_keys(self, B, device):
         """bool (batch|1, 1, K, 1): True where some query of that batch
         element may see the key; None when every key is known to be seen."""
-        if self.allowed is None and not self.intervals:
+        if not self.restricted and not self.intervals:
             return None
-        if self.allowed is None and (
+        if not self.restricted and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
             # the rows' intervals overlap or touch: their union is [least lo, last hi)
@@ -440,6 +485,9 @@ def make_mask(
     dtype=None,
     heads_axis=True,
     device=None,
+    mask_mod=None,
+    score_mod=None,
+    segment_ids=None,
 ):
     """Check what the caller gave and normalize it into one ``Mask``.
 
@@ -448,7 +496,9 @@ def make_mask(
     else to (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
     multi-head attention); ``causal`` bool; ``window`` int or (left, right);
     ``offset`` the position of query 0 among the keys (default K - Q);
-    ``dtype`` that of the queries (a bias is cast to its compute dtype).
+    ``dtype`` that of the queries (a bias is cast to its compute dtype);
+    ``mask_mod``, ``score_mod``, ``segment_ids`` as in ``mods.py`` (query
+    positions there count from ``offset`` when it is given, else from 0).
     Lists and NumPy arrays are placed on ``device``.
     """
     lens = lens_known = None
@@ -490,4 +540,7 @@ def make_mask(
         window=window,
         allowed=allowed,
         bias=bias,
+        **mods.make_fields(
+            B, batch, num_queries, num_keys, mask_mod, score_mod, segment_ids, offset, device
+        ),
     )

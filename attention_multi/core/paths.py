@@ -19,6 +19,7 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
+from . import mods
 from .masking import Mask, compute_dtype, fill, masked_softmax
 
 DEFAULT_BLOCK_KEYS = 1024
@@ -69,7 +70,8 @@ def _scaled(B, x, scale, work):
 def _scores(B, qs, k, mask, work):
     """``qs k^T + bias`` for scaled queries ``qs``, in the compute dtype."""
     s = B.matmul(qs, B.astype(k, work) if B.dtype_name(k) != work else k, transpose_b=True)
-    return s if mask.bias is None else s + mask.bias
+    s = s if mask.bias is None else s + mask.bias
+    return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
 def weights(B, q, k, mask, scale):
@@ -95,7 +97,7 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
 def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
     around it: unused key/value rows zeroed before, empty rows zeroed after."""
-    if not B.has_fused_attention:
+    if not B.has_fused_attention or mask.score_mod is not None:
         return None
     k, v = mask.guard_unused(B, k, v)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
@@ -302,7 +304,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     visible = mask.boolean(B, B.device_of(q))
     if visible is not None:
         s = B.where(visible, s, fill(B, work, B.device_of(q)))
-    shift = mask.bias is not None or not B.is_concrete(q)
+    shift = mask.bias is not None or mask.score_mod is not None or not B.is_concrete(q)
     if not shift:
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2
