@@ -1,0 +1,251 @@
+"""``attention-multi bench``: this library against each framework's own attention.
+
+Float32, d2l-style padding (1-D ``valid_lens`` uniform in [T/4, T]). Forward
+inference with modules in eval mode, and training (forward+backward, dropout
+0.1) for torch; each call including the module's input checks. Every
+comparison runs in one process, interleaving bursts of calls of the two
+sides, and reports their medians, the ratio of the medians and the path
+ours took. The long-sequence case and the peak-memory cases under autograd
+run in subprocesses and report their peak RSS (``ru_maxrss``). The ring case
+runs ``ring_attention`` over P torch processes (gloo, on this machine's CPU,
+each with 1/P of the threads) against ``dot_product_attention`` in one
+process, and reports each process's peak RSS and time.
+
+Baselines:
+- ``torch.nn.functional.scaled_dot_product_attention`` in its fastest form:
+  4-D (B, heads, T, d) inputs and a broadcast (B, 1, 1, T) boolean mask;
+- ``torch.nn.MultiheadAttention`` with ``need_weights=False`` and
+  ``key_padding_mask``;
+- ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``, jitted;
+- the seeds' hand-written d2l code: PyTorch (seed 000: ``masked_softmax``,
+  ``sequence_mask``, ``DotProductAttention`` with ``torch.bmm``) and MXNet
+  (seed 004: ``DotProductAttention`` with ``npx.batch_dot``; its
+  ``masked_softmax`` there is PyTorch code, so d2l's MXNet ``masked_softmax``
+  with ``npx.sequence_mask`` is used).
+
+The package: this file parses the arguments and runs the tables; ``speed``,
+``memory``, ``long`` and ``ring`` are the tables, each measuring in
+``timing``'s way; ``d2l_torch`` and ``d2l_mxnet`` are d2l's own code, the
+baselines (the tests use the same copies).
+"""
+
+import json
+import os
+import sys
+
+from ...files import atomic_write, check_writable
+from .environment import blas_note, machine
+from .long import LONG, long_table, run_long
+from .memory import MEMORY, memory_table, run_memory
+from .ring import RING, RING_BUDGET, ring_table, run_ring
+from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
+from .timing import rss_now_mib
+
+EXIT_CANNOT_WRITE = 1
+
+
+def add_arguments(parser):
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="medium shapes only, shorter timing, long case at T=4096",
+    )
+    parser.add_argument(
+        "--backends",
+        default="numpy,torch,jax,mxnet",
+        help="comma-separated backends to measure (default: all installed)",
+    )
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated from small,medium,large (default: all; --quick: medium)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="timing budget per comparison (default 3; --quick 1)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: the number of cores)",
+    )
+    parser.add_argument(
+        "--long-length",
+        type=int,
+        default=None,
+        help=f"T of the long-sequence case (default {LONG['length']}; --quick 4096; 0 skips it)",
+    )
+    parser.add_argument(
+        "--ring-length",
+        type=int,
+        default=None,
+        help=f"T of the ring-attention case (default {RING['length']}; --quick 2048; 0 skips it)",
+    )
+    parser.add_argument(
+        "--ring-processes",
+        default="1,2,4",
+        help="comma-separated process counts of the ring case "
+        "(default 1,2,4; T must be a multiple of 16 times each)",
+    )
+    parser.add_argument(
+        "--no-memory", action="store_true", help="skip the peak-memory cases under autograd"
+    )
+    parser.add_argument(
+        "--json",
+        default=None,
+        help="also write the results here (checked before the timing "
+        "starts; written whole or not at all)",
+    )
+    parser.epilog = (
+        f"exit status: 0 measured; {EXIT_CANNOT_WRITE} --json cannot be written; 2 bad arguments"
+    )
+
+
+def main(args):
+    import backends
+
+    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    available = backends.available_backends()
+    shapes = (
+        args.shapes.split(",") if args.shapes else ["medium"] if args.quick else list(DOT_SHAPES)
+    )
+    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    length = (
+        args.long_length
+        if args.long_length is not None
+        else (4096 if args.quick else LONG["length"])
+    )
+    if args.json:
+        check_writable(args.json)  # now, not after minutes of timing
+    info = machine()
+    threads = args.threads or os.cpu_count()
+    long_results = []
+    if length:  # first: Linux carries the parent's RSS over into a child's
+        # ru_maxrss, so spawn the children while this process is small
+        print(f"  long case T={length} ...", file=sys.stderr, flush=True)
+        launcher_rss = rss_now_mib()
+        long_results = run_long([n for n in wanted if n in available], length, threads)
+    ring_length = (
+        args.ring_length
+        if args.ring_length is not None
+        else (2048 if args.quick else RING["length"])
+    )
+    ring_results = []
+    if ring_length and "torch" in wanted and "torch" in available:
+        sizes = [int(n) for n in args.ring_processes.split(",") if n.strip()]
+        print(
+            f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr, flush=True
+        )
+        ring_results = run_ring(ring_length, sizes, threads)
+    memory_results = []
+    if not args.no_memory:
+        cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
+        print(f"  memory under autograd: {', '.join(cases)} ...", file=sys.stderr, flush=True)
+        memory_results = run_memory(cases)
+    usable = []
+    for name in wanted:
+        if name not in available:
+            print(f"skipping {name}: not installed", file=sys.stderr)
+            continue
+        try:
+            backends.get_backend(name)
+        except ImportError as exc:
+            print(f"skipping {name}: {exc}", file=sys.stderr)
+            continue
+        usable.append(name)
+    if any(name in usable for name in ("torch", "numpy")):
+        import torch  # every torch baseline; MXNet's import leaves torch 1 thread
+
+        torch.set_num_threads(threads)
+    rows = []
+    for shape_name in shapes:
+        for name in usable:
+            for kind, bench in BENCHES[name]:
+                shape = (DOT_SHAPES if kind == "dot" else MHA_SHAPES)[shape_name]
+                print(f"  {name} {kind} {shape_name} ...", file=sys.stderr, flush=True)
+                rows.extend(bench(shape, seconds))
+    info["versions"] = machine()["versions"]
+    print(
+        f"Machine: {info['cpu']}, {info['cores']} cores ({info['platform']}); "
+        f"torch threads: {threads}"
+    )
+    print("Versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(
+        f"NumPy BLAS: {info['numpy_blas']}"
+        + (
+            f" (OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']})"
+            if os.environ.get("OPENBLAS_CORETYPE")
+            else ""
+        )
+    )
+    if blas_note(info):
+        print(blas_note(info))
+    print(
+        "Float32, random valid_lens (1-D, uniform in [T/4, T]); forward inference in "
+        "eval mode unless the row says train (forward+backward, dropout 0.1); medians "
+        "of interleaved bursts of calls.\n"
+    )
+    print(table(rows))
+    if memory_results:
+        print(
+            "\nPeak memory under autograd (forward+backward), one subprocess each, peak "
+            "RSS from its ru_maxrss:\n"
+        )
+        print(memory_table(memory_results))
+    if length:
+        print(
+            f"\nLong sequence: MultiHeadAttention, B={LONG['batch']}, "
+            f"{LONG['heads']} heads, head size {LONG['head_size']}, T={length}, "
+            f"valid_lens=[T - T/8], float32 (materialized scores: "
+            f"{LONG['heads'] * length * length * 4 / 2**30:.1f} GiB); one subprocess "
+            f"each (launched while this process had {launcher_rss or 0:.0f} MiB "
+            f"resident), peak RSS from its ru_maxrss.\n"
+        )
+        print(long_table(long_results))
+    if ring_results:
+        print(
+            f"\nRing attention: B={RING['batch']}, {RING['heads']} heads, head size "
+            f"{RING['head_size']}, T={ring_length}, valid_lens=[T - T/8], float32, "
+            f"forward, memory_budget={RING_BUDGET // 2**20} MiB; torch processes "
+            f"with gloo on this machine, each with "
+            f"{threads}/P threads; time of the slowest process, peak RSS "
+            f"(ru_maxrss) of the largest.\n"
+        )
+        print(ring_table(ring_results))
+    if args.json:
+        with atomic_write(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "machine": info,
+                    "torch_threads": threads,
+                    "rows": [
+                        dict(
+                            zip(
+                                (
+                                    "key",
+                                    "backend",
+                                    "measured",
+                                    "shape",
+                                    "path",
+                                    "against",
+                                    "ours_s",
+                                    "theirs_s",
+                                    "calls",
+                                    "max_abs_diff",
+                                ),
+                                r,
+                            )
+                        )
+                        for r in rows
+                    ],
+                    "long": long_results,
+                    "memory": memory_results,
+                    "ring": ring_results,
+                },
+                f,
+                indent=1,
+            )
+    return 0
