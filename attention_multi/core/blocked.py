@@ -11,11 +11,14 @@ recompiles when the layout changes. Under autodiff each block is recomputed
 in the backward pass.
 """
 
+import numpy as np
+
 from . import blocks, mods
 from .masking import Mask, compute_dtype, fill
 from .paths import _scaled, dropout_fn, expand_kv, finish_blocks, merge_blocks, softmax_block
 
 DEFAULT_BLOCK = 128
+KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
 
 
@@ -23,8 +26,9 @@ def pick_block(mask, traced):
     """Blocks of queries x keys: a BlockMask's own, else square blocks."""
     if mask.blocks is not None:
         return mask.blocks.block_q, mask.blocks.block_k
-    size = TRACED_BLOCK if traced else DEFAULT_BLOCK
-    return min(size, mask.num_queries), min(size, mask.num_keys)
+    if traced:
+        return min(TRACED_BLOCK, mask.num_queries), min(TRACED_BLOCK, mask.num_keys)
+    return min(DEFAULT_BLOCK, mask.num_queries), min(KEY_BLOCK, mask.num_keys)
 
 
 def computed_fraction(mask, block_q=None, block_k=None):
@@ -38,11 +42,26 @@ def computed_fraction(mask, block_q=None, block_k=None):
     nq, nk = mask.num_queries, mask.num_keys
     qn = [min(block_q, nq - i) for i in range(0, nq, block_q)]
     kn = [min(block_k, nk - j) for j in range(0, nk, block_k)]
-    import numpy as np
-
     size = np.outer(qn, kn)
     table = np.broadcast_to(table, (mask.batch,) + table.shape[1:])
     return float(((table != blocks.EMPTY) * size).sum() / (mask.batch * nq * nk))
+
+
+def _spans(table, b, qi, num_k, block_k):
+    """``(k0, k1, state)`` of one row of blocks: every block while traced
+    (``table`` None), else the runs of blocks that are not empty, each
+    computed as one (full when all its blocks are)."""
+    starts = range(0, num_k, block_k)
+    if table is None:
+        return [(k0, min(num_k, k0 + block_k), blocks.PARTIAL) for k0 in starts]
+    row = table[b if table.shape[0] > 1 else 0, qi]
+    on = row != blocks.EMPTY
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], on, [False]]).astype(np.int8)))
+    spans = []
+    for j0, j1 in zip(edges[::2], edges[1::2]):
+        st = blocks.FULL if (row[j0:j1] == blocks.FULL).all() else blocks.PARTIAL
+        spans.append((int(j0) * block_k, min(num_k, int(j1) * block_k), st))
+    return spans
 
 
 def _seen(B, mask, b, q0, q1, k0, k1, device):
@@ -103,14 +122,10 @@ def blocked(B, q, k, v, mask, scale, block=None, dropout=0.0, key=None):
                 )
             else:
                 state = None
-            for kj, k0 in enumerate(range(0, num_k, block_k)):
-                k1 = min(num_k, k0 + block_k)
+            for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
                 if traced:
                     sub = mask.sub(b0, b1, q0, q1, k0, k1, state="some")
                 else:
-                    st = table[b0 if table.shape[0] > 1 else 0, qi, kj]
-                    if st == blocks.EMPTY:
-                        continue
                     sub = (
                         Mask(b1 - b0, heads, q1 - q0, k1 - k0)
                         if st == blocks.FULL

@@ -432,6 +432,8 @@ class Mask:
     def guard_unused(self, B, keys, values):
         """Zero key and value rows that no query may see (NaN there must not
         leak into the product); ``keys``/``values`` (batch, heads, K, d)."""
+        if self.restricted and all_finite(B, keys, values):  # (no dense mask to build)
+            return keys, values
         used = self.used_keys(B, B.device_of(keys))
         if used is None or all_finite(B, keys, values):
             return keys, values
