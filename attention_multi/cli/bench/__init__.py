@@ -96,7 +96,7 @@ def add_arguments(parser):
         type=int,
         default=None,
         help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
-        "0 skips it)",
+        "with --shapes 0; 0 skips it)",
     )
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory cases under autograd"
@@ -226,7 +226,7 @@ def main(args):
     packed_batch = (
         args.packed_batch
         if args.packed_batch is not None
-        else (1 if args.quick else PACKED["batch"])
+        else (0 if args.shapes else 1 if args.quick else PACKED["batch"])
     )
     packed_rows = []
     if packed_batch:
