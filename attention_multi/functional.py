@@ -66,6 +66,9 @@ def dot_product_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     key: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    segment_ids: Any = None,
 ) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
@@ -85,6 +88,15 @@ def dot_product_attention(
       attends keys in ``[p - left, p + right]``.
     - ``scale``: default ``1 / sqrt(d)``; ``dropout`` on the weights (JAX
       needs ``key=``).
+    - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where a query may
+      attend (FlexAttention's signature and sense); the arguments are int32
+      arrays of the backend broadcasting over (batch, heads, Q, K). A
+      ``BlockMask`` from ``am.block_mask`` may be passed instead.
+    - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: changes the scaled
+      score (after ``bias``), e.g. ALiBi or soft-capping.
+    - ``segment_ids``: (batch, K) ints, or a pair ((batch, Q), (batch, K)):
+      packed sequences, each query sees the keys of its segment; negative ids
+      are padding. With ``causal=True``: causal within each segment.
 
     Everything combines by AND; a query with no allowed key gets a zero output.
     """
@@ -104,6 +116,9 @@ def dot_product_attention(
         dtype=B.dtype_name(q),
         heads_axis=ndim == 4,
         device=B.device_of(q),
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        segment_ids=segment_ids,
     )
     dropout = check_dropout("dropout", dropout)
     scale = check_scale(scale)

@@ -52,6 +52,7 @@ class MXNetBackend(NumpyLike):
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
     has_fused_attention = True
+    dense_index_grids = True  # MXNet 1.9.1: | and & on broadcast booleans fail
     kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)
 
     def asarray(self, x, dtype=None, device=None):

@@ -147,6 +147,7 @@ class Backend:
     # query row or visible key gives NaN, a NaN score the mask hides does not
     # (the mask is a select, not an addition); if not, the core restores it
     fused_keeps_nan: bool = False
+    dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
 
     # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(

@@ -2,7 +2,7 @@
 
 import math
 
-from . import paths
+from . import blocked, paths
 from .checks import check_choice, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -139,6 +139,10 @@ def attend(
     def kept():
         return paths.weights(B, q_kept, k_kept, mask_kept, scale)
 
+    if blocked.takes(B, mask, path, dropout, key):
+        block = (chunk_size, chunk_size) if chunk_size else None
+        out = blocked.blocked(B, queries, keys, values, mask, scale, block, dropout, key)
+        return out, kept, "tiled"
     plan = None
     # (keyed dropout draws differ by path: with a key, the path must not depend
     # on whether values are traced, so that jit and eager calls agree)

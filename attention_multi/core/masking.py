@@ -33,7 +33,15 @@ import numpy as np
 
 from backends.protocol import HALF_DTYPES
 
+from . import blocks, mods
 from .checks import check_mask_array, check_window, valid_lens_array
+
+# Every field of a Mask that constrains attention. "Is anything set?" asks this
+# list, so a new field can never read as "unmasked"; one that is neither an
+# interval nor a bias/score_mod restricts visibility (the safe default).
+FIELDS = ("lens", "causal", "window", "allowed", "bias", "mod", "score_mod", "segments")
+INTERVAL_FIELDS = frozenset(("lens", "causal", "window"))
+SCORE_FIELDS = frozenset(("bias", "score_mod"))  # change scores, not visibility
 
 
 def compute_dtype(dtype):
@@ -121,6 +129,13 @@ class Mask:
         allowed=None,
         bias=None,
         host=True,
+        mod=None,
+        score_mod=None,
+        segments=None,
+        segments_known=None,
+        bases=(0, 0, 0),
+        blocks=None,
+        backend=None,
     ):
         self.batch, self.heads = batch, heads
         self.host = host
@@ -131,6 +146,27 @@ class Mask:
         self.offset, self.offset_known = offset, offset_known
         self.causal, self.window = causal, window
         self.allowed, self.bias = allowed, bias
+        self.mod, self.score_mod, self.blocks = mod, score_mod, blocks
+        self.segments, self.segments_known = segments, segments_known
+        self.b_base, self.q_base, self.k_base = bases
+        self.backend = backend  # (evaluates mask_mod for block states)
+
+    def set_fields(self):
+        """The names in ``FIELDS`` that this mask sets."""
+        return frozenset(
+            f for f in FIELDS if getattr(self, f) is not None and getattr(self, f) is not False
+        )
+
+    @property
+    def dense(self):
+        """Something beyond the row intervals is set (a block then needs the
+        mask's value, not only its intervals)."""
+        return bool(self.set_fields() - INTERVAL_FIELDS)
+
+    @property
+    def restricted(self):
+        """Something beyond the row intervals restricts which keys are seen."""
+        return bool(self.set_fields() - INTERVAL_FIELDS - SCORE_FIELDS)
 
     # -- what kernels read ----------------------------------------------------------
     @property
@@ -141,18 +177,12 @@ class Mask:
     @property
     def unmasked(self):
         """Every query may see every key, and there is no bias."""
-        return not self.intervals and self.allowed is None and self.bias is None
+        return not self.set_fields()
 
     @property
     def only_lens(self):
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        return (
-            self.lens is not None
-            and not self.causal
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
-        )
+        return self.set_fields() == {"lens"}
 
     @property
     def per_batch_lens(self):
@@ -166,13 +196,9 @@ class Mask:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
         return (
-            self.causal
+            self.set_fields() == {"causal"}
             and self.num_queries == self.num_keys
             and self.offset_known == 0
-            and self.lens is None
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
         )
 
     def boolean(self, B, device):
@@ -188,6 +214,9 @@ class Mask:
             visible = j < hi if lo is None else B.logical_and(j >= lo, j < hi)
         if self.allowed is not None:
             visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
+        extra = mods.visible(B, self, device)
+        if extra is not None:
+            visible = extra if visible is None else B.logical_and(visible, extra)
         self.__dict__["_visible"] = (device, visible)
         return visible
 
@@ -272,6 +301,7 @@ class Mask:
         return self.host and not (
             (self.lens is not None and self.lens_known is None)
             or ((self.causal or self.window is not None) and self.offset_known is None)
+            or (self.segments is not None and self.segments_known is None)
         )
 
     def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
@@ -318,7 +348,14 @@ class Mask:
         if (np.maximum(lo, k0) >= np.minimum(hi, k1)).all():
             return "none"
         whole = (lo <= k0).all() and (hi >= k1).all()
-        return "all" if whole and self.allowed is None and self.bias is None else "some"
+        if self.restricted:  # mask_mod, segment_ids (blocks.py); mask= is dense
+            extra = blocks.extra_state(self, b0, b1, q0, q1, k0, k1)
+            if extra == "none":
+                return "none"
+            whole = whole and extra == "all"
+        # (the value forms blocks.py classifies drop from a whole block; others stay)
+        rest = self.set_fields() - INTERVAL_FIELDS - blocks.BLOCK_FIELDS
+        return "all" if whole and not rest else "some"
 
     def key_range(self, b0=0, b1=None, q0=0, q1=None):
         """Host ``(start, stop)``: the keys that any query of the block may see
@@ -348,13 +385,20 @@ class Mask:
         empty = stop <= start
         start[empty], stop[empty] = 0, 0
         whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
-        return start, stop, whole & (self.allowed is None) & (self.bias is None)
+        if self.segments_known is not None:  # narrowed to the rows' segments
+            for b in range(self.batch):
+                start[b], stop[b] = mods.segment_key_range(
+                    self, b, q0, q1 or self.num_queries, start[b], stop[b]
+                )
+        return start, stop, whole & (not self.dense)
 
-    def sub(self, b0, b1, q0, q1, k0, k1):
+    def sub(self, b0, b1, q0, q1, k0, k1, state=None):
         """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
         and keys ``[k0, k1)``, with positions counted from the block's start.
         A block that every query sees whole gets a Mask without constraints."""
-        if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
+        if state is None:
+            state = self.block_state(b0, b1, q0, q1, k0, k1)
+        if state == "all":
             return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0, host=self.host)
 
         def rows(x, axis_q):
@@ -385,6 +429,7 @@ class Mask:
             allowed=rows(self.allowed, False),
             bias=rows(self.bias, False),
             host=self.host,
+            **blocks.sub_fields(self, b0, b1, q0, q1, k0, k1),
         )
 
     def keys_from(self, k0, size):
@@ -393,10 +438,10 @@ class Mask:
         ``shard_map``); host copies are kept only when ``k0`` is an int.
         Only for interval masks (lengths, causal, window): ``allowed`` and
         ``bias`` are not sliced."""
-        if self.allowed is not None or self.bias is not None:
+        if self.dense:
             raise ValueError(
-                "a block of keys at a traced position takes only "
-                "valid_lens, causal and window, not mask= or bias="
+                "a block of keys at a traced position takes only valid_lens, "
+                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
             )
         host = isinstance(k0, int)
         lens_known = offset_known = None
@@ -427,13 +472,15 @@ class Mask:
         for name in ("lens", "allowed", "bias"):
             if getattr(self, name) is not None:
                 setattr(copy, name, B.snapshot(getattr(self, name)))
+        if self.segments is not None:
+            copy.segments = tuple(B.snapshot(x) for x in self.segments)
         return copy
 
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
         None when every query is known to see one."""
-        if self.allowed is None:
+        if not self.restricted:
             if not self.intervals:
                 return None if self.num_keys else B.zeros((1, 1, 1, 1), "bool", device)
             if self._fact("rows_nonempty", self._rows_nonempty):
@@ -467,15 +514,16 @@ class Mask:
     def used_keys(self, B, device):
         """bool (batch|1, 1, K, 1): True where some query of that batch
         element may see the key; None when every key is known to be seen."""
-        if self.allowed is None and not self.intervals:
+        if not self.restricted and not self.intervals:
             return None
         one_row = (
             not self.causal
             and self.window is None
             and (self.lens is None or self.lens.shape[2] == 1)
             and (self.allowed is None or tuple(self.allowed.shape[1:3]) == (1, 1))
+            and not (self.set_fields() - {"lens", "allowed", "bias", "score_mod"})
         )
-        if self.allowed is None and (
+        if not self.restricted and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
             if self._fact("keys_all_used", self._keys_all_used):
@@ -487,7 +535,7 @@ class Mask:
                 if visible is None
                 else visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
             )
-        if self.allowed is None and (
+        if not self.restricted and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
             lo, hi = self.bounds(B, device)
@@ -508,6 +556,12 @@ class Mask:
         leak into the product); ``keys``/``values`` (batch, heads, K, d).
         ``guard_keys=False``: the values only (for a caller that masks the
         scores by ``where`` and computes no gradient through the keys)."""
+        if (
+            self.restricted
+            and _size(keys) + _size(values) >= FINITE_CHECK_MIN
+            and all_finite(B, keys, values)
+        ):  # (no dense mask to build)
+            return keys, values
         used = self.used_keys(B, B.device_of(keys))
         if used is None or (
             _size(keys) + _size(values) >= FINITE_CHECK_MIN and all_finite(B, keys, values)
@@ -675,6 +729,9 @@ def make_mask(
     dtype=None,
     heads_axis=True,
     device=None,
+    mask_mod=None,
+    score_mod=None,
+    segment_ids=None,
 ):
     """Check what the caller gave and normalize it into one ``Mask``.
 
@@ -683,7 +740,9 @@ def make_mask(
     else to (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
     multi-head attention); ``causal`` bool; ``window`` int or (left, right);
     ``offset`` the position of query 0 among the keys (default K - Q);
-    ``dtype`` that of the queries (a bias is cast to its compute dtype).
+    ``dtype`` that of the queries (a bias is cast to its compute dtype);
+    ``mask_mod``, ``score_mod``, ``segment_ids`` as in ``mods.py`` (query
+    positions there count from ``offset`` when it is given, else from 0).
     Lists and NumPy arrays are placed on ``device``.
     """
     lens = lens_known = None
@@ -728,4 +787,7 @@ def make_mask(
         allowed=allowed,
         bias=bias,
         host=host,
+        **mods.make_fields(
+            B, batch, num_queries, num_keys, mask_mod, score_mod, segment_ids, offset, device
+        ),
     )

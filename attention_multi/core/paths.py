@@ -19,12 +19,14 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
+from . import mods
 from .masking import Mask, compute_dtype, empty_rows, fill, fill_against, masked_softmax, normalize
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
 DEFAULT_TRACED_BLOCK_KEYS = 64
 DEFAULT_DIAGONAL_BLOCK = 256  # chunked blocks under causal or window masks
+EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed after
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
@@ -69,7 +71,8 @@ def _scaled(B, x, scale, work):
 def _scores(B, qs, k, mask, work):
     """``qs k^T + bias`` for scaled queries ``qs``, in the compute dtype."""
     s = B.matmul(qs, B.astype(k, work) if B.dtype_name(k) != work else k, transpose_b=True)
-    return s if mask.bias is None else s + mask.bias
+    s = s if mask.bias is None else s + mask.bias
+    return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
 def weights(B, q, k, mask, scale):
@@ -97,7 +100,7 @@ def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
     around it: unused key/value rows zeroed before, empty rows zeroed after,
     NaN kept where the kernel would not (``Mask.kernel_inputs``)."""
-    if not B.has_fused_attention:
+    if not B.has_fused_attention or mask.score_mod is not None:
         return None
     k, v, finish = mask.kernel_inputs(B, q, k, v)  # (and the NaN rules)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
@@ -120,7 +123,10 @@ def softmax_block(B, qs, k, v, mask, work, dropout=None):
     if visible is not None:
         s = B.where(visible, s, fill_against(B, work, device))
     row_max = B.max(s, -1, keepdims=True)
-    p = B.exp(s - row_max)
+    x = s - row_max
+    if visible is not None:  # (exp of the lowest finite float is ~10x slower on CPUs)
+        x = B.where(visible, x, EXP_FLOOR)
+    p = B.exp(x)
     if visible is not None:  # a row with no visible key has s == row_max
         p = B.where(visible, p, 0.0)
     row_sum = B.sum(p, -1, keepdims=True)
@@ -303,7 +309,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     visible = mask.boolean(B, B.device_of(q))
     if visible is not None:
         s = B.where(visible, s, fill_against(B, work, B.device_of(q)))
-    shift = mask.bias is not None or not B.is_concrete(q)
+    shift = mask.bias is not None or mask.score_mod is not None or not B.is_concrete(q)
     if not shift:
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2

@@ -327,11 +327,15 @@ class DotProductAttention(_Attention):
         bias: Array | None = None,
         causal: bool = False,
         window: Window = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
+        segment_ids: Any = None,
         key: Any = None,
     ) -> Array:
         """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
         (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
-        ``causal`` and ``window`` are those of ``dot_product_attention``;
+        ``causal``, ``window``, ``mask_mod``, ``score_mod`` and
+        ``segment_ids`` are those of ``dot_product_attention``;
         ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
@@ -348,6 +352,9 @@ class DotProductAttention(_Attention):
             bias=bias,
             causal=causal,
             window=window,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            segment_ids=segment_ids,
         )
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
@@ -463,6 +470,9 @@ class MultiHeadAttention(_Attention):
         bias: Array | None = None,
         causal: bool = False,
         window: Window = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
+        segment_ids: Any = None,
         key: Any = None,
         cache: Any = None,
     ) -> Any:
@@ -474,8 +484,9 @@ class MultiHeadAttention(_Attention):
         With ``cache`` (from ``init_cache``): this step's keys and values are
         projected and written at the cache's length, and the queries attend
         causally (bottom-right) over every cached position so far; the keys
-        axis of ``valid_lens``, ``mask``, ``bias`` is then the cache's
-        (``max_len``). Returns ``(output, new cache)``.
+        axis of ``valid_lens``, ``mask``, ``bias``, ``segment_ids`` is then
+        the cache's (``max_len``), and a ``mask_mod``'s ``q_idx`` is the
+        query's position in the cache. Returns ``(output, new cache)``.
         """
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
@@ -509,6 +520,9 @@ class MultiHeadAttention(_Attention):
             causal=causal,
             window=window,
             offset=offset,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            segment_ids=segment_ids,
         )
         out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = B.transpose(out, (0, 2, 1, 3))

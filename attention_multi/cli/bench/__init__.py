@@ -46,6 +46,7 @@ from ..arguments import (
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
+from .packed import PACKED, packed_table, run_packed
 from .ring import RING, RING_BUDGET, ring_table, run_ring
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
@@ -102,6 +103,13 @@ def add_arguments(parser):
         default="1,2,4",
         help="comma-separated process counts of the ring case "
         "(default 1,2,4; T must be a multiple of 16 times each)",
+    )
+    parser.add_argument(
+        "--packed-batch",
+        type=int,
+        default=None,
+        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
+        "with --shapes 0; 0 skips it)",
     )
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory cases under autograd"
@@ -249,6 +257,22 @@ def main(args):
             f"(ru_maxrss) of the largest.\n"
         )
         print(ring_table(ring_results))
+    packed_batch = (
+        args.packed_batch
+        if args.packed_batch is not None
+        else (0 if args.shapes else 1 if args.quick else PACKED["batch"])
+    )
+    packed_rows = []
+    if packed_batch:
+        print("  packed documents ...", file=sys.stderr, flush=True)
+        packed_rows = run_packed(usable, seconds, {"batch": packed_batch})
+        print(
+            f"\nPacked and programmable: B={packed_batch}, T={PACKED['length']}, "
+            f"{PACKED['heads']} heads, d={PACKED['head_size']}, documents of lengths uniform "
+            f"in {list(PACKED['docs'])} filling each row, causal within documents "
+            f"(segment_ids= + causal=True), float32.\n"
+        )
+        print(packed_table(packed_rows))
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump(
@@ -279,6 +303,7 @@ def main(args):
                     "long": long_results,
                     "memory": memory_results,
                     "ring": ring_results,
+                    "packed": packed_rows,
                 },
                 f,
                 indent=1,
