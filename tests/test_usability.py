@@ -72,7 +72,7 @@ def test_import_failure_hint_tells_installed_from_missing(monkeypatch, framework
     monkeypatch.setitem(backends._SPECS, "numpy", ("no_such_module_am", "X", framework, "x"))
     monkeypatch.delitem(backends._loaded, "numpy", raising=False)
     with pytest.raises(ImportError) as info:
-        backends.get_backend("numpy")
+        backends.load("numpy")
     for word in words:
         assert word in str(info.value), str(info.value)
 
@@ -113,7 +113,7 @@ def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plt.Figure, "savefig", record)
         inputs = {d: rounded(make_inputs(), d) for d in DTYPES}
-        lines = figures(tmp_path, backends.get_backend("numpy"), "cpu", inputs, None)
+        lines = figures(tmp_path, backends.load("numpy"), "cpu", inputs, None)
     assert len(made) == 4 and all(any(titles) for titles in made), made
     assert "Additive attention, valid_lens [2, 6]" in made[0]
     assert sum("as the seeds' keys are all equal" in line for line in lines) == 2

@@ -89,9 +89,9 @@ def block_mask(
     may be 1 when the function ignores them. The function is evaluated on one
     block row (block_q x K indices) at a time, on ``backend`` (default: the
     current one); host memory is the (batch, heads, blocks) states."""
-    from ..config import native_device, resolve_backend
+    from ..config import get_backend, native_device
 
-    B = resolve_backend(backend)
+    B = get_backend(backend)
     dev = native_device(B, device)
     bq, bk = _split(block)
     if min(bq, bk) < 1:

@@ -59,6 +59,8 @@ def visible(B, mask, device):
         qs4 = qs.reshape((qs.shape[0], 1, nq, 1))
         same = B.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
         out = same if out is None else B.logical_and(out, same)
+    if out is not None and out.shape[-1] != mask.num_keys:  # (a function of q_idx alone)
+        out = B.broadcast_to(out, tuple(out.shape[:-1]) + (mask.num_keys,))
     return out
 
 
@@ -125,9 +127,9 @@ def segments_from_lengths(lengths, total=None, backend=None, device=None):
         ids[r, : sum(row)] = np.repeat(np.arange(len(row), dtype=np.int32), row)
     if backend is None:
         return ids
-    from ..config import native_device, resolve_backend
+    from ..config import get_backend, native_device
 
-    B = resolve_backend(backend)
+    B = get_backend(backend)
     return B.asarray(ids, "int32", native_device(B, device))
 
 

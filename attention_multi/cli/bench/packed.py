@@ -52,7 +52,7 @@ def run_packed(backends_wanted, seconds, shape=None):
     ids = packed_ids(B, T, *p["docs"])
     rng = np.random.default_rng(0)
     qn, kn, vn = (rng.standard_normal((B, H, T, d), dtype=np.float32) for _ in range(3))
-    npm = make_mask(backends.get_backend("numpy"), B, H, T, T, segment_ids=ids, causal=True)
+    npm = make_mask(backends.load("numpy"), B, H, T, T, segment_ids=ids, causal=True)
     fraction = computed_fraction(npm)
     rows = []
 
@@ -146,7 +146,7 @@ def run_packed(backends_wanted, seconds, shape=None):
     for name in ("numpy", "mxnet"):
         if name not in backends_wanted:
             continue
-        Bk = backends.get_backend(name)
+        Bk = backends.load(name)
         q, k, v = (Bk.asarray(x) for x in (qn, kn, vn))
         seg, dense = Bk.asarray(ids), Bk.asarray(_dense(ids)[:, None])
         row(
