@@ -3,7 +3,7 @@ backend (the backend comes from the arrays)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .core import attend, make_mask, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
@@ -18,6 +18,9 @@ from .core.checks import (
     valid_lens_array,
 )
 from .types import Array, Window
+
+if TYPE_CHECKING:
+    from backends import Backend
 
 
 def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
@@ -34,7 +37,8 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
         return zeros_for_empty(B, (n, t), X)
-    return B.where(mask.boolean(B, B.device_of(X)).reshape((n, t)), X, value)
+    visible = mask.boolean(B, B.device_of(X))  # (valid lengths: never None)
+    return B.where(visible.reshape((n, t)), X, value)  # type: ignore[union-attr]
 
 
 def masked_softmax(X: Array, valid_lens: Any) -> Array:
@@ -144,7 +148,7 @@ def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:
     return B, q, k, v, ndim
 
 
-def _check_shapes(B, q, k, v, ndim):
+def _check_shapes(B: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
     """Batch sizes, lengths, feature sizes, heads and dtypes agree (4-D views)."""
     shapes = f"queries {_shape(q, ndim)}, keys {_shape(k, ndim)}, values {_shape(v, ndim)}"
     if not q.shape[0] == k.shape[0] == v.shape[0]:
@@ -164,7 +168,7 @@ def _check_shapes(B, q, k, v, ndim):
         raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
 
 
-def _shape(x, ndim):
+def _shape(x: Array, ndim: int) -> tuple[int, ...]:
     shape = tuple(x.shape)
     return shape if ndim == 4 else shape[:1] + shape[2:]
 
@@ -222,18 +226,18 @@ def nadaraya_watson(
 
 
 def ring_attention(
-    queries,
-    keys,
-    values,
-    valid_lens=None,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Array | None = None,
     *,
-    causal=False,
-    window=None,
-    scale=None,
-    group=None,
-    axis_name=None,
-    memory_budget=None,
-):
+    causal: bool = False,
+    window: Window = None,
+    scale: float | None = None,
+    group: Any = None,
+    axis_name: str | None = None,
+    memory_budget: int | None = None,
+) -> Array:
     """Sequence-parallel (ring) scaled dot-product attention.
 
     Each participant (a torch.distributed process, or a device of a JAX mesh

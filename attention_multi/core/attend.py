@@ -1,9 +1,18 @@
 """``attend``: scaled dot-product attention on checked arrays, on the path it picks."""
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
 
 from . import blocked, paths
 from .checks import check_choice, check_positive_int
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array, TakenPath
+    from .masking import Mask
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
 """Default extra memory (bytes) one attention call may use for its score-sized
@@ -12,7 +21,9 @@ intermediates; modules take ``memory_budget=`` to change it per module."""
 PATHS = ("auto", "fused", "tiled", "chunked", "full")
 
 
-def check_path_options(path, memory_budget, chunk_size):
+def check_path_options(
+    path: str, memory_budget: int | None, chunk_size: int | None
+) -> tuple[str, int | None, int | None]:
     """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
     return (
         check_choice("path", path, PATHS),
@@ -21,7 +32,7 @@ def check_path_options(path, memory_budget, chunk_size):
     )
 
 
-def zeros_for_empty(B, shape, like, *inputs):
+def zeros_for_empty(B: Backend, shape: tuple[int, ...], like: Array, *inputs: Array) -> Array:
     """The answer when an axis is empty: zeros of ``shape`` in the dtype and
     on the device of ``like``. No framework kernel sees a zero-size array (MXNet
     1.9.1 crashes on some); the zeros stay in the autodiff graph through the
@@ -48,21 +59,21 @@ blocks no query sees, and each tile costs ``Backend.kernel_call_cost`` more."""
 
 
 def attend(
-    B,
-    queries,
-    keys,
-    values,
-    mask,
+    B: Backend,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    mask: Mask,
     *,
-    scale=None,
-    dropout=0.0,
-    key=None,
-    path="auto",
-    memory_budget=None,
-    chunk_size=None,
-    want_weights=False,
-    private=False,
-):
+    scale: float | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+    path: str = "auto",
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    want_weights: bool = False,
+    private: bool = False,
+) -> tuple[Array, Any, TakenPath]:
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
@@ -136,7 +147,7 @@ def attend(
     q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))
     mask_kept = mask.frozen(B)
 
-    def kept():
+    def kept() -> Array:
         return paths.weights(B, q_kept, k_kept, mask_kept, scale)
 
     if blocked.takes(B, mask, path, dropout, key):

@@ -11,18 +11,27 @@ recompiles when the layout changes. Under autodiff each block is recomputed
 in the backward pass.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
 import numpy as np
 
 from . import blocks, mods
 from .masking import Mask, compute_dtype, fill
 from .paths import _scaled, dropout_fn, expand_kv, finish_blocks, merge_blocks, softmax_block
 
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array
+
 DEFAULT_BLOCK = 128
 KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
 
 
-def pick_block(mask, traced):
+def pick_block(mask: Mask, traced: bool) -> tuple[int, int]:
     """Blocks of queries x keys: a BlockMask's own, else square blocks."""
     if mask.blocks is not None:
         return mask.blocks.block_q, mask.blocks.block_k
@@ -31,10 +40,12 @@ def pick_block(mask, traced):
     return min(DEFAULT_BLOCK, mask.num_queries), min(KEY_BLOCK, mask.num_keys)
 
 
-def computed_fraction(mask, block_q=None, block_k=None):
+def computed_fraction(
+    mask: Mask, block_q: int | None = None, block_k: int | None = None
+) -> float | None:
     """The share of the (batch, Q, K) scores in blocks that are computed
     (host; None while traced)."""
-    if block_q is None:
+    if block_q is None or block_k is None:  # (given together)
         block_q, block_k = pick_block(mask, False)
     table = blocks.host_table(mask, block_q, block_k)
     if table is None:
@@ -47,7 +58,9 @@ def computed_fraction(mask, block_q=None, block_k=None):
     return float(((table != blocks.EMPTY) * size).sum() / (mask.batch * nq * nk))
 
 
-def _spans(table, b, qi, num_k, block_k):
+def _spans(
+    table: np.ndarray | None, b: int, qi: int, num_k: int, block_k: int
+) -> list[tuple[int, int, int]]:
     """``(k0, k1, state)`` of one row of blocks: every block while traced
     (``table`` None), else the runs of blocks that are not empty, each
     computed as one (full when all its blocks are)."""
@@ -64,14 +77,16 @@ def _spans(table, b, qi, num_k, block_k):
     return spans
 
 
-def _seen(B, mask, b, q0, q1, k0, k1, device):
+def _seen(
+    B: Backend, mask: Mask, b: int, q0: int, q1: int, k0: int, k1: int, device: Any
+) -> Array | None:
     """Device bool: whether some query of the block may see some key of it."""
     seen = None
     if mask.intervals:
         lo, hi = mask.bounds(B, device)  # (batch|1, 1, Q|1, 1)
         lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
 
-        def rows(x):
+        def rows(x: Array) -> Array:
             x = x[b : b + 1] if x.shape[0] > 1 else x
             return x[:, :, q0:q1] if x.shape[2] > 1 else x
 
@@ -90,7 +105,17 @@ def _seen(B, mask, b, q0, q1, k0, k1, device):
     return seen
 
 
-def blocked(B, q, k, v, mask, scale, block=None, dropout=0.0, key=None):
+def blocked(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    block: tuple[int, int] | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+) -> Array:
     """Attention over the non-empty blocks; ``block`` (queries, keys) or None."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
@@ -135,8 +160,17 @@ def blocked(B, q, k, v, mask, scale, block=None, dropout=0.0, key=None):
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
 
                 def step(
-                    state, qs, k, v, k0=k0, k1=k1, sub=sub, block_drop=block_drop, b0=b0, b1=b1
-                ):
+                    state: tuple[Array, Array, Array] | None,
+                    qs: Array,
+                    k: Array,
+                    v: Array,
+                    k0: int = k0,
+                    k1: int = k1,
+                    sub: Mask = sub,
+                    block_drop: Callable[..., Array] | None = block_drop,
+                    b0: int = b0,
+                    b1: int = b1,
+                ) -> tuple[Array, Array, Array] | None:
                     return merge_blocks(
                         B,
                         state,
@@ -148,7 +182,11 @@ def blocked(B, q, k, v, mask, scale, block=None, dropout=0.0, key=None):
                 if traced and B.runtime_cond:
                     seen = _seen(B, mask, b0, q0, q1, k0, k1, device)
 
-                    def run(state, qs=qs, step=step):
+                    def run(
+                        state: tuple[Array, Array, Array] | None,
+                        qs: Array = qs,
+                        step: Callable[..., Any] = step,
+                    ) -> Any:
                         return B.checkpoint(step, state, qs, k, v)
 
                     state = B.cond(seen, run, lambda state: state, state)
@@ -167,7 +205,7 @@ PROGRAMMABLE = frozenset(("mod", "score_mod", "segments"))
 MIN_SCORES = 4 * DEFAULT_BLOCK * DEFAULT_BLOCK  # fewer (Q x K) scores: one dense call is cheaper
 
 
-def takes(B, mask, path, dropout, key):
+def takes(B: Backend, mask: Mask, path: str, dropout: float, key: Any) -> bool:
     """Whether ``attend`` takes this path: a programmable form is set, the
     path is ``"tiled"`` or ``"auto"``, and for ``"auto"`` the call is large
     enough (or traced on a framework that skips blocks at run time)."""

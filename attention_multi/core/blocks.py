@@ -13,9 +13,19 @@ partial (computed with the mask's value)?
 States: 0 empty, 1 partial, 2 full.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
 import numpy as np
 
 from . import mods
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array, BackendLike, DeviceLike
+    from .masking import Mask
 
 BLOCK_FIELDS = frozenset(("mod", "segments"))  # the value forms classified here
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -29,26 +39,33 @@ class BlockMask:
     ``mask_mod=`` and the paths skip its empty blocks and drop the mask on its
     full ones."""
 
-    def __init__(self, mask_mod, states, shape, block_q, block_k):
+    def __init__(
+        self,
+        mask_mod: Callable[..., Array],
+        states: np.ndarray,
+        shape: tuple[int, int, int, int],
+        block_q: int,
+        block_k: int,
+    ) -> None:
         self.mask_mod, self.states = mask_mod, states
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
 
-    def __call__(self, b, h, q_idx, kv_idx):
+    def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     @property
-    def sparsity(self):
+    def sparsity(self) -> float:
         """The share of blocks that are empty (as FlexAttention's ``BlockMask.sparsity``)."""
         return float((self.states == EMPTY).mean())
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"BlockMask(shape={(self.batch, self.heads, self.num_queries, self.num_keys)}, "
             f"block=({self.block_q}, {self.block_k}), sparsity={self.sparsity:.3f})"
         )
 
-    def check(self, batch, num_queries, num_keys):
+    def check(self, batch: int, num_queries: int, num_keys: int) -> None:
         if self.num_keys != num_keys or self.batch not in (1, batch):
             raise ValueError(
                 f"the BlockMask was built for batch {self.batch} and {self.num_keys} keys; "
@@ -60,7 +77,7 @@ class BlockMask:
                 f"{num_queries}"
             )
 
-    def lookup(self, b0, b1, q0, q1, k0, k1):
+    def lookup(self, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> int:
         """The state of the covering blocks of a region (global positions)."""
         s = self.states
         b = slice(b0, b1) if s.shape[0] > 1 else slice(None)
@@ -75,15 +92,23 @@ class BlockMask:
         return FULL if (region == FULL).all() else PARTIAL
 
 
-def _split(block):
+def _split(block: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     if isinstance(block, (tuple, list)):
         return int(block[0]), int(block[1])
     return int(block), int(block)
 
 
 def block_mask(
-    mask_mod, batch, heads, num_queries, num_keys, *, block=128, backend=None, device=None
-):
+    mask_mod: Callable[..., Array],
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    *,
+    block: int | tuple[int, int] = 128,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> BlockMask:
     """A reusable ``BlockMask`` of ``mask_mod`` over (batch, heads, Q, K),
     blocks of ``block`` (an int or (queries, keys)); ``batch`` or ``heads``
     may be 1 when the function ignores them. The function is evaluated on one
@@ -100,7 +125,15 @@ def block_mask(
     return BlockMask(mask_mod, states, (batch, heads, num_queries, num_keys), bq, bk)
 
 
-def _evaluate(B, mask_mod, shape, bq, bk, dev, bases=(0, 0, 0)):
+def _evaluate(
+    B: Backend,
+    mask_mod: Callable[..., Array],
+    shape: tuple[int, int, int, int],
+    bq: int,
+    bk: int,
+    dev: Any,
+    bases: tuple[Any, Any, Any] = (0, 0, 0),
+) -> np.ndarray:
     """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
     evaluated one block row (bq x K indices) at a time."""
     batch, heads, num_queries, num_keys = shape
@@ -135,7 +168,7 @@ def _evaluate(B, mask_mod, shape, bq, bk, dev, bases=(0, 0, 0)):
 # -- states of a Mask's blocks --------------------------------------------------------------
 
 
-def _mod_state(mask, b0, b1, q0, q1, k0, k1):
+def _mod_state(mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> int | None:
     """State of ``mask.mod`` on a block (None: cannot tell on the host)."""
     bm = mask.blocks
     if bm is not None:
@@ -159,12 +192,14 @@ def _mod_state(mask, b0, b1, q0, q1, k0, k1):
 class _Region:
     """The index grid of a block (what ``mods.index_grid`` reads)."""
 
-    def __init__(self, batch, heads, nq, nk, bases):
+    def __init__(
+        self, batch: int, heads: int, nq: int, nk: int, bases: tuple[Any, Any, Any]
+    ) -> None:
         self.batch, self.heads, self.num_queries, self.num_keys = batch, heads, nq, nk
         self.b_base, self.q_base, self.k_base = bases
 
 
-def _region(mask, b0, b1, q0, q1, k0, k1):
+def _region(mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> _Region:
     return _Region(
         b1 - b0,
         mask.heads,
@@ -174,7 +209,7 @@ def _region(mask, b0, b1, q0, q1, k0, k1):
     )
 
 
-def extra_state(mask, b0, b1, q0, q1, k0, k1):
+def extra_state(mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> str:
     """``"none"``/``"all"``/``"some"`` of ``mask_mod`` and ``segment_ids``
     together on a block (host; ``"some"`` when unknown)."""
     cache = mask.__dict__.setdefault("_extra_states", {})
@@ -183,7 +218,7 @@ def extra_state(mask, b0, b1, q0, q1, k0, k1):
         return cache[where]
     state = FULL
     if mask.segments is not None:
-        seg = mods.segment_block_state(mask, b0, b1, q0, q1, k0, k1)
+        seg: Any = mods.segment_block_state(mask, b0, b1, q0, q1, k0, k1)
         seg = PARTIAL if seg is None else {"none": EMPTY, "all": FULL, "some": PARTIAL}[seg]
         state = min(state, seg)
     if mask.mod is not None and state != EMPTY:
@@ -193,15 +228,15 @@ def extra_state(mask, b0, b1, q0, q1, k0, k1):
     return cache[where]
 
 
-def sub_fields(mask, b0, b1, q0, q1, k0, k1):
+def sub_fields(mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> dict[str, Any]:
     """The programmable fields of ``mask.sub``: the functions kept, the
     segment ids sliced, the bases shifted to the block's start."""
-    out = {"mod": mask.mod, "score_mod": mask.score_mod, "blocks": mask.blocks}
+    out: dict[str, Any] = {"mod": mask.mod, "score_mod": mask.score_mod, "blocks": mask.blocks}
     out["backend"] = mask.backend
     out["bases"] = (mask.b_base + b0, mask.q_base + q0, mask.k_base + k0)
     if mask.segments is not None:
 
-        def rows(x, a, z):
+        def rows(x: Array, a: int, z: int) -> Array:
             return x[b0:b1, a:z] if x.shape[0] > 1 else x[:, a:z]
 
         qs, ks = mask.segments
@@ -212,7 +247,7 @@ def sub_fields(mask, b0, b1, q0, q1, k0, k1):
     return out
 
 
-def host_table(mask, block_q, block_k):
+def host_table(mask: Mask, block_q: int, block_k: int) -> np.ndarray | None:
     """int8 (batch|1, Q blocks, K blocks) states of every block, on the host
     (None while traced): intervals, segments and the mask_mod together, work
     proportional to the number of blocks (a mask_mod without a BlockMask:
@@ -223,7 +258,7 @@ def host_table(mask, block_q, block_k):
     nqb, nkb = -(-nq // block_q), -(-nk // block_k)
     k0 = np.arange(nkb) * block_k
     k1 = np.minimum(k0 + block_k, nk)
-    states = np.full((1, nqb, nkb), FULL, np.int8)
+    states: np.ndarray = np.full((1, nqb, nkb), FULL, np.int8)
     if mask.intervals:
         lo, hi = mask._bounds_known()
         batch = max(lo.shape[0], hi.shape[0])
@@ -252,7 +287,9 @@ def host_table(mask, block_q, block_k):
     return states.astype(np.int8)
 
 
-def _mod_table(mask, block_q, block_k, nqb, nkb, states):
+def _mod_table(
+    mask: Mask, block_q: int, block_k: int, nqb: int, nkb: int, states: np.ndarray
+) -> np.ndarray:
     """(batch|1, nqb, nkb) states of the mask_mod (union over heads)."""
     bm = mask.blocks
     if (

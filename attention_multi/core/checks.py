@@ -1,15 +1,24 @@
 """Argument checks: errors name the argument and show shapes and values."""
 
+from __future__ import annotations
+
 import numbers
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import backends
 
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array
+
 _INT32_MAX = 2**31 - 1
 
 
-def backend_of(**arrays):
+def backend_of(**arrays: Any) -> Backend:
     """The one backend of the given arrays; TypeError if they are mixed."""
     found = {}
     for name, x in arrays.items():
@@ -32,7 +41,9 @@ def backend_of(**arrays):
     return next(iter(found.values()))
 
 
-def check_array(backend, name, x, ndim=None, what=""):
+def check_array(
+    backend: Backend, name: str, x: Any, ndim: int | None = None, what: str = ""
+) -> None:
     """TypeError unless ``x`` belongs to ``backend``; ValueError on wrong rank."""
     if not backend.is_array(x):
         other = _backend_name(x)
@@ -43,20 +54,20 @@ def check_array(backend, name, x, ndim=None, what=""):
         raise ValueError(f"{name} must be {ndim}-D {what}, got shape {tuple(x.shape)}")
 
 
-def _backend_name(x):
+def _backend_name(x: Any) -> str:
     try:
         return f"a {backends.backend_of_array(x).name} array"
     except TypeError:
         return f"an object of type {type(x).__name__}"
 
 
-def check_float(backend, name, x):
+def check_float(backend: Backend, name: str, x: Array) -> None:
     dtype = backend.dtype_name(x)
     if dtype not in backend.float_dtypes:
         raise TypeError(f"{name} must have a floating dtype, got {dtype}")
 
 
-def check_same_dtype(backend, **arrays):
+def check_same_dtype(backend: Backend, **arrays: Array) -> None:
     dtypes = {n: backend.dtype_name(x) for n, x in arrays.items()}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n} is {d}" for n, d in dtypes.items())
@@ -64,8 +75,14 @@ def check_same_dtype(backend, **arrays):
 
 
 def valid_lens_array(
-    backend, valid_lens, batch, queries, name="valid_lens", device=None, num_keys=None
-):
+    backend: Backend,
+    valid_lens: Any,
+    batch: int,
+    queries: int,
+    name: str = "valid_lens",
+    device: Any = None,
+    num_keys: int | None = None,
+) -> Array:
     """``valid_lens`` as an int32 array of shape (batch,) or (batch, queries).
 
     Accepts arrays of the call's backend, NumPy arrays and lists (placed on
@@ -114,7 +131,7 @@ def valid_lens_array(
     return backend.astype(valid_lens, "int32")
 
 
-def _check_lens_values(name, values, kind):
+def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:
     if kind == "f" and np.isnan(values).any():
         raise ValueError(f"{name} contains NaN: {values.tolist()}")
     if kind not in "iuf":
@@ -125,7 +142,7 @@ def _check_lens_values(name, values, kind):
         raise ValueError(f"{name} must hold whole numbers, got {values.tolist()}")
 
 
-def check_window(window):
+def check_window(window: Any) -> tuple[int | None, ...] | None:
     """``window`` as None or (left, right), each a non-negative int or None
     (unbounded); an int ``w`` means (w, w)."""
     if window is None:
@@ -144,7 +161,15 @@ def check_window(window):
     return tuple(None if s is None else int(s) for s in sides)
 
 
-def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
+def check_mask_array(
+    backend: Backend,
+    name: str,
+    x: Any,
+    shape: tuple[int, int, int, int],
+    heads_axis: bool,
+    kind: str,
+    device: Any = None,
+) -> Array:
     """A boolean ``mask`` or float ``bias`` as a 4-D array broadcastable to
     ``shape`` = (batch, heads, Q, K).
 
@@ -192,11 +217,11 @@ def check_mask_array(backend, name, x, shape, heads_axis, kind, device=None):
 # of range; the message names the argument and shows the value (repr).
 
 
-def _is_bool(value):
+def _is_bool(value: Any) -> bool:
     return isinstance(value, (bool, np.bool_))
 
 
-def _check_int(name, value, least, what, allow_none):
+def _check_int(name: str, value: Any, least: int, what: str, allow_none: bool) -> Any:
     """``value`` as a Python int >= ``least``; ``what`` names that range."""
     if value is None and allow_none:
         return None
@@ -208,19 +233,19 @@ def _check_int(name, value, least, what, allow_none):
     return int(value)
 
 
-def check_positive_int(name, value, *, allow_none=False):
+def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Any:
     """``value`` as a Python int >= 1 (NumPy integers accepted; bools, floats
     and strings refused). With ``allow_none``, None passes through (a size
     still to be learned, or no limit)."""
     return _check_int(name, value, 1, "a positive int", allow_none)
 
 
-def check_nonnegative_int(name, value, *, allow_none=False):
+def check_nonnegative_int(name: str, value: Any, *, allow_none: bool = False) -> Any:
     """``value`` as a Python int >= 0 (as ``check_positive_int`` otherwise)."""
     return _check_int(name, value, 0, "an int >= 0", allow_none)
 
 
-def check_dropout(name, value):
+def check_dropout(name: str, value: Any) -> float:
     """``value`` as a float in [0, 1] (a rate: bools, strings and NaN refused)."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(
@@ -232,7 +257,7 @@ def check_dropout(name, value):
     return rate
 
 
-def check_scale(value):
+def check_scale(value: Any) -> float | None:
     """``scale=``: None (1/sqrt(d)) or a finite real number > 0, as a float."""
     if value is None:
         return None
@@ -247,7 +272,7 @@ def check_scale(value):
     return scale
 
 
-def check_bool(name, value):
+def check_bool(name: str, value: Any) -> bool:
     """``value`` as a Python bool (NumPy bools accepted; 0/1 and strings refused)."""
     if not _is_bool(value):
         raise TypeError(
@@ -256,7 +281,7 @@ def check_bool(name, value):
     return bool(value)
 
 
-def check_choice(name, value, choices):
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value``, one of the strings ``choices``."""
     if not isinstance(value, str):
         raise TypeError(
@@ -268,21 +293,21 @@ def check_choice(name, value, choices):
     return value
 
 
-def check_divides(name, value, of_name, of_value):
+def check_divides(name: str, value: int, of_name: str, of_value: int) -> None:
     """ValueError unless ``value`` divides ``of_value`` (e.g. num_heads and
     num_hiddens); both already checked positive ints."""
     if of_value % value:
         raise ValueError(f"{of_name}={of_value!r} is not divisible by {name}={value!r}")
 
 
-def check_heads(num_hiddens, num_heads):
+def check_heads(num_hiddens: int, num_heads: Any) -> int:
     """``num_heads`` (a positive int) dividing ``num_hiddens``, as an int."""
     num_heads = check_positive_int("num_heads", num_heads)
     check_divides("num_heads", num_heads, "num_hiddens", num_hiddens)
     return num_heads
 
 
-def check_kv_heads(num_heads, num_kv_heads):
+def check_kv_heads(num_heads: int, num_kv_heads: Any) -> int:
     """``num_kv_heads`` (None: ``num_heads``) as an int dividing ``num_heads``."""
     num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads, allow_none=True)
     if num_kv_heads is None:

@@ -27,7 +27,10 @@ blocks that no query may see, and drop the mask on blocks that every query may
 see entirely.
 """
 
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -35,6 +38,11 @@ from backends.protocol import HALF_DTYPES
 
 from . import blocks, mods
 from .checks import check_mask_array, check_window, valid_lens_array
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array
 
 # Every field of a Mask that constrains attention. "Is anything set?" asks this
 # list, so a new field can never read as "unmasked"; one that is neither an
@@ -44,12 +52,12 @@ INTERVAL_FIELDS = frozenset(("lens", "causal", "window"))
 SCORE_FIELDS = frozenset(("bias", "score_mod"))  # change scores, not visibility
 
 
-def compute_dtype(dtype):
+def compute_dtype(dtype: str) -> str:
     """The dtype scores are computed in: float32 for half precision."""
     return "float32" if dtype in HALF_DTYPES else dtype
 
 
-def fill_value(dtype):
+def fill_value(dtype: str) -> float:
     """What a masked score becomes: the lowest finite value of ``dtype``."""
     return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
 
@@ -58,7 +66,7 @@ _CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
 _CONSTANTS_MAX = 64
 
 
-def _constant(B, what, device, make):
+def _constant(B: Backend, what: tuple[Any, ...], device: Any, make: Callable[[], Array]) -> Array:
     """``make()``, kept for the next call outside traces (small calls pay
     for every operator: constants are made once)."""
     if B.is_tracing():
@@ -72,7 +80,7 @@ def _constant(B, what, device, make):
     return value
 
 
-def fill(B, dtype, device):
+def fill(B: Backend, dtype: str, device: Any) -> Array:
     """``fill_value`` as a 0-d array of the compute dtype (a Python float
     would promote float32 to float64 in NumPy 1.x)."""
     work = compute_dtype(dtype)
@@ -84,14 +92,14 @@ def fill(B, dtype, device):
     )
 
 
-def fill_against(B, dtype, device):
+def fill_against(B: Backend, dtype: str, device: Any) -> Array | float:
     """``fill_value`` to pass to ``where`` beside an array of the compute
     dtype: a Python float where the backend keeps that array's dtype
     (``Backend.weak_scalars``; torch's ``where`` is faster so), else ``fill``."""
     return fill_value(dtype) if B.weak_scalars else fill(B, dtype, device)
 
 
-def _positions(B, num_keys, device):
+def _positions(B: Backend, num_keys: int, device: Any) -> Array:
     """int32 (1, 1, 1, K): the key positions 0..K-1."""
     return _constant(
         B,
@@ -115,28 +123,28 @@ class Mask:
 
     def __init__(
         self,
-        batch,
-        heads,
-        num_queries,
-        num_keys,
+        batch: int,
+        heads: int,
+        num_queries: int,
+        num_keys: int,
         *,
-        lens=None,
-        lens_known=None,
-        offset=None,
-        offset_known=None,
-        causal=False,
-        window=None,
-        allowed=None,
-        bias=None,
-        host=True,
-        mod=None,
-        score_mod=None,
-        segments=None,
-        segments_known=None,
-        bases=(0, 0, 0),
-        blocks=None,
-        backend=None,
-    ):
+        lens: Any = None,  # an array or None
+        lens_known: Any = None,  # a NumPy array or None
+        offset: Any = None,
+        offset_known: Any = None,  # an int or None
+        causal: bool = False,
+        window: tuple[int | None, ...] | None = None,
+        allowed: Array | None = None,
+        bias: Array | None = None,
+        host: bool = True,
+        mod: Any = None,  # a mask_mod or None
+        score_mod: Any = None,  # a score_mod or None
+        segments: Any = None,  # (query ids, key ids) or None
+        segments_known: Any = None,  # their NumPy copies or None
+        bases: tuple[Any, Any, Any] = (0, 0, 0),
+        blocks: blocks.BlockMask | None = None,
+        backend: Backend | None = None,
+    ) -> None:
         self.batch, self.heads = batch, heads
         self.host = host
         self.num_queries, self.num_keys = num_queries, num_keys
@@ -151,48 +159,48 @@ class Mask:
         self.b_base, self.q_base, self.k_base = bases
         self.backend = backend  # (evaluates mask_mod for block states)
 
-    def set_fields(self):
+    def set_fields(self) -> frozenset[str]:
         """The names in ``FIELDS`` that this mask sets."""
         return frozenset(
             f for f in FIELDS if getattr(self, f) is not None and getattr(self, f) is not False
         )
 
     @property
-    def dense(self):
+    def dense(self) -> bool:
         """Something beyond the row intervals is set (a block then needs the
         mask's value, not only its intervals)."""
         return bool(self.set_fields() - INTERVAL_FIELDS)
 
     @property
-    def restricted(self):
+    def restricted(self) -> bool:
         """Something beyond the row intervals restricts which keys are seen."""
         return bool(self.set_fields() - INTERVAL_FIELDS - SCORE_FIELDS)
 
     # -- what kernels read ----------------------------------------------------------
     @property
-    def intervals(self):
+    def intervals(self) -> bool:
         """True when lengths, causal or a window restrict the keys."""
         return self.lens is not None or self.causal or self.window is not None
 
     @property
-    def unmasked(self):
+    def unmasked(self) -> bool:
         """Every query may see every key, and there is no bias."""
         return not self.set_fields()
 
     @property
-    def only_lens(self):
+    def only_lens(self) -> bool:
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
         return self.set_fields() == {"lens"}
 
     @property
-    def per_batch_lens(self):
+    def per_batch_lens(self) -> Array | None:
         """int32 (batch,) lengths when they are all there is (1-D valid_lens)."""
         if self.only_lens and self.lens.shape[2] == 1:
             return self.lens.reshape((self.batch,))
         return None
 
     @property
-    def top_left_causal(self):
+    def top_left_causal(self) -> bool:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
         return (
@@ -201,7 +209,7 @@ class Mask:
             and self.offset_known == 0
         )
 
-    def boolean(self, B, device):
+    def boolean(self, B: Backend, device: Any) -> Array | None:
         """bool (batch|1, heads|1, Q, K): True where a query may see a key;
         None when every query is known to see every key. Made once per Mask."""
         cached = self.__dict__.get("_visible")
@@ -220,7 +228,7 @@ class Mask:
         self.__dict__["_visible"] = (device, visible)
         return visible
 
-    def boolean_one_head(self, B, device):
+    def boolean_one_head(self, B: Backend, device: Any) -> Array | None:
         """``boolean`` of a one-head mask without its heads axis: (batch|1, Q, K)."""
         visible = self.boolean(B, device)
         return (
@@ -229,7 +237,7 @@ class Mask:
             else visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
         )
 
-    def additive(self, B, dtype, device):
+    def additive(self, B: Backend, dtype: str, device: Any) -> Array | None:
         """float: ``bias`` (or 0) where a query may see a key, ``fill_value``
         where it may not; None when nothing is masked and there is no bias."""
         visible = self.boolean(B, device)
@@ -238,19 +246,19 @@ class Mask:
         return B.where(visible, 0.0 if self.bias is None else self.bias, fill(B, dtype, device))
 
     # -- the row intervals ----------------------------------------------------------
-    def _fact(self, name, compute):
+    def _fact(self, name: str, compute: Callable[[], Any]) -> Any:
         """A host decision about this Mask, computed once."""
         facts = self.__dict__.setdefault("_facts", {})
         if name not in facts:
             facts[name] = compute()
         return facts[name]
 
-    def _sees_all(self):
+    def _sees_all(self) -> bool:
         """Known on the host: every row's interval is all the keys."""
         if not self.intervals:
             return True
 
-        def compute():
+        def compute() -> bool:
             if self._only_lengths():  # (one reduction, not the rows' intervals)
                 return self.known_on_host() and self._least_length() >= self.num_keys
             known = self._bounds_known()
@@ -262,18 +270,18 @@ class Mask:
 
         return self._fact("sees_all", compute)
 
-    def _only_lengths(self):
+    def _only_lengths(self) -> bool:
         """Only lengths make the intervals (no causal, no window)."""
         return self.lens is not None and not self.causal and self.window is None
 
-    def _least_length(self):
+    def _least_length(self) -> int:
         """The least known length (host)."""
         return self._fact(
             "least_length",
             lambda: int(self.lens_known.min()) if self.lens_known.size else self.num_keys,
         )
 
-    def bounds(self, B, device):
+    def bounds(self, B: Backend, device: Any) -> tuple[Array | None, Array]:
         """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
         lo, hi = None, self.lens
         if self.causal or self.window is not None:
@@ -296,7 +304,7 @@ class Mask:
             hi = B.zeros((1, 1, 1, 1), "int32", device) + self.num_keys
         return lo, hi
 
-    def known_on_host(self):
+    def known_on_host(self) -> bool:
         """Whether the rows' intervals are known on the host (not traced)."""
         return self.host and not (
             (self.lens is not None and self.lens_known is None)
@@ -304,7 +312,9 @@ class Mask:
             or (self.segments is not None and self.segments_known is None)
         )
 
-    def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
+    def _bounds_known(
+        self, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
+    ) -> Any:  # (lo, hi) or None
         """Host ``(lo, hi)`` int64, broadcastable to (batch block, Q block), of
         the rows' visible keys (before ``allowed`` and ``bias``); None while
         traced. Computed once per Mask, then sliced."""
@@ -328,7 +338,7 @@ class Mask:
                     hi = np.minimum(hi, p + right + 1)
             known = self.__dict__["_known"] = (lo, hi)
 
-        def block(x):
+        def block(x: np.ndarray) -> np.ndarray:
             return x[
                 slice(b0, b1) if x.shape[0] > 1 else slice(None),
                 slice(q0, q1) if x.shape[1] > 1 else slice(None),
@@ -337,7 +347,7 @@ class Mask:
         return block(known[0]), block(known[1])
 
     # -- blocks -----------------------------------------------------------------------
-    def block_state(self, b0, b1, q0, q1, k0, k1):
+    def block_state(self, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> str:
         """``"none"`` when no query of the block may see a key of it, ``"all"``
         when each may see all (no mask needed), else ``"some"``; from what is
         known on the host (traced: ``"some"``)."""
@@ -357,7 +367,9 @@ class Mask:
         rest = self.set_fields() - INTERVAL_FIELDS - blocks.BLOCK_FIELDS
         return "all" if whole and not rest else "some"
 
-    def key_range(self, b0=0, b1=None, q0=0, q1=None):
+    def key_range(
+        self, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
+    ) -> tuple[int, int]:
         """Host ``(start, stop)``: the keys that any query of the block may see
         lie in ``[start, stop)``; all keys while traced."""
         known = self._bounds_known(b0, b1, q0, q1)
@@ -369,7 +381,9 @@ class Mask:
             return 0, 0
         return int(lo[rows].min()), int(hi[rows].max())
 
-    def element_ranges(self, q0=0, q1=None):
+    def element_ranges(
+        self, q0: int = 0, q1: int | None = None
+    ) -> Any:  # (starts, stops, whole) or None
         """Host ``(start, stop, whole)`` int64/bool arrays (batch,): the keys
         that the rows ``[q0, q1)`` of each batch element may see lie in
         ``[start, stop)`` (``(0, 0)``: none), and ``whole`` tells whether
@@ -392,7 +406,9 @@ class Mask:
                 )
         return start, stop, whole & (not self.dense)
 
-    def sub(self, b0, b1, q0, q1, k0, k1, state=None):
+    def sub(
+        self, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int, state: str | None = None
+    ) -> Mask:
         """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
         and keys ``[k0, k1)``, with positions counted from the block's start.
         A block that every query sees whole gets a Mask without constraints."""
@@ -401,7 +417,7 @@ class Mask:
         if state == "all":
             return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0, host=self.host)
 
-        def rows(x, axis_q):
+        def rows(x: Any, axis_q: int) -> Any:
             if x is None:
                 return None
             index = [slice(None)] * 4
@@ -432,7 +448,7 @@ class Mask:
             **blocks.sub_fields(self, b0, b1, q0, q1, k0, k1),
         )
 
-    def keys_from(self, k0, size):
+    def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)`` for every query, positions
         counted from ``k0``, which may be traced (ring attention under
         ``shard_map``); host copies are kept only when ``k0`` is an int.
@@ -463,7 +479,7 @@ class Mask:
             host=self.host,
         )
 
-    def frozen(self, B):
+    def frozen(self, B: Backend) -> Mask:
         """This Mask over copies of its arrays (``Backend.snapshot``), which
         the caller's later in-place writes do not reach."""
         copy = Mask.__new__(Mask)
@@ -477,7 +493,7 @@ class Mask:
         return copy
 
     # -- the rules every path applies ---------------------------------------------------
-    def rows_with_keys(self, B, device):
+    def rows_with_keys(self, B: Backend, device: Any) -> Array | None:
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
         None when every query is known to see one."""
         if not self.restricted:
@@ -489,13 +505,13 @@ class Mask:
             return hi > (0 if lo is None else lo)
         return B.any(self.boolean(B, device), -1, keepdims=True)
 
-    def _rows_nonempty(self):
+    def _rows_nonempty(self) -> bool:
         if self._only_lengths() and self.known_on_host():
             return self.num_keys > 0 and self._least_length() > 0
         known = self._bounds_known()
         return known is not None and bool((known[1] > known[0]).all())
 
-    def _keys_all_used(self):
+    def _keys_all_used(self) -> bool:
         """Known on the host: each batch element's rows together see every
         key (their intervals overlap or touch: the union is [least lo, last hi))."""
         if self._only_lengths() and self.lens.shape[2] == 1 and self.known_on_host():
@@ -511,7 +527,7 @@ class Mask:
             and (np.where(rows, hi, 0).max(axis=1) >= self.num_keys).all()
         )
 
-    def used_keys(self, B, device):
+    def used_keys(self, B: Backend, device: Any) -> Array | None:
         """bool (batch|1, 1, K, 1): True where some query of that batch
         element may see the key; None when every key is known to be seen."""
         if not self.restricted and not self.intervals:
@@ -551,7 +567,9 @@ class Mask:
         # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
         return used.reshape((used.shape[0], 1, used.shape[3], 1))
 
-    def guard_unused(self, B, keys, values, guard_keys=True):
+    def guard_unused(
+        self, B: Backend, keys: Array, values: Array, guard_keys: bool = True
+    ) -> tuple[Array, Array]:
         """Zero key and value rows that no query may see (NaN there must not
         leak into the product); ``keys``/``values`` (batch, heads, K, d).
         ``guard_keys=False``: the values only (for a caller that masks the
@@ -570,12 +588,14 @@ class Mask:
         return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
 
     @property
-    def per_query(self):
+    def per_query(self) -> bool:
         """Some key is visible to some queries of a batch element and hidden
         from others (not: no mask, per-batch lengths)."""
         return not (self.unmasked or self.per_batch_lens is not None)
 
-    def kernel_inputs(self, B, queries, keys, values):
+    def kernel_inputs(
+        self, B: Backend, queries: Array, keys: Array, values: Array
+    ) -> tuple[Array, Array, Callable[[Array], Array]]:
         """``(keys, values, finish)`` for a framework's kernel: unused key and
         value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
         For a kernel without ``B.fused_keeps_nan`` the NaN rules are enforced
@@ -593,7 +613,7 @@ class Mask:
             if seen is not None:
                 keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
 
-        def finish(out):
+        def finish(out: Array) -> Array:
             dtype = B.dtype_name(out)
             out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
             if seen is not None:
@@ -603,7 +623,7 @@ class Mask:
 
         return keys, values, finish
 
-    def _sees_nan_keys(self, B, queries, keys):
+    def _sees_nan_keys(self, B: Backend, queries: Array, keys: Array) -> Array | None:
         """bool (batch, heads, Q, 1): the query may see a key with a NaN;
         None when every query sees every key.
         One product of the visible keys (as 0/1, heads of a one-head mask in
@@ -629,7 +649,7 @@ class Mask:
             count = B.transpose(count, (0, 3, 2, 1))
         return count > 0
 
-    def zero_empty_rows(self, B, out):
+    def zero_empty_rows(self, B: Backend, out: Array) -> Array:
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
         return out if rows is None else B.where(rows, out, 0.0)
@@ -641,11 +661,13 @@ for non-finite entries on the host before their unused rows are zeroed,
 which a finite pair skips; below it the zeroing costs less than that read."""
 
 
-def _size(x):
+def _size(x: Array) -> int:
     return math.prod(x.shape)
 
 
-def empty_rows(B, shape, dtype, device, *inputs):
+def empty_rows(
+    B: Backend, shape: tuple[int, ...], dtype: str, device: Any, *inputs: Array
+) -> Array:
     """Zeros of ``shape`` for rows that see no key, computed by no kernel but
     kept in the autodiff graph of ``inputs``: their gradients are exact zeros
     (a select of one element of each, never taken, so NaN there stays out)."""
@@ -656,7 +678,7 @@ def empty_rows(B, shape, dtype, device, *inputs):
     return out
 
 
-def all_finite(B, *arrays):
+def all_finite(B: Backend, *arrays: Array) -> bool:
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
     read on the host (False while traced, or when a sum overflows). A pass
     over the keys and values to zero their unused rows then costs a read
@@ -666,7 +688,7 @@ def all_finite(B, *arrays):
     return all(np.isfinite(float(B.to_numpy(B.sum(x.reshape((-1,)), 0)))) for x in arrays)
 
 
-def normalize(B, acc, total):
+def normalize(B: Backend, acc: Array, total: Array) -> Array:
     """``acc / total`` per row, 0 where the row saw no key. A row's softmax
     total is at least 1 when it saw a key (its largest term is exp(0)), and
     exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
@@ -675,7 +697,7 @@ def normalize(B, acc, total):
     return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
-def masked_softmax(B, scores, visible):
+def masked_softmax(B: Backend, scores: Array, visible: Array | None) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
     Returns the dtype of ``scores``."""
@@ -693,7 +715,13 @@ def masked_softmax(B, scores, visible):
 _SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
 
 
-def _window_within(window, num_queries, num_keys, offset_known, offset):
+def _window_within(
+    window: tuple[int | None, ...] | None,
+    num_queries: int,
+    num_keys: int,
+    offset_known: int | None,
+    offset: Any,
+) -> tuple[int | None, ...] | None:
     """A window side that reaches past every key for every query means no
     limit (None): the arithmetic on positions then never meets a side near
     2**31 (which wraps in int32). While the offset is traced, sides are
@@ -714,25 +742,25 @@ def _window_within(window, num_queries, num_keys, offset_known, offset):
 
 
 def make_mask(
-    B,
-    batch,
-    heads,
-    num_queries,
-    num_keys,
+    B: Backend,
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
     *,
-    valid_lens=None,
-    mask=None,
-    bias=None,
-    causal=False,
-    window=None,
-    offset=None,
-    dtype=None,
-    heads_axis=True,
-    device=None,
-    mask_mod=None,
-    score_mod=None,
-    segment_ids=None,
-):
+    valid_lens: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    causal: bool = False,
+    window: Any = None,
+    offset: Any = None,
+    dtype: str | None = None,
+    heads_axis: bool = True,
+    device: Any = None,
+    mask_mod: Callable[..., Array] | None = None,
+    score_mod: Callable[..., Array] | None = None,
+    segment_ids: Any = None,
+) -> Mask:
     """Check what the caller gave and normalize it into one ``Mask``.
 
     ``valid_lens`` (batch,) or (batch, Q); ``mask`` bool and ``bias`` float,

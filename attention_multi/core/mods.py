@@ -18,12 +18,23 @@ length when decoding, else 0), ``kv_idx`` from 0. A block of a ``Mask``
 evaluates the same function on its own block's grid.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable
+
 import numpy as np
 
 from .checks import check_array
 
+if TYPE_CHECKING:
+    from backends import Backend
 
-def index_grid(B, mask, device):
+    from ..types import Array, BackendLike, DeviceLike
+    from .masking import Mask
+
+
+def index_grid(B: Backend, mask: Any, device: Any) -> tuple[Array, ...]:
     """``(b, h, q_idx, kv_idx)`` int32 arrays broadcasting to the mask's
     (batch, heads, Q, K), positions counted from its bases."""
     b = B.arange(mask.batch, device).reshape((mask.batch, 1, 1, 1)) + mask.b_base
@@ -36,7 +47,7 @@ def index_grid(B, mask, device):
     return b, h, q, kv
 
 
-def _as_bool(B, x, device):
+def _as_bool(B: Backend, x: Any, device: Any) -> Array:
     """A mask_mod's answer as a bool array of rank 4."""
     if not B.is_array(x):
         x = B.asarray(np.asarray(x, bool), device=device)
@@ -47,7 +58,7 @@ def _as_bool(B, x, device):
     return x
 
 
-def visible(B, mask, device):
+def visible(B: Backend, mask: Mask, device: Any) -> Array | None:
     """bool broadcastable to (batch, heads, Q, K): what ``mask_mod`` and
     ``segment_ids`` allow (None when neither is set)."""
     out = None
@@ -64,7 +75,7 @@ def visible(B, mask, device):
     return out
 
 
-def apply_score_mod(B, mask, s, work):
+def apply_score_mod(B: Backend, mask: Any, s: Array, work: str) -> Array:
     """``score_mod`` applied to the scaled scores ``s`` (batch, heads, Q, K),
     kept in the compute dtype ``work``."""
     if mask.score_mod is None:
@@ -73,13 +84,15 @@ def apply_score_mod(B, mask, s, work):
     return B.astype(s, work) if B.dtype_name(s) != work else s
 
 
-def check_segments(B, segment_ids, batch, num_queries, num_keys, device):
+def check_segments(
+    B: Backend, segment_ids: Any, batch: int, num_queries: int, num_keys: int, device: Any
+) -> tuple[Array | None, Array]:
     """``(query ids (batch|1, Q), key ids (batch|1, K), host copies or None)``
     int32 from ``segment_ids``: one (batch, K) array (queries take the ids of
     their positions, bottom-right, set by ``make_mask``) or a pair."""
     pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
     parts = segment_ids if pair else (None, segment_ids)
-    out = []
+    out: list[Array | None] = []
     for name, x, n in (
         ("segment_ids[0] (queries)", parts[0], num_queries),
         ("segment_ids" + ("[1] (keys)" if pair else ""), parts[1], num_keys),
@@ -101,7 +114,9 @@ def check_segments(B, segment_ids, batch, num_queries, num_keys, device):
     return out[0], out[1]
 
 
-def query_segments(B, key_ids, num_queries, offset, device):
+def query_segments(
+    B: Backend, key_ids: Array, num_queries: int, offset: int | Array, device: Any
+) -> Array:
     """The ids of the queries from the keys' ids when only one array was
     given: query ``i`` sits at key position ``i + offset``."""
     if isinstance(offset, (int, np.integer)):
@@ -109,7 +124,12 @@ def query_segments(B, key_ids, num_queries, offset, device):
     return B.take(key_ids, B.arange(num_queries, device) + offset, 1)
 
 
-def segments_from_lengths(lengths, total=None, backend=None, device=None):
+def segments_from_lengths(
+    lengths: Sequence[Any],
+    total: int | None = None,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> Array:
     """``segment_ids`` (batch, total) from document lengths: ``lengths`` a
     list (one packed row) or a list of lists (one per row), or FlashAttention's
     ``cu_seqlens`` form via ``segments_from_cu_seqlens``. Positions past the
@@ -133,7 +153,12 @@ def segments_from_lengths(lengths, total=None, backend=None, device=None):
     return B.asarray(ids, "int32", native_device(B, device))
 
 
-def segments_from_cu_seqlens(cu_seqlens, total=None, backend=None, device=None):
+def segments_from_cu_seqlens(
+    cu_seqlens: Any,
+    total: int | None = None,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> Array:
     """``segment_ids`` (1, total) from FlashAttention's cumulative lengths
     ``[0, n0, n0 + n1, ...]`` of documents packed into one row."""
     cu = np.asarray(cu_seqlens, np.int64).reshape(-1)
@@ -145,7 +170,7 @@ def segments_from_cu_seqlens(cu_seqlens, total=None, backend=None, device=None):
 # -- blocks ------------------------------------------------------------------------------
 
 
-def _host_ranges(ids, block):
+def _host_ranges(ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row and block of ``block`` positions: (least id >= 0, largest id,
     all ids >= 0); a block with no id >= 0 gets (big, -1)."""
     n = ids.shape[1]
@@ -161,7 +186,9 @@ def _host_ranges(ids, block):
     return lo, hi, whole
 
 
-def segment_block_state(mask, b0, b1, q0, q1, k0, k1):
+def segment_block_state(
+    mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int
+) -> str | None:
     """From the host copies of the segment ids: ``"none"`` when no query of
     the block shares a segment with a key of it, ``"all"`` when all of them
     are of one segment, else ``"some"``; None when the ids are traced."""
@@ -170,7 +197,7 @@ def segment_block_state(mask, b0, b1, q0, q1, k0, k1):
         return None
     qs, ks = known
 
-    def rows(x, a, z):
+    def rows(x: Array, a: int, z: int) -> Array:
         return x[b0:b1, a:z] if x.shape[0] > 1 else x[:, a:z]
 
     q, k = rows(qs, q0, q1), rows(ks, k0, k1)
@@ -182,7 +209,9 @@ def segment_block_state(mask, b0, b1, q0, q1, k0, k1):
     return "all" if one.all() else "some"
 
 
-def segment_key_range(mask, b, q0, q1, start, stop):
+def segment_key_range(
+    mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
+) -> tuple[int, int]:
     """Host: the keys ``[start, stop)`` of element ``b`` narrowed to those
     whose segment one of the queries ``[q0, q1)`` has (sorted or not)."""
     known = mask.segments_known
@@ -198,35 +227,47 @@ def segment_key_range(mask, b, q0, q1, start, stop):
     return start + int(hit[0]), start + int(hit[-1]) + 1
 
 
-def segment_block_seen(B, mask, b0, b1, q0, q1, k0, k1):
+def segment_block_seen(
+    B: Backend, mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int
+) -> Array:
     """Device bool (0-d): whether a query of the block may share a segment
     with a key of it (min/max of the ids, so work O(block size))."""
     qs, ks = mask.segments
 
-    def rows(x, a, z):
+    def rows(x: Array, a: int, z: int) -> Array:
         return x[b0:b1, a:z] if x.shape[0] > 1 else x[:, a:z]
 
     q, k = rows(qs, q0, q1), rows(ks, k0, k1)
     big = np.iinfo(np.int32).max
 
-    def lo(x):
+    def lo(x: Array) -> Array:
         return -B.max(B.where(x >= 0, -x, -big), 1)
 
-    def hi(x):
+    def hi(x: Array) -> Array:
         return B.max(x, 1)
 
     ok = B.logical_and(B.logical_and(hi(q) >= lo(k), hi(k) >= lo(q)), hi(q) >= 0)
     return B.any(B.logical_and(ok, hi(k) >= 0))
 
 
-def make_fields(B, batch, num_queries, num_keys, mask_mod, score_mod, segment_ids, offset, device):
+def make_fields(
+    B: Backend,
+    batch: int,
+    num_queries: int,
+    num_keys: int,
+    mask_mod: Callable[..., Array] | None,
+    score_mod: Callable[..., Array] | None,
+    segment_ids: Any,
+    offset: int | Array | None,
+    device: Any,
+) -> dict[str, Any]:
     """The ``Mask`` keywords of the programmable forms (checked)."""
     from .blocks import BlockMask
 
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    fields = {"mod": mask_mod, "score_mod": score_mod}
+    fields: dict[str, Any] = {"mod": mask_mod, "score_mod": score_mod}
     if isinstance(mask_mod, BlockMask):
         mask_mod.check(batch, num_queries, num_keys)
         fields["blocks"] = mask_mod

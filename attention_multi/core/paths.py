@@ -17,10 +17,19 @@ float rounding; ``attend`` (attend.py) picks one.
 ``dropout`` is a rate; ``key`` the PRNG key of frameworks that need one.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
 import numpy as np
 
 from . import mods
 from .masking import Mask, compute_dtype, empty_rows, fill, fill_against, masked_softmax, normalize
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
@@ -30,12 +39,12 @@ EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed afte
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
-def work_itemsize(B, x):
+def work_itemsize(B: Backend, x: Array) -> int:
     """Bytes per element of score-sized work on ``x`` (half runs in float32)."""
     return 8 if B.dtype_name(x) == "float64" else 4
 
 
-def queries_per_block(B, q, block_k, memory_budget):
+def queries_per_block(B: Backend, q: Array, block_k: int, memory_budget: int) -> int:
     """Queries per block of online softmax over ``block_k`` keys: the block's
     scores fill at most a sixteenth of ``memory_budget`` (the backward pass
     holds about eight such arrays)."""
@@ -43,7 +52,7 @@ def queries_per_block(B, q, block_k, memory_budget):
     return max(1, memory_budget // 16 // (batch * heads * block_k * work_itemsize(B, q)))
 
 
-def expand_kv(B, keys, values, heads):
+def expand_kv(B: Backend, keys: Array, values: Array, heads: int) -> tuple[Array, Array]:
     """Grouped-query attention: repeat each kv head for its query heads."""
     group = heads // keys.shape[1]
     if group == 1:
@@ -51,31 +60,31 @@ def expand_kv(B, keys, values, heads):
     return B.repeat(keys, group, 1), B.repeat(values, group, 1)
 
 
-def dropout_fn(B, rate, key):
+def dropout_fn(B: Backend, rate: float, key: Any) -> Callable[..., Array] | None:
     """``drop(weights, index)``: dropout at ``rate`` with the ``index``-th key
     folded from ``key`` (None when the rate is 0)."""
     if not rate:
         return None
 
-    def drop(w, index=None):
+    def drop(w: Array, index: Any = None) -> Array:  # (callers pass an int index)
         return B.dropout(w, rate, B.fold_key(key, index))
 
     return drop
 
 
-def _scaled(B, x, scale, work):
+def _scaled(B: Backend, x: Array, scale: float, work: str) -> Array:
     """``x * scale`` in the compute dtype."""
     return (B.astype(x, work) if B.dtype_name(x) != work else x) * scale
 
 
-def _scores(B, qs, k, mask, work):
+def _scores(B: Backend, qs: Array, k: Array, mask: Mask, work: str) -> Array:
     """``qs k^T + bias`` for scaled queries ``qs``, in the compute dtype."""
     s = B.matmul(qs, B.astype(k, work) if B.dtype_name(k) != work else k, transpose_b=True)
     s = s if mask.bias is None else s + mask.bias
     return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
-def weights(B, q, k, mask, scale):
+def weights(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
     """The (batch * heads, Q, K) attention weights, as the full path computes them."""
     dtype = B.dtype_name(q)
     k, _ = expand_kv(B, k, k, q.shape[1])
@@ -85,7 +94,16 @@ def weights(B, q, k, mask, scale):
     return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
 
 
-def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
+def full(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    dropout: float = 0.0,
+    key: Any = None,
+) -> tuple[Array, Array]:
     """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
     k, v = expand_kv(B, k, v, q.shape[1])
     # (the scores are masked by where: NaN in unused keys reaches only gradients)
@@ -96,7 +114,16 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
     return B.matmul(w4 if drop is None else drop(w4), v), w
 
 
-def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
+def fused(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    memory_budget: int | None = None,
+    dropout: float = 0.0,
+) -> Array | None:
     """The backend's kernel (None when it declines), with the core's rules
     around it: unused key/value rows zeroed before, empty rows zeroed after,
     NaN kept where the kernel would not (``Mask.kernel_inputs``)."""
@@ -110,7 +137,15 @@ def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
 # -- online softmax ------------------------------------------------------------------
 
 
-def softmax_block(B, qs, k, v, mask, work, dropout=None):
+def softmax_block(
+    B: Backend,
+    qs: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    work: str,
+    dropout: Callable[..., Array] | None = None,
+) -> tuple[Array, Array, Array]:
     """The online-softmax state ``(row max, row sum, accumulator)`` of scaled
     queries ``qs`` over one block of keys and values, whose Mask is ``mask``.
 
@@ -135,7 +170,9 @@ def softmax_block(B, qs, k, v, mask, work, dropout=None):
     return row_max, row_sum, B.matmul(p, B.astype(v, work) if B.dtype_name(v) != work else v)
 
 
-def merge_blocks(B, a, b):
+def merge_blocks(
+    B: Backend, a: tuple[Array, Array, Array] | None, b: tuple[Array, Array, Array] | None
+) -> tuple[Array, Array, Array] | None:
     """The state of two blocks of keys together (either may be None)."""
     if a is None or b is None:
         return a if b is None else b
@@ -144,13 +181,24 @@ def merge_blocks(B, a, b):
     return row_max, a[1] * ca + b[1] * cb, a[2] * ca + b[2] * cb
 
 
-def finish_blocks(B, state):
+def finish_blocks(B: Backend, state: tuple[Array, Array, Array]) -> Array:
     """``accumulator / row sum``; rows with no visible key give zeros."""
     _, row_sum, acc = state
     return normalize(B, acc, row_sum)
 
 
-def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0, key=None):
+def chunked(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    memory_budget: Any = None,  # an int unless chunk_size is given
+    chunk_size: int | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+) -> Array:
     """Online-softmax attention over blocks: O(Q d) extra memory plus one block
     of scores, whose size follows ``chunk_size`` (queries and keys per block)
     or else ``memory_budget`` (up to 1024 keys, queries filling a sixteenth;
@@ -192,7 +240,16 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
             # (the whole step is recomputed in the backward pass: it keeps only
             # the running state, not the block's scores nor slices of k and v)
-            def step(state, qs, k, v, k0=k0, k1=k1, sub=sub, block_drop=block_drop):
+            def step(
+                state: tuple[Array, Array, Array] | None,
+                qs: Array,
+                k: Array,
+                v: Array,
+                k0: int = k0,
+                k1: int = k1,
+                sub: Mask = sub,
+                block_drop: Callable[..., Array] | None = block_drop,
+            ) -> tuple[Array, Array, Array] | None:
                 return merge_blocks(
                     B,
                     state,
@@ -218,11 +275,22 @@ class TilePlan:
     share of a single kernel call over all the (batch, Q, K) scores that the
     tiles cost, counting ``Backend.kernel_call_cost`` per call."""
 
-    def __init__(self, tasks, blocks, cost):
+    def __init__(
+        self,
+        tasks: list[tuple[int, int, int, int, int, bool]],
+        blocks: list[tuple[int, int]],
+        cost: float,
+    ) -> None:
         self.tasks, self.blocks, self.cost = tasks, blocks, cost
 
 
-def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
+def plan_tiles(
+    B: Backend,
+    q: Array,
+    mask: Mask,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+) -> TilePlan | None:
     """The ``TilePlan`` of the tiled path, or None when it cannot run (the
     mask's intervals traced, or not even one query's scores within the budget)."""
     if not mask.known_on_host():
@@ -249,7 +317,17 @@ def plan_tiles(B, q, mask, memory_budget=None, chunk_size=None):
     )
 
 
-def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
+def tiled(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    plan: TilePlan,
+    dropout: float = 0.0,
+    key: Any = None,
+) -> Array:
     """The tiles of ``plan`` (a ``TilePlan``): each batch element and block of
     queries over the keys its rows may see, through the backend's kernel or
     ``softmax_product``, on ``B.parallel_map``."""
@@ -259,7 +337,7 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
 
-    def tile(index):
+    def tile(index: int) -> Array:
         b, q0, q1, start, stop, whole = plan.tasks[index]
         if stop <= start:  # (still in the autodiff graph)
             return empty_rows(B, (1, heads, q1 - q0, dv), dtype, device, q, k, v)
@@ -289,7 +367,15 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
     return rows[0] if len(rows) == 1 else B.concatenate(rows, 0)
 
 
-def softmax_product(B, q, k, v, mask, scale, dropout=None):
+def softmax_product(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    dropout: Callable[..., Array] | None = None,
+) -> Array:
     """``softmax(scale q k^T) v`` of one tile.
 
     Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
@@ -327,7 +413,16 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     return B.astype(out, dtype) if work != dtype else out
 
 
-def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
+def tiled_traced(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    memory_budget: int,
+    block_k: int | None = None,
+) -> Array:
     """The tiled path while the mask's intervals are traced (``jax.jit`` with
     lengths as arguments): per batch element, blocks of keys that ``B.cond``
     skips at run time when no query of that element may see them (static
@@ -356,7 +451,15 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
             k1 = min(num_k, k0 + block_k)
             seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 
-            def block(state, qs, k, v, b=b, k0=k0, k1=k1):
+            def block(
+                state: tuple[Array, Array, Array],
+                qs: Array,
+                k: Array,
+                v: Array,
+                b: int = b,
+                k0: int = k0,
+                k1: int = k1,
+            ) -> tuple[Array, Array, Array] | None:
                 sub = mask.sub(b, b + 1, 0, num_q, k0, k1)
                 return merge_blocks(
                     B,
@@ -364,7 +467,11 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
                     softmax_block(B, qs, k[b : b + 1, :, k0:k1], v[b : b + 1, :, k0:k1], sub, work),
                 )
 
-            def step(state, qs=qs, block=block):
+            def step(
+                state: tuple[Array, Array, Array],
+                qs: Array = qs,
+                block: Callable[..., Any] = block,
+            ) -> tuple[Array, Array, Array]:
                 return B.checkpoint(block, state, qs, k, v)
 
             state = B.cond(seen, step, lambda state: state, state)

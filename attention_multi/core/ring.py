@@ -21,6 +21,10 @@ and returning what the previous one sent (torch.distributed point-to-point,
 the mask of each block is computed from a possibly traced key position.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
 from .masking import compute_dtype
 from .paths import (
     _scaled,
@@ -31,8 +35,25 @@ from .paths import (
     softmax_block,
 )
 
+if TYPE_CHECKING:
+    from backends import Backend
 
-def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
+    from ..types import Array
+    from .masking import Mask
+
+
+def ring(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    scale: float,
+    rank: int | Array,
+    size: int,
+    shift: Callable[[Array], Array],
+    memory_budget: int,
+) -> Array:
     """Attention of the local queries ``q`` (batch, heads, Q, d) over the
     keys and values of every participant; ``k``, ``v`` (batch, kv_heads, K,
     d|dv) are the local blocks. ``mask`` is the local queries' ``Mask`` over
@@ -48,7 +69,7 @@ def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
     rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     qs = [_scaled(B, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
     kv = B.concatenate([k, v], -1)  # one message per step
-    states = [None] * len(rows)
+    states: list[Any] = [None] * len(rows)
     for step in range(size):
         owner = (rank - step) % size  # whose block this participant holds now
         keys_mask = mask.keys_from(owner * block, block)
@@ -58,7 +79,9 @@ def ring(B, q, k, v, mask, scale, rank, size, shift, memory_budget):
         for i, (q0, q1) in enumerate(rows):
             sub = keys_mask if len(rows) == 1 else keys_mask.sub(0, batch, q0, q1, 0, block)
 
-            def attend_block(state, q_rows, kb, vb, sub=sub):
+            def attend_block(
+                state: Any, q_rows: Array, kb: Array, vb: Array, sub: Mask = sub
+            ) -> Any:
                 return merge_blocks(B, state, softmax_block(B, q_rows, kb, vb, sub, work))
 
             # (every block is attended, even one no local query sees: under

@@ -31,7 +31,15 @@ from .base import Linear, Module
 from .cache import KVCache
 
 
-def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults):
+def bind_editions(
+    cls_name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    seeds: tuple[str, ...],
+    seeds_required: int,
+    d2l10: tuple[str, ...],
+    defaults: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The constructor arguments of a module with two signatures: the seeds'
     (``seeds``, names in order, input sizes first, the first ``seeds_required``
     of them required) and d2l 1.0's (``d2l10``, the same without the input
@@ -57,7 +65,7 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
             f"{', '.join(map(repr, args))}"
         )
     bound = dict(zip(names, args))
-    options = {}
+    options: dict[str, Any] = {}
     for name, value in kwargs.items():
         if name in bound:
             raise TypeError(
@@ -81,11 +89,11 @@ def bind_editions(cls_name, args, kwargs, seeds, seeds_required, d2l10, defaults
     return bound, options
 
 
-def _sig(names, defaults):
+def _sig(names: tuple[str, ...], defaults: dict[str, Any]) -> str:
     return ", ".join(f"{n}={defaults[n]!r}" if n in defaults else n for n in names)
 
 
-def _count(low, high):
+def _count(low: int, high: int) -> str:
     return (
         str(low) if low == high else f"{low} or {high}" if high == low + 1 else f"{low} to {high}"
     )
@@ -94,11 +102,19 @@ def _count(low, high):
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from ..core.masking import Mask
+
 
 class _Attention(Module):
     """Shared input checks of the (queries, keys, values, valid_lens) modules."""
 
-    def _check_inputs(self, queries, keys, values, sizes=None):
+    def _check_inputs(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        sizes: tuple[int | None, int | None, int | None] | None = None,
+    ) -> None:
         B = self._backend
         arrays = (("queries", queries), ("keys", keys), ("values", values))
         for name, x in arrays:
@@ -130,13 +146,20 @@ class _Attention(Module):
                 f"dtypes differ ({listing}); build the module with dtype= or cast the inputs"
             )
 
-    def _dtype_of_params(self):
+    def _dtype_of_params(self) -> str:
         arrays = self.named_arrays() if self.sized else {}
         if not arrays:  # lazily sized: the dtype the parameters will have
             return self._dtype
         return self._backend.dtype_name(next(iter(arrays.values())))
 
-    def _mask(self, queries, num_keys, heads=1, valid_lens=None, **forms):
+    def _mask(
+        self,
+        queries: Array,
+        num_keys: int,
+        heads: int = 1,
+        valid_lens: Array | None = None,
+        **forms: Any,
+    ) -> Mask:
         """The normalized mask of a call: ``valid_lens`` and ``forms``
         (``mask``, ``bias``, ``causal``, ``window``, ``offset``) for
         (batch, heads, Q, num_keys)."""
@@ -154,7 +177,7 @@ class _Attention(Module):
             **forms,
         )
 
-    def _empty(self, queries, keys, values):
+    def _empty(self, queries: Array, keys: Array, values: Array) -> Array | None:
         """Zeros (batch, Q, value size) and empty weights when an axis is
         empty (no framework kernel is called); None otherwise."""
         b, nq, nk = queries.shape[0], queries.shape[1], keys.shape[1]
@@ -249,7 +272,7 @@ class AdditiveAttention(_Attention):
             self._dropout(weights, self.dropout, key), values4.reshape(tuple(values.shape))
         )
 
-    def _scores(self, q, k):
+    def _scores(self, q: Array, k: Array) -> Array:
         """(b, nq, nk) scores, over blocks of queries within the memory
         budget; under autodiff each block's features are recomputed in the
         backward pass (``Backend.checkpoint``) instead of kept."""
@@ -262,7 +285,7 @@ class AdditiveAttention(_Attention):
         block = max(1, budget // max(1, 4 * b * nk * h * itemsize))
         k = k.reshape((b, 1, nk, h))
 
-        def scores(qb, k):
+        def scores(qb: Array, k: Array) -> Array:
             features = B.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
             return self.w_v(features).reshape((b, qb.shape[1], nk))
 
@@ -360,7 +383,15 @@ class DotProductAttention(_Attention):
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
-    def _attend(self, queries, keys, values, mask, key, private=False):
+    def _attend(
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        mask: Mask,
+        key: Any,
+        private: bool = False,
+    ) -> Array:
         """Attention on checked (batch, heads, n, d) inputs and a normalized
         mask; ``private``: queries and keys that only this call holds."""
         read = self.__dict__.pop("_attention_read", False)  # the last call's weights
@@ -491,7 +522,9 @@ class MultiHeadAttention(_Attention):
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
 
-        def heads(x, h):  # (b, n, h * s) -> (b, h, n, s), a view where possible
+        def heads(
+            x: Array, h: int
+        ) -> Array:  # (b, n, h * s) -> (b, h, n, s), a view where possible
             b, n, hidden = x.shape
             return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
@@ -530,7 +563,7 @@ class MultiHeadAttention(_Attention):
         out = self.W_o(out.reshape((b, n, self.num_hiddens)))
         return out if cache is None else (out, cache)
 
-    def init_cache(self, batch_size, max_len):
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to
         ``max_len`` positions: zeros (batch_size, num_kv_heads, max_len,
         head_size) in the dtype and on the device of the parameters, length 0."""
@@ -553,7 +586,7 @@ class MultiHeadAttention(_Attention):
             B.asarray(np.asarray(0, np.int32), device=device),
         )
 
-    def _check_cache(self, cache, queries, keys):
+    def _check_cache(self, cache: Any, queries: Array, keys: Array) -> Array | int:
         """The cache's length (an int, or a traced 0-d array under jax.jit),
         after checking that ``cache`` belongs to this module and the call."""
         B = self._backend

@@ -154,7 +154,7 @@ class Linear(Module):
             if bias:
                 self._new_param("bias", (out_features,), *self._bounds())
 
-    def _bounds(self):
+    def _bounds(self) -> tuple[float, float]:
         bound = 1.0 / math.sqrt(self.in_features)
         return -bound, bound
 
@@ -170,7 +170,7 @@ class Linear(Module):
         bias = self._param("bias") if self.has_bias else None
         return self._backend.linear(x, self._param("weight"), bias)
 
-    def _size_from(self, x):
+    def _size_from(self, x: Array) -> None:
         """Create the parameters of a lazily sized layer for input ``x``."""
         B = self._backend
         if B.is_tracing() or not B.is_concrete(x):
@@ -189,7 +189,7 @@ class Linear(Module):
             )
         self._create(int(x.shape[-1]), self.__dict__.get("_device") or B.device_of(x))
 
-    def _create(self, in_features, device):
+    def _create(self, in_features: int, device: Any) -> None:
         B = self._backend
         self.in_features = in_features
         low, high = self._bounds()
@@ -201,7 +201,7 @@ class Linear(Module):
                 "bias", B.uniform((self.out_features,), low, high, self._dtype, device)
             )
 
-    def _size_lazy_params(self, name, shape):
+    def _size_lazy_params(self, name: str, shape: tuple[int, ...]) -> None:
         """Loading a parameter of ``shape`` into this unsized layer (torch's
         ``load_state_dict``, as for ``nn.LazyLinear``) sizes it first."""
         if name != "weight" or len(shape) != 2 or shape[0] != self.out_features or shape[1] < 1:

@@ -9,6 +9,13 @@ and leaves the old one unchanged. Under JAX it is a pytree (``jax.jit`` takes
 and returns it, its length traced); elsewhere a small object.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..types import Array
+
 
 class KVCache:
     """Keys and values (batch, num_kv_heads, max_len, head_size) and the
@@ -16,26 +23,26 @@ class KVCache:
 
     __slots__ = ("keys", "values", "length")
 
-    def __init__(self, keys, values, length):
+    def __init__(self, keys: Array, values: Array, length: Array) -> None:
         self.keys, self.values, self.length = keys, values, length
 
     @property
-    def max_len(self):
+    def max_len(self) -> int:
         return self.keys.shape[2]
 
     @property
-    def batch_size(self):
+    def batch_size(self) -> int:
         return self.keys.shape[0]
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"KVCache(batch_size={self.batch_size}, num_kv_heads={self.keys.shape[1]}, "
             f"max_len={self.max_len}, head_size={self.keys.shape[3]})"
         )
 
-    def _flatten(self):
+    def _flatten(self) -> tuple[tuple[Array, Array, Array], None]:
         return (self.keys, self.values, self.length), None
 
     @classmethod
-    def _unflatten(cls, aux, children):
+    def _unflatten(cls, aux: None, children: tuple[Array, Array, Array]) -> KVCache:
         return cls(*children)

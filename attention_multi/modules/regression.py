@@ -63,7 +63,7 @@ def train_kernel_regression(
     keys = B.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
     values = B.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
 
-    def loss_fn(model):
+    def loss_fn(model: NWKernelRegression) -> Array:
         err = model(x_train, keys, values) - y_train
         return B.sum(err * err, axis=0)
 
