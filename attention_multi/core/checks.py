@@ -71,6 +71,12 @@ def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens", dev
     traced (``jax.jit``, ``torch.compile``); lengths past the end mean no
     masking, so no clipping is needed.
     """
+    return valid_lens_checked(backend, valid_lens, batch, queries, name, device)[0]
+
+
+def valid_lens_checked(backend, valid_lens, batch, queries, name="valid_lens", device=None):
+    """``(valid_lens_array(...), int64 host copy or None while traced)``: the
+    values read once on the host, for the checks and for the mask."""
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int)):
             valid_lens = backend.asarray(np.asarray(valid_lens), device=device)
@@ -90,17 +96,24 @@ def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens", dev
     kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
     if kind not in "iuf":
         raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
+    known = None
     if backend.is_concrete(valid_lens):
         values = backend.to_numpy(valid_lens)
-        if np.isnan(values).any() if kind == "f" else False:
+        if kind == "f" and np.isnan(values).any():
             raise ValueError(f"{name} contains NaN: {values.tolist()}")
-        if (values < 0).any():
+        # (one reduction each way: small calls pay for every host pass)
+        low, high = (values.min(), values.max()) if values.size else (0, 0)
+        if low < 0:
             raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
         if kind == "f" and (values != np.round(values)).any():
             raise ValueError(f"{name} must hold whole numbers, got {values.tolist()}")
-        if values.size and values.max() > _INT32_MAX:  # would wrap in int32
+        if high > _INT32_MAX:  # would wrap in int32
             valid_lens = backend.where(valid_lens > _INT32_MAX, _INT32_MAX, valid_lens)
-    return backend.astype(valid_lens, "int32")
+            values = np.minimum(values, _INT32_MAX)
+        known = values.astype(np.int64)
+    if backend.dtype_name(valid_lens) != "int32":
+        valid_lens = backend.astype(valid_lens, "int32")
+    return valid_lens, known
 
 
 def check_window(window):
