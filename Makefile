@@ -1,5 +1,6 @@
 # `make report`: set up the legacy stack (all four backends) and run the report.
-# `make test`:   set up both stacks and run the whole suite on each, then `make check`.
+# `make test`:   set up both stacks and the lint venv (in parallel), then run the suite on each
+#                stack and `make check`, all three at once (.ci/test_all.py: progress, summary).
 # `make check`:  lint (ruff), formatting (ruff format), types (mypy), the docs site (strict).
 # `make docs`:   build the documentation site into site/ (open site/index.html).
 PYTHON ?= python3
@@ -7,13 +8,18 @@ LEGACY := .venv-legacy
 MODERN := .venv-modern
 LINT := .venv-lint
 PYTEST := python -m pytest -q -p no:cacheprovider
+SHELL := /bin/bash
 
-.PHONY: report test test-legacy test-modern check docs
+.PHONY: report test venvs test-legacy test-modern check docs
 
 report: $(LEGACY)/ready
 	$(LEGACY)/bin/attention-multi report
 
-test: test-legacy test-modern check
+test:
+	@$(MAKE) --no-print-directory -j3 venvs
+	@$(PYTHON) .ci/test_all.py
+
+venvs: $(LEGACY)/ready $(MODERN)/ready $(LINT)/ready
 
 # Every CPU backend is required on the legacy stack: a missing one fails.
 test-legacy: $(LEGACY)/ready
@@ -28,7 +34,8 @@ check: $(LINT)/ready
 	@status=0; \
 	for gate in "ruff check ." "ruff format --check ." "mypy" "mkdocs build --strict --quiet"; do \
 		echo "== $$gate"; \
-		NO_MKDOCS_2_WARNING=1 $(LINT)/bin/$$gate || status=1; \
+		if NO_MKDOCS_2_WARNING=1 $(LINT)/bin/$$gate; then echo "-- $$gate: ok"; \
+		else echo "-- $$gate: FAILED"; status=1; fi; \
 	done; \
 	exit $$status
 
@@ -36,9 +43,14 @@ docs: $(LINT)/ready
 	NO_MKDOCS_2_WARNING=1 $(LINT)/bin/mkdocs build --strict
 	@echo "the site is in site/: open site/index.html"
 
+# One line per package while pip works (several venvs build at once with -j).
 .venv-%/ready: requirements/%.txt pyproject.toml
-	rm -rf .venv-$*
-	$(PYTHON) -m venv .venv-$*
-	.venv-$*/bin/python -m pip install -q -r requirements/$*.txt
-	.venv-$*/bin/python -m pip install -q --no-deps -e .
-	touch $@
+	@echo "[venv $*] building .venv-$* from requirements/$*.txt"
+	@start=$$(date +%s); set -o pipefail; \
+	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$* && \
+	PYTHONUNBUFFERED=1 .venv-$*/bin/python -m pip install --progress-bar off --prefer-binary \
+		-r requirements/$*.txt \
+		| { grep --line-buffered -E "^(Collecting|Installing|Successfully)" || true; } \
+		| sed -u -e "s/^/[venv $*] /" -e "s/ (from -r .*//" && \
+	.venv-$*/bin/python -m pip install -q --no-deps -e . && \
+	touch $@ && echo "[venv $*] ready in $$(( $$(date +%s) - start )) s"

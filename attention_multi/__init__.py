@@ -9,6 +9,8 @@ from backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend
+from .core.blocks import BlockMask, block_mask
+from .core.mods import segments_from_cu_seqlens, segments_from_lengths
 from .functional import (
     dot_product_attention,
     masked_softmax,
@@ -37,6 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdditiveAttention",
+    "BlockMask",
     "DotProductAttention",
     "KVCache",
     "Linear",
@@ -46,6 +49,7 @@ __all__ = [
     "PositionalEncoding",
     "asarray",
     "available_backends",
+    "block_mask",
     "dot_product_attention",
     "get_backend",
     "get_params",
@@ -53,6 +57,8 @@ __all__ = [
     "nadaraya_watson",
     "port",
     "ring_attention",
+    "segments_from_cu_seqlens",
+    "segments_from_lengths",
     "sequence_mask",
     "set_backend",
     "set_params",

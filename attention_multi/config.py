@@ -76,7 +76,8 @@ def use_backend(name: str | Backend) -> Iterator[Backend]:
 def parse_device(name: str | None = None) -> tuple[DeviceKind, int]:
     """``"gpu"`` -> ``("cuda", 0)``; ``None`` reads ATTENTION_MULTI_DEVICE."""
     if name is None:
-        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+        with _named_env_device() as name:
+            return backends.parse_device(name)
     return backends.parse_device(name)
 
 
@@ -84,5 +85,18 @@ def native_device(backend: Backend, name: Any = None) -> Any:
     """The framework's device object for a device name (ValueError if absent);
     ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
     if name is None:
-        name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+        with _named_env_device() as name:
+            return backend.native_device(name)
     return backend.native_device(name)
+
+
+@contextlib.contextmanager
+def _named_env_device() -> Iterator[str]:
+    """ATTENTION_MULTI_DEVICE (default cpu); a ValueError inside names the variable."""
+    name = os.environ.get(DEVICE_ENV, "").strip() or "cpu"
+    try:
+        yield name
+    except ValueError as exc:
+        if DEVICE_ENV not in os.environ:
+            raise
+        raise ValueError(f"{DEVICE_ENV}={os.environ[DEVICE_ENV]!r}: {exc}") from None

@@ -72,6 +72,38 @@ def _create_temp(target: str) -> tuple[int, str]:
             continue
 
 
+def _target(path: PathLike) -> str:
+    """The file that writing ``path`` replaces (links followed); raise
+    ``WriteError`` for a name that is not, or must not become, a regular file:
+    a trailing slash (a directory's name), a directory, a FIFO, a device, a
+    socket. ``--force`` style callers must never replace those."""
+    name = os.fspath(path)
+    target = os.path.realpath(name)
+    try:
+        mode = os.stat(target).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise WriteError(path, OSError(errno.EISDIR, "Is a directory"))
+    if name.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        raise WriteError(path, OSError(errno.EISDIR, "a trailing slash names a directory"))
+    if mode is not None and not stat.S_ISREG(mode):
+        raise WriteError(path, OSError(errno.EEXIST, f"it is {_kind(mode)}, not a regular file"))
+    return target
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
 def _fsync_directory(directory: str) -> None:
     """Make the rename durable; not every system can open a directory."""
     try:
@@ -94,11 +126,13 @@ def atomic_write(
     ``path`` only when the block completes; see the module's docstring.
 
     A symbolic link at ``path`` is followed: its target is replaced. Replacing
-    an existing file keeps that file's permission bits.
+    an existing file keeps that file's permission bits. Only a regular file is
+    ever replaced: a directory, FIFO, device or socket at ``path``, or a name
+    ending in a slash, raises ``WriteError`` and is left alone.
     """
     if mode not in ("wb", "w"):
         raise ValueError(f"mode: expected 'wb' or 'w', got {mode!r}")
-    target = os.path.realpath(path)
+    target = _target(path)
     try:
         fd, temp = _create_temp(target)
     except OSError as exc:
@@ -122,9 +156,11 @@ def atomic_write(
 
 def check_writable(path: PathLike) -> None:
     """Raise ``WriteError`` now, unless a file can be created beside ``path``
-    (for a command that would otherwise find out only after its work)."""
+    (for a command that would otherwise find out only after its work), and
+    unless ``path`` may be replaced (see ``atomic_write``)."""
+    target = _target(path)
     try:
-        fd, temp = _create_temp(os.path.realpath(path))
+        fd, temp = _create_temp(target)
     except OSError as exc:
         raise WriteError(path, exc) from exc
     os.close(fd)

@@ -14,6 +14,7 @@ from .core.checks import (
     check_float,
     check_heads,
     check_positive_int,
+    check_scale,
     valid_lens_array,
 )
 from .types import Array, Window
@@ -27,7 +28,9 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     B = backend_of(X=X)
     check_array(B, "X", X, 2, "(N, T)")
     n, t = X.shape
-    lens = valid_lens_array(B, valid_len, n, -1, name="valid_len", device=B.device_of(X))
+    lens = valid_lens_array(
+        B, valid_len, n, -1, name="valid_len", device=B.device_of(X), num_keys=t
+    )
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
         return zeros_for_empty(B, (n, t), X)
@@ -63,6 +66,9 @@ def dot_product_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     key: Any = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+    segment_ids: Any = None,
 ) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
@@ -82,6 +88,15 @@ def dot_product_attention(
       attends keys in ``[p - left, p + right]``.
     - ``scale``: default ``1 / sqrt(d)``; ``dropout`` on the weights (JAX
       needs ``key=``).
+    - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where a query may
+      attend (FlexAttention's signature and sense); the arguments are int32
+      arrays of the backend broadcasting over (batch, heads, Q, K). A
+      ``BlockMask`` from ``am.block_mask`` may be passed instead.
+    - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: changes the scaled
+      score (after ``bias``), e.g. ALiBi or soft-capping.
+    - ``segment_ids``: (batch, K) ints, or a pair ((batch, Q), (batch, K)):
+      packed sequences, each query sees the keys of its segment; negative ids
+      are padding. With ``causal=True``: causal within each segment.
 
     Everything combines by AND; a query with no allowed key gets a zero output.
     """
@@ -101,8 +116,12 @@ def dot_product_attention(
         dtype=B.dtype_name(q),
         heads_axis=ndim == 4,
         device=B.device_of(q),
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        segment_ids=segment_ids,
     )
     dropout = check_dropout("dropout", dropout)
+    scale = check_scale(scale)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
@@ -262,7 +281,8 @@ def ring_attention(
         dtype=B.dtype_name(q),
         device=B.device_of(q),
     )
-    scale = 1.0 / float(q.shape[-1]) ** 0.5 if scale is None else scale
+    scale = check_scale(scale)
+    scale = 1.0 / float(max(q.shape[-1], 1)) ** 0.5 if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:

@@ -133,7 +133,18 @@ def nw_kernel_regression(w, queries, keys, values):
 
 
 def allowed_keys(
-    batch, heads, queries, keys, valid_lens=None, mask=None, bias=None, causal=False, window=None
+    batch,
+    heads,
+    queries,
+    keys,
+    valid_lens=None,
+    mask=None,
+    bias=None,
+    causal=False,
+    window=None,
+    mask_mod=None,
+    segment_ids=None,
+    q_base=0,
 ):
     """(B, H, Q, K) boolean: True where query ``i`` may attend key ``j``.
 
@@ -142,7 +153,11 @@ def allowed_keys(
     attend; ``bias`` masks where it is ``-inf``; ``causal``: ``j <= p``;
     ``window`` ``w`` or ``(left, right)`` (None: unbounded side):
     ``p - left <= j <= p + right``. ``mask`` and ``bias`` broadcast to
-    (B, H, Q, K) as NumPy broadcasts. All conditions combine by AND.
+    (B, H, Q, K) as NumPy broadcasts. ``mask_mod(b, h, q_idx, kv_idx)``
+    evaluated on NumPy index arrays broadcasting to (B, H, Q, K) (``q_idx``
+    from ``q_base``); ``segment_ids`` (B, K), queries taking the id at their
+    position ``p``, or a pair ((B, Q), (B, K)): same id, not negative. All
+    conditions combine by AND.
     """
     shape = (batch, heads, queries, keys)
     ok = np.broadcast_to(key_mask(valid_lens, batch, queries, keys)[:, None], shape)
@@ -160,6 +175,19 @@ def allowed_keys(
         ok = ok & np.broadcast_to(np.asarray(mask, bool), shape)
     if bias is not None:
         ok = ok & (np.broadcast_to(np.asarray(bias, np.float64), shape) != -np.inf)
+    if mask_mod is not None:
+        grid = np.ix_(np.arange(batch), np.arange(heads), np.arange(queries) + q_base, j[0])
+        ok = ok & np.broadcast_to(np.asarray(mask_mod(*grid), bool), shape)
+    if segment_ids is not None:
+        if isinstance(segment_ids, (tuple, list)):
+            qs, ks = (np.asarray(x) for x in segment_ids)
+        else:
+            ks = np.asarray(segment_ids)
+            qs = ks[:, p[:, 0]]
+        qs = np.broadcast_to(qs, (batch, queries))
+        ks = np.broadcast_to(ks, (batch, keys))
+        same = (qs[:, :, None] == ks[:, None, :]) & (qs[:, :, None] >= 0)
+        ok = ok & same[:, None]
     return np.broadcast_to(ok, shape)
 
 
@@ -179,20 +207,31 @@ def attention(
     causal=False,
     window=None,
     scale=None,
+    mask_mod=None,
+    score_mod=None,
+    segment_ids=None,
+    q_base=0,
 ):
     """softmax(scale Q K^T + bias, restricted to ``allowed_keys``) V for
     queries (B, H, Q, d), keys and values (B, H_kv, K, d|dv), ``H % H_kv == 0``.
     A query with no allowed key gets zero weights and a zero output.
+    ``score_mod(score, b, h, q_idx, kv_idx)`` maps the scores (after the bias).
     Returns (output (B, H, Q, dv), weights (B, H, Q, K))."""
     q, k, v = _f64(queries, keys, values)
     B, H, Q, d = q.shape
     K = k.shape[2]
     k, v = _group(k, H), _group(v, H)
-    ok = allowed_keys(B, H, Q, K, valid_lens, mask, bias, causal, window)
+    ok = allowed_keys(
+        B, H, Q, K, valid_lens, mask, bias, causal, window, mask_mod, segment_ids, q_base
+    )
     scale = 1 / np.sqrt(d) if scale is None else scale
     scores = np.einsum("bhqd,bhkd->bhqk", q, k) * scale
     if bias is not None:
         scores = scores + np.where(ok, np.asarray(bias, np.float64), 0.0)
+    if score_mod is not None:
+        grid = np.ix_(np.arange(B), np.arange(H), np.arange(Q) + q_base, np.arange(K))
+        scores = np.asarray(score_mod(scores, *grid), np.float64)
+        scores = np.where(ok, scores, 0.0)
     weights = softmax_where(scores, ok)
     return np.einsum("bhqk,bhkv->bhqv", weights, v), weights
 
@@ -208,6 +247,8 @@ def attention_gradients(
     causal=False,
     window=None,
     scale=None,
+    mask_mod=None,
+    segment_ids=None,
 ):
     """Gradients of ``sum(attention(...)[0] * grad_out)`` with respect to
     queries, keys, values and the bias (full (B, H, Q, K); zero where masked),
@@ -218,7 +259,9 @@ def attention_gradients(
     B, H, Q, d = q.shape
     kv_heads = k.shape[1]
     scale = 1 / np.sqrt(d) if scale is None else scale
-    _, P = attention(q, k, v, valid_lens, mask, bias, causal, window, scale)
+    _, P = attention(
+        q, k, v, valid_lens, mask, bias, causal, window, scale, mask_mod, None, segment_ids
+    )
     kg, vg = _group(k, H), _group(v, H)
     dv = np.einsum("bhqk,bhqv->bhkv", P, g)
     dP = np.einsum("bhqv,bhkv->bhqk", g, vg)

@@ -81,12 +81,14 @@ def _load(name: str) -> Backend:
         try:
             module = importlib.import_module(f"{__name__}.{module_name}")
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
-            installed = importlib.util.find_spec(framework) is not None
-            why = "failed to import" if installed else "is not installed"
-            raise ImportError(
-                f"the {name!r} backend needs {framework}, which {why} ({exc}); "
-                f"install it with: pip install 'attention-multi[{extra}]'"
-            ) from exc
+            if importlib.util.find_spec(framework) is None:
+                why = f"is not installed ({exc}); install it with: "
+                why += f"pip install 'attention-multi[{extra}]'"
+            else:  # not a missing install: say what broke it
+                why = f"is installed but failed to import ({type(exc).__name__}: {exc}); "
+                why += "fix that error (a warning made an error by -W, or a version "
+                why += f"conflict: pip install 'attention-multi[{extra}]' has the pins)"
+            raise ImportError(f"the {name!r} backend needs {framework}, which {why}") from exc
         backend = _loaded[name] = getattr(module, class_name)()
     return backend
 

@@ -67,6 +67,7 @@ class MXNetBackend(NumpyLike):
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
     has_fused_attention = True
+    dense_index_grids = True  # MXNet 1.9.1: | and & on broadcast booleans fail
     kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)
 
     def asarray(self, x, dtype=None, device=None):
@@ -174,6 +175,21 @@ class MXNetBackend(NumpyLike):
         if bias is not None:
             scores = scores + bias
         return npx.batch_dot(npx.softmax(scores, axis=-1), values)
+
+    def write_slice(self, buffer, update, start, axis):
+        """Out of place by concatenation (slice assignment is in place, which
+        ``autograd.record()`` refuses); empty pieces are left out (MXNet 1.9.1
+        mishandles some zero-size arrays)."""
+        start = int(start)
+        stop = start + update.shape[axis]
+        index = [slice(None)] * len(buffer.shape)
+        parts = []
+        for lo, hi, piece in ((0, start, None), (start, stop, update), (stop, None, None)):
+            size = (buffer.shape[axis] if hi is None else hi) - lo
+            if size > 0:
+                index[axis] = slice(lo, hi)
+                parts.append(buffer[tuple(index)] if piece is None else piece)
+        return parts[0] if len(parts) == 1 else mnp.concatenate(parts, axis=axis)
 
     def device(self, kind, index=0):
         if kind == "cpu":

@@ -143,6 +143,11 @@ class Backend:
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
     weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
+    # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
+    # query row or visible key gives NaN, a NaN score the mask hides does not
+    # (the mask is a select, not an addition); if not, the core restores it
+    fused_keeps_nan: bool = False
+    dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
 
     # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(

@@ -6,6 +6,7 @@ Every file that ``port``, ``report`` and ``bench --json`` write goes through
 write, which the tests then kill (SIGKILL) or interrupt (SIGINT).
 """
 
+import contextlib
 import errno
 import json
 import os
@@ -451,3 +452,112 @@ def test_save_mxnet_params_full_disk_keeps_the_previous_file(tmp_path, monkeypat
     am.port.save_mxnet_params(params, path)
     got = load_mxnet_params(path)
     assert all(np.array_equal(got[k], params[k]) for k in params)
+
+
+# -- port: never a directory's name, never a FIFO or a device, never an endless input --
+
+
+@pytest.mark.parametrize("force", [False, True])
+def test_port_trailing_slash_never_overwrites_a_file(tmp_path, force):
+    src = port_input(tmp_path)
+    keep = tmp_path / "keep.npz"
+    keep.write_bytes(OLD)
+    out = f"{keep}/"
+    result = run("port", src, "--to", "numpy", "--out", out, *["--force"] * force)
+    assert_one_line_error(
+        result, "port", 1, f"cannot write {out}: a trailing slash names a directory"
+    )
+    assert keep.read_bytes() == OLD and entries(tmp_path) == ["keep.npz", "m.params"]
+
+
+def test_port_new_directory_name_is_never_written_as_a_file(tmp_path):
+    src = port_input(tmp_path)
+    out = f"{tmp_path}/newdir/"
+    result = run("port", src, "--to", "numpy", "--out", out)
+    assert_one_line_error(
+        result, "port", 1, f"cannot write {out}: a trailing slash names a directory"
+    )
+    assert entries(tmp_path) == ["m.params"]
+
+
+def special_files(tmp_path):
+    """A FIFO and a character device (the same numbers as /dev/null) in tmp_path."""
+    fifo, device = tmp_path / "fifo", tmp_path / "null"
+    os.mkfifo(fifo)
+    os.mknod(device, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    return {"fifo": (fifo, "a FIFO"), "device": (device, "a character device")}
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link-to-fifo"])
+@pytest.mark.parametrize("force", [False, True])
+@pytest.mark.parametrize("to", ["numpy", "torch"])
+def test_port_never_replaces_a_fifo_or_a_device(tmp_path, kind, force, to):
+    src = port_input(tmp_path)
+    special = special_files(tmp_path)
+    path, what = special["fifo" if kind == "link-to-fifo" else kind]
+    if kind == "link-to-fifo":
+        (tmp_path / "link").symlink_to(path.name)
+        path = tmp_path / "link"
+    before = {p.name: p.lstat() for p in tmp_path.iterdir()}
+    result = run("port", src, "--to", to, "--out", path, *["--force"] * force)
+    assert_one_line_error(
+        result, "port", 1, f"cannot write {path}: it is {what}, not a regular file"
+    )
+    after = {p.name: p.lstat() for p in tmp_path.iterdir()}
+    assert sorted(after) == sorted(before)
+    for name, st in before.items():  # same inode, same kind: nothing was replaced
+        assert (after[name].st_ino, after[name].st_mode) == (st.st_ino, st.st_mode), name
+
+
+def test_atomic_write_refuses_what_is_not_a_regular_file(tmp_path):
+    for path, what in special_files(tmp_path).values():
+        for call in (lambda p: atomic_write(p).__enter__(), check_writable):
+            with pytest.raises(WriteError, match=f"it is {what}, not a regular file"):
+                call(path)
+        assert not stat.S_ISREG(path.stat().st_mode)
+    (tmp_path / "file").write_bytes(OLD)
+    with pytest.raises(WriteError, match="a trailing slash names a directory"):
+        with atomic_write(f"{tmp_path}/file/") as f:
+            f.write(b"new")
+    assert (tmp_path / "file").read_bytes() == OLD
+    assert entries(tmp_path) == ["fifo", "file", "null"]
+
+
+def test_port_endless_input_is_refused_at_once(tmp_path):
+    # a character device with /dev/zero's numbers, in tmp_path: endless zeros
+    zero = tmp_path / "zero"
+    os.mknod(zero, stat.S_IFCHR | 0o666, os.makedev(1, 5))
+    result = run("port", zero, "--to", "numpy", "--out", tmp_path / "x.npz")
+    assert_one_line_error(
+        result,
+        "port",
+        2,
+        f"{zero}: not an MXNet NDArray file: list magic is 0x0, expected 0x112 (at byte 0)",
+    )
+    assert entries(tmp_path) == ["zero"]
+
+
+def test_port_reads_a_fifo_as_far_as_its_header_goes(tmp_path):
+    """A FIFO is read as a stream: a good file converts; an endless one fed
+    a valid header then zeros fails at the first bad field, read in bounded steps."""
+    fifo = tmp_path / "in.params"
+    os.mkfifo(fifo)
+    good = (FIXTURES / "mha_bias.params").read_bytes()
+    for payload, code in ((good, 0), (good[:24] + b"\0" * (1 << 20), 2)):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "attention_multi", "port", str(fifo), "--to", "numpy"]
+            + ["--out", str(tmp_path / "x.npz"), "--force"],
+            cwd=REPO,
+            env=environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        with open(fifo, "wb") as f, contextlib.suppress(BrokenPipeError):
+            f.write(payload)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == code, err
+        assert "Traceback" not in err
+    assert "array 0 has unknown magic number 0x00000000 (at byte 24)" in err
+    with np.load(tmp_path / "x.npz") as z:
+        assert sorted(z.files) == sorted(load_mxnet_params(FIXTURES / "mha_bias.params"))

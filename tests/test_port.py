@@ -509,3 +509,36 @@ def test_torch_additive_weights_load_into_mxnet(d2l_mx, tmp_path):
     got, weights = forward(module, data)
     assert_close(got, want, 2e-5)
     assert_close(weights, block.attention_weights.asnumpy(), 2e-5)
+
+
+def tied_torch_mha(share_module):
+    torch = pytest.importorskip("torch")
+
+    class MHA(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name in ("W_q", "W_k", "W_v", "W_o"):
+                setattr(self, name, torch.nn.Linear(5 if name != "W_o" else 8, 8))
+            if share_module:
+                self.W_k = self.W_q
+            else:
+                self.W_k.weight = self.W_q.weight
+
+    return MHA()
+
+
+@pytest.mark.parametrize("share_module", [False, True], ids=["weight", "module"])
+def test_load_into_refuses_tied_parameters_given_different_values(share_module):
+    m = tied_torch_mha(share_module)
+    before = {n: v.clone() for n, v in m.state_dict().items()}
+    path = FIXTURES / "mha_bias.params"
+    with pytest.raises(ValueError, match=r"MHA\.W_q\.weight and MHA\.W_k\.weight are one \(tied\)"):
+        load_into(m, path)
+    assert all(v.equal(before[n]) for n, v in m.state_dict().items())  # nothing loaded
+    params = load_mxnet_params(path)
+    params["W_k.weight"] = params["W_q.weight"]
+    if share_module:
+        params["W_k.bias"] = params["W_q.bias"]
+    load_into(m, params)  # the same values for both names: fine
+    assert np.array_equal(m.W_k.weight.detach().numpy(), params["W_q.weight"])
+    assert np.array_equal(m.W_v.weight.detach().numpy(), params["W_v.weight"])

@@ -284,3 +284,24 @@ def test_plugin_entry_point_is_declared():
 
     module = importlib.import_module(PLUGIN)
     assert callable(module.pytest_addoption) and hasattr(module, "backend")
+
+
+def test_integers_are_compared_exactly():
+    big = np.array([2**53, 2**62], np.int64)
+    assert_close(big, big.copy())
+    with pytest.raises(AssertionError, match=r"1 of 2 elements differ"):
+        assert_close(big, big + np.array([0, 1]))
+    with pytest.raises(AssertionError, match=r"worst at index \(0,\)"):
+        assert_close(np.array([2**53 + 1]), np.array([2**53]))
+    assert_close(np.array([2**63 - 1], np.int64), np.array([2**63 - 1], np.uint64))
+    assert_close(np.array([5]), np.array([7]), atol=2)
+
+
+def test_complex_values_compare_both_parts():
+    assert_close(np.array([1 + 2j]), np.array([1 + 2j]))
+    with pytest.raises(AssertionError, match="1 of 1 elements differ"):
+        assert_close(np.array([1 + 2j]), np.array([1 - 2j]))
+    with pytest.raises(AssertionError):
+        assert_close(np.array([1 + 1j], np.complex64), np.array([1.0]), atol=0.5, rtol=0)
+    assert_close(np.array([1 + 1e-9j]), np.array([1.0]))
+    assert_close(np.array([complex(np.nan, 1)]), np.array([complex(np.nan, 1)]), equal_nan=True)

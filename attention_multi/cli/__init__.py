@@ -5,6 +5,7 @@ The tools sit on top of the library and import it; the library never imports the
 
 import argparse
 import sys
+import textwrap
 
 import backends
 
@@ -36,20 +37,39 @@ def _info(args):
     return 0
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, without breaking a word (``key=value,...`` examples) across lines."""
+
+    def _split_lines(self, text, width):
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        return textwrap.wrap(text, width, break_long_words=False, break_on_hyphens=False)
+
+
 COMMANDS = {
     "info": (None, "list installed backends and devices", None, _info),
     "report": (
         report,
         "check every mechanism on every backend against a float64 "
         "reference; write report.md and figures",
-        None,
+        "Run every mechanism (the seeds' examples included) on every installed backend "
+        "and device, compare each result with an independent float64 reference, print "
+        "the table and write report.md with the heatmaps to --out.",
         report.main,
     ),
-    "bench": (bench, "time attention against each framework's own; peak memory", None, bench.main),
+    "bench": (
+        bench,
+        "time attention against each framework's own; peak memory",
+        "Time the attention modules against each framework's own attention (forward, "
+        "forward and backward), peak memory, long sequences, and ring attention over "
+        "several processes.",
+        bench.main,
+    ),
     "conform": (
         conform,
         "grade an attention implementation (a framework's, ours, yours) against the oracle",
-        None,
+        "Run a generated grid of attention cases (every mask form, empty rows, NaN and "
+        "inf in padding, four dtypes, gradients) through one implementation and grade "
+        "each against the float64 oracle.",
         conform.main,
     ),
     "port": (
@@ -66,14 +86,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="attention-multi",
         description="d2l attention mechanisms on NumPy, PyTorch, JAX and MXNet.",
+        epilog="attention-multi COMMAND --help describes each command.",
+        formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="COMMAND")
     for name, (module, help_text, description, _) in COMMANDS.items():
-        command = sub.add_parser(name, help=help_text, description=description)
+        command = sub.add_parser(
+            name, help=help_text, description=description, formatter_class=HelpFormatter
+        )
         if module is not None:
             module.add_arguments(command)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    name = args.command or "info"
+    if args.command is None:  # no command: say what there is, rather than guess one
+        parser.print_help(sys.stderr)
+        return 2
+    name = args.command
     module, _, _, run = COMMANDS[name]
     try:
         return run(args)

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from ..files import atomic_write
+from ..files import atomic_write, check_writable
 from ..port import check_params, load_mxnet_params
 
 _EXIT_FAILED, _EXIT_BAD_INPUT = 1, 2
@@ -49,8 +49,8 @@ def add_arguments(parser):
         "--args",
         metavar="K=V,...",
         default="",
-        help="the module's arguments, e.g. key_size=5,query_size=5,"
-        "value_size=5,num_hiddens=8,num_heads=2,dropout=0,bias=True",
+        help="the module's keyword arguments, comma-separated without spaces, "
+        "e.g. num_hiddens=8,num_heads=2,dropout=0,bias=True",
     )
     parser.add_argument(
         "--like",
@@ -74,7 +74,8 @@ def add_arguments(parser):
     parser.epilog = (
         "exit status: 0 converted; 1 the file does not match --module, OUT "
         "is the input, OUT exists and --force is not given, or OUT cannot be "
-        "written (missing directory, permissions, full disk); 2 unreadable "
+        "written (missing directory, permissions, full disk, not a regular "
+        "file: a directory, FIFO or device is never replaced); 2 unreadable "
         "or malformed input, or bad arguments"
     )
 
@@ -137,6 +138,9 @@ def _write_npz(params, f):
     """Like numpy.savez, but any parameter name is fine (even 'file')."""
     import zipfile
 
+    bad = [n for n in params if "\x00" in n]
+    if bad:  # zip names end at a NUL: two names would become one
+        raise _CliError(f"names with a NUL byte cannot be .npz entries: {bad!r}", _EXIT_BAD_INPUT)
     with zipfile.ZipFile(f, "w", allowZip64=True) as zf:
         for name, value in params.items():
             with zf.open(name + ".npy", "w", force_zip64=True) as f:
@@ -161,7 +165,9 @@ def _write_torch(params, f):
 
 
 def _check_out(out, source, force, given):
-    """Refuse to write over the input, or over an existing OUT without --force."""
+    """Refuse to write over the input, over anything but a regular file (a
+    directory, FIFO or device, a name ending in a slash: --force or not), or
+    over an existing OUT without --force."""
     same = os.path.realpath(out) == os.path.realpath(source)
     if not same and os.path.exists(out):
         try:
@@ -175,6 +181,7 @@ def _check_out(out, source, force, given):
             f"(--force does not override this)",
             _EXIT_FAILED,
         )
+    check_writable(out)  # WriteError: exit 1, one line
     if os.path.lexists(out) and not force:
         raise _CliError(
             f"{out} exists; add --force to replace it, or choose another --out", _EXIT_FAILED
@@ -267,6 +274,11 @@ def _mapped_onto(like, params, args):
 def _port(args):
     if args.args and not args.module:
         raise _CliError("--args needs --module", _EXIT_BAD_INPUT)
+    # OUT and the writer are checked before any work (building --like's model, reading IN)
+    out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
+    _check_out(out, args.input, args.force, given=bool(args.out))
+    if args.to == "torch":
+        _import_torch()
     like = _like_from_spec(args)
     module = _module_from_spec(args.module, args.args) if args.module else None
     try:
@@ -287,10 +299,6 @@ def _port(args):
             n: v.astype(args.dtype) if np.issubdtype(v.dtype, np.floating) else v
             for n, v in params.items()
         }
-    out = args.out or os.path.splitext(args.input)[0] + (".pt" if args.to == "torch" else ".npz")
-    _check_out(out, args.input, args.force, given=bool(args.out))
-    if args.to == "torch":
-        _import_torch()  # before a file is made
     with atomic_write(out) as f:
         (_write_torch if args.to == "torch" else _write_npz)(params, f)
     dtypes = sorted({str(v.dtype) for v in params.values()})

@@ -2,7 +2,7 @@
 
 import math
 
-from . import paths
+from . import blocked, paths
 from .checks import check_choice, check_positive_int
 
 DEFAULT_MEMORY_BUDGET = 512 * 2**20
@@ -106,7 +106,8 @@ def attend(
     ``"empty"`` and the output is zeros of the right shape.
 
     Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
-    a function computing them, path taken)``. The weights are those before
+    a function computing them, path taken)``. A feature size d of 0 gives
+    scores of 0: uniform weights over the visible keys. The weights are those before
     dropout; fused, tiled and chunked calls compute them only when the
     function is called, from this call's queries, keys and mask: from
     copies taken now (``Backend.snapshot``; with ``private``, queries and
@@ -117,6 +118,8 @@ def attend(
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)  # raises
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if queries.shape[-1] == 0:  # no features: every score is 0 (no kernel sees d = 0)
+        queries, keys = (zeros_for_empty(B, tuple(x.shape[:-1]) + (1,), x) for x in (queries, keys))
     scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
     batch, heads, num_q = queries.shape[:3]
     num_k = keys.shape[2]
@@ -136,6 +139,10 @@ def attend(
     def kept():
         return paths.weights(B, q_kept, k_kept, mask_kept, scale)
 
+    if blocked.takes(B, mask, path, dropout, key):
+        block = (chunk_size, chunk_size) if chunk_size else None
+        out = blocked.blocked(B, queries, keys, values, mask, scale, block, dropout, key)
+        return out, kept, "tiled"
     plan = None
     # (keyed dropout draws differ by path: with a key, the path must not depend
     # on whether values are traced, so that jit and eager calls agree)

@@ -63,23 +63,36 @@ def check_same_dtype(backend, **arrays):
         raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
 
 
-def valid_lens_array(backend, valid_lens, batch, queries, name="valid_lens", device=None):
+def valid_lens_array(
+    backend, valid_lens, batch, queries, name="valid_lens", device=None, num_keys=None
+):
     """``valid_lens`` as an int32 array of shape (batch,) or (batch, queries).
 
     Accepts arrays of the call's backend, NumPy arrays and lists (placed on
     ``device``). Values are checked (>= 0, integer-valued) unless they are
-    traced (``jax.jit``, ``torch.compile``); lengths past the end mean no
-    masking, so no clipping is needed.
+    traced (``jax.jit``, ``torch.compile``). A length past the last key means
+    no masking: lengths are clamped to ``num_keys`` (or to the int32 range),
+    on the host before they reach a framework that would wrap them (3e9 as
+    float32, 2**32 + 2 on JAX), and on the device while traced; never wrapped.
     """
-    return valid_lens_checked(backend, valid_lens, batch, queries, name, device)[0]
+    return valid_lens_checked(backend, valid_lens, batch, queries, name, device, num_keys)[0]
 
 
-def valid_lens_checked(backend, valid_lens, batch, queries, name="valid_lens", device=None):
-    """``(valid_lens_array(...), int64 host copy or None while traced)``: the
-    values read once on the host, for the checks and for the mask."""
+def valid_lens_checked(
+    backend, valid_lens, batch, queries, name="valid_lens", device=None, num_keys=None
+):
+    """``(valid_lens_array(...), its int64 host copy or None while traced)``:
+    the values read once on the host, for the checks and for the mask."""
+    limit = _INT32_MAX if num_keys is None else min(int(num_keys), _INT32_MAX)
     if not backend.is_array(valid_lens):
-        if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int)):
-            valid_lens = backend.asarray(np.asarray(valid_lens), device=device)
+        if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
+            host = np.asarray(valid_lens)
+            _check_lens_values(name, host, host.dtype.kind)
+            if host.size and host.max() > limit:
+                host = np.minimum(host, limit)
+            if host.dtype.kind in "iu":  # (what does not fit in int32 was clamped)
+                host = host.astype(np.int32)
+            valid_lens = backend.asarray(host, device=device)
         else:
             raise TypeError(
                 f"{name} must be a {backend.name} array, a NumPy array "
@@ -99,21 +112,31 @@ def valid_lens_checked(backend, valid_lens, batch, queries, name="valid_lens", d
     known = None
     if backend.is_concrete(valid_lens):
         values = backend.to_numpy(valid_lens)
-        if kind == "f" and np.isnan(values).any():
-            raise ValueError(f"{name} contains NaN: {values.tolist()}")
-        # (one reduction each way: small calls pay for every host pass)
-        low, high = (values.min(), values.max()) if values.size else (0, 0)
-        if low < 0:
-            raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
-        if kind == "f" and (values != np.round(values)).any():
-            raise ValueError(f"{name} must hold whole numbers, got {values.tolist()}")
-        if high > _INT32_MAX:  # would wrap in int32
-            valid_lens = backend.where(valid_lens > _INT32_MAX, _INT32_MAX, valid_lens)
-            values = np.minimum(values, _INT32_MAX)
+        _check_lens_values(name, values, kind)
+        if values.size and values.max() > limit:  # would wrap, or round past it, in int32
+            clamped = np.minimum(values.astype(np.float64 if kind == "f" else np.int64), limit)
+            clamped = clamped.astype(np.int32)
+            device = backend.device_of(valid_lens)
+            return backend.asarray(clamped, device=device), clamped.astype(np.int64)
         known = values.astype(np.int64)
-    if backend.dtype_name(valid_lens) != "int32":
+    elif dtype != "int32":  # traced: clamp before the cast (in float32 for half lengths)
+        if kind == "f" and dtype != "float64":
+            valid_lens = backend.astype(valid_lens, "float32")
+        valid_lens = backend.where(valid_lens > limit, limit, valid_lens)
+    if dtype != "int32":
         valid_lens = backend.astype(valid_lens, "int32")
     return valid_lens, known
+
+
+def _check_lens_values(name, values, kind):
+    if kind == "f" and np.isnan(values).any():
+        raise ValueError(f"{name} contains NaN: {values.tolist()}")
+    if kind not in "iuf":
+        return  # (the dtype is refused by name afterwards)
+    if (values < 0).any():
+        raise ValueError(f"{name} must be >= 0, got {values.tolist()}")
+    if kind == "f" and (values[np.isfinite(values)] != np.round(values[np.isfinite(values)])).any():
+        raise ValueError(f"{name} must hold whole numbers, got {values.tolist()}")
 
 
 def check_window(window):
@@ -221,6 +244,21 @@ def check_dropout(name, value):
     if not 0.0 <= rate <= 1.0:  # NaN fails both comparisons
         raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
     return rate
+
+
+def check_scale(value):
+    """``scale=``: None (1/sqrt(d)) or a finite real number > 0, as a float."""
+    if value is None:
+        return None
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"scale must be None or a positive real number, got {value!r} "
+            f"(type {type(value).__name__})"
+        )
+    scale = float(value)
+    if not 0.0 < scale < float("inf"):  # NaN fails too
+        raise ValueError(f"scale must be None or a finite real number > 0, got {value!r}")
+    return scale
 
 
 def check_bool(name, value):

@@ -33,7 +33,15 @@ import numpy as np
 
 from backends.protocol import HALF_DTYPES
 
+from . import blocks, mods
 from .checks import check_mask_array, check_window, valid_lens_checked
+
+# Every field of a Mask that constrains attention. "Is anything set?" asks this
+# list, so a new field can never read as "unmasked"; one that is neither an
+# interval nor a bias/score_mod restricts visibility (the safe default).
+FIELDS = ("lens", "causal", "window", "allowed", "bias", "mod", "score_mod", "segments")
+INTERVAL_FIELDS = frozenset(("lens", "causal", "window"))
+SCORE_FIELDS = frozenset(("bias", "score_mod"))  # change scores, not visibility
 
 
 def compute_dtype(dtype):
@@ -121,6 +129,13 @@ class Mask:
         allowed=None,
         bias=None,
         host=True,
+        mod=None,
+        score_mod=None,
+        segments=None,
+        segments_known=None,
+        bases=(0, 0, 0),
+        blocks=None,
+        backend=None,
     ):
         self.batch, self.heads = batch, heads
         self.host = host
@@ -131,6 +146,27 @@ class Mask:
         self.offset, self.offset_known = offset, offset_known
         self.causal, self.window = causal, window
         self.allowed, self.bias = allowed, bias
+        self.mod, self.score_mod, self.blocks = mod, score_mod, blocks
+        self.segments, self.segments_known = segments, segments_known
+        self.b_base, self.q_base, self.k_base = bases
+        self.backend = backend  # (evaluates mask_mod for block states)
+
+    def set_fields(self):
+        """The names in ``FIELDS`` that this mask sets."""
+        return frozenset(
+            f for f in FIELDS if getattr(self, f) is not None and getattr(self, f) is not False
+        )
+
+    @property
+    def dense(self):
+        """Something beyond the row intervals is set (a block then needs the
+        mask's value, not only its intervals)."""
+        return bool(self.set_fields() - INTERVAL_FIELDS)
+
+    @property
+    def restricted(self):
+        """Something beyond the row intervals restricts which keys are seen."""
+        return bool(self.set_fields() - INTERVAL_FIELDS - SCORE_FIELDS)
 
     # -- what kernels read ----------------------------------------------------------
     @property
@@ -141,18 +177,12 @@ class Mask:
     @property
     def unmasked(self):
         """Every query may see every key, and there is no bias."""
-        return not self.intervals and self.allowed is None and self.bias is None
+        return not self.set_fields()
 
     @property
     def only_lens(self):
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        return (
-            self.lens is not None
-            and not self.causal
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
-        )
+        return self.set_fields() == {"lens"}
 
     @property
     def per_batch_lens(self):
@@ -166,13 +196,9 @@ class Mask:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
         return (
-            self.causal
+            self.set_fields() == {"causal"}
             and self.num_queries == self.num_keys
             and self.offset_known == 0
-            and self.lens is None
-            and self.window is None
-            and self.allowed is None
-            and self.bias is None
         )
 
     def boolean(self, B, device):
@@ -188,6 +214,9 @@ class Mask:
             visible = j < hi if lo is None else B.logical_and(j >= lo, j < hi)
         if self.allowed is not None:
             visible = self.allowed if visible is None else B.logical_and(visible, self.allowed)
+        extra = mods.visible(B, self, device)
+        if extra is not None:
+            visible = extra if visible is None else B.logical_and(visible, extra)
         self.__dict__["_visible"] = (device, visible)
         return visible
 
@@ -272,6 +301,7 @@ class Mask:
         return self.host and not (
             (self.lens is not None and self.lens_known is None)
             or ((self.causal or self.window is not None) and self.offset_known is None)
+            or (self.segments is not None and self.segments_known is None)
         )
 
     def _bounds_known(self, b0=0, b1=None, q0=0, q1=None):
@@ -318,7 +348,14 @@ class Mask:
         if (np.maximum(lo, k0) >= np.minimum(hi, k1)).all():
             return "none"
         whole = (lo <= k0).all() and (hi >= k1).all()
-        return "all" if whole and self.allowed is None and self.bias is None else "some"
+        if self.restricted:  # mask_mod, segment_ids (blocks.py); mask= is dense
+            extra = blocks.extra_state(self, b0, b1, q0, q1, k0, k1)
+            if extra == "none":
+                return "none"
+            whole = whole and extra == "all"
+        # (the value forms blocks.py classifies drop from a whole block; others stay)
+        rest = self.set_fields() - INTERVAL_FIELDS - blocks.BLOCK_FIELDS
+        return "all" if whole and not rest else "some"
 
     def key_range(self, b0=0, b1=None, q0=0, q1=None):
         """Host ``(start, stop)``: the keys that any query of the block may see
@@ -348,13 +385,20 @@ class Mask:
         empty = stop <= start
         start[empty], stop[empty] = 0, 0
         whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
-        return start, stop, whole & (self.allowed is None) & (self.bias is None)
+        if self.segments_known is not None:  # narrowed to the rows' segments
+            for b in range(self.batch):
+                start[b], stop[b] = mods.segment_key_range(
+                    self, b, q0, q1 or self.num_queries, start[b], stop[b]
+                )
+        return start, stop, whole & (not self.dense)
 
-    def sub(self, b0, b1, q0, q1, k0, k1):
+    def sub(self, b0, b1, q0, q1, k0, k1, state=None):
         """The Mask of a block: batch elements ``[b0, b1)``, queries ``[q0, q1)``
         and keys ``[k0, k1)``, with positions counted from the block's start.
         A block that every query sees whole gets a Mask without constraints."""
-        if self.block_state(b0, b1, q0, q1, k0, k1) == "all":
+        if state is None:
+            state = self.block_state(b0, b1, q0, q1, k0, k1)
+        if state == "all":
             return Mask(b1 - b0, self.heads, q1 - q0, k1 - k0, host=self.host)
 
         def rows(x, axis_q):
@@ -385,6 +429,7 @@ class Mask:
             allowed=rows(self.allowed, False),
             bias=rows(self.bias, False),
             host=self.host,
+            **blocks.sub_fields(self, b0, b1, q0, q1, k0, k1),
         )
 
     def keys_from(self, k0, size):
@@ -393,10 +438,10 @@ class Mask:
         ``shard_map``); host copies are kept only when ``k0`` is an int.
         Only for interval masks (lengths, causal, window): ``allowed`` and
         ``bias`` are not sliced."""
-        if self.allowed is not None or self.bias is not None:
+        if self.dense:
             raise ValueError(
-                "a block of keys at a traced position takes only "
-                "valid_lens, causal and window, not mask= or bias="
+                "a block of keys at a traced position takes only valid_lens, "
+                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
             )
         host = isinstance(k0, int)
         lens_known = offset_known = None
@@ -427,13 +472,15 @@ class Mask:
         for name in ("lens", "allowed", "bias"):
             if getattr(self, name) is not None:
                 setattr(copy, name, B.snapshot(getattr(self, name)))
+        if self.segments is not None:
+            copy.segments = tuple(B.snapshot(x) for x in self.segments)
         return copy
 
     # -- the rules every path applies ---------------------------------------------------
     def rows_with_keys(self, B, device):
         """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
         None when every query is known to see one."""
-        if self.allowed is None:
+        if not self.restricted:
             if not self.intervals:
                 return None if self.num_keys else B.zeros((1, 1, 1, 1), "bool", device)
             if self._fact("rows_nonempty", self._rows_nonempty):
@@ -467,15 +514,16 @@ class Mask:
     def used_keys(self, B, device):
         """bool (batch|1, 1, K, 1): True where some query of that batch
         element may see the key; None when every key is known to be seen."""
-        if self.allowed is None and not self.intervals:
+        if not self.restricted and not self.intervals:
             return None
         one_row = (
             not self.causal
             and self.window is None
             and (self.lens is None or self.lens.shape[2] == 1)
             and (self.allowed is None or tuple(self.allowed.shape[1:3]) == (1, 1))
+            and not (self.set_fields() - {"lens", "allowed", "bias", "score_mod"})
         )
-        if self.allowed is None and (
+        if not self.restricted and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
             if self._fact("keys_all_used", self._keys_all_used):
@@ -487,7 +535,7 @@ class Mask:
                 if visible is None
                 else visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
             )
-        if self.allowed is None and (
+        if not self.restricted and (
             self.window is None or self.lens is None or self.lens.shape[2] == 1
         ):
             lo, hi = self.bounds(B, device)
@@ -508,12 +556,78 @@ class Mask:
         leak into the product); ``keys``/``values`` (batch, heads, K, d).
         ``guard_keys=False``: the values only (for a caller that masks the
         scores by ``where`` and computes no gradient through the keys)."""
+        if (
+            self.restricted
+            and _size(keys) + _size(values) >= FINITE_CHECK_MIN
+            and all_finite(B, keys, values)
+        ):  # (no dense mask to build)
+            return keys, values
         used = self.used_keys(B, B.device_of(keys))
         if used is None or (
             _size(keys) + _size(values) >= FINITE_CHECK_MIN and all_finite(B, keys, values)
         ):
             return keys, values
         return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
+
+    @property
+    def per_query(self):
+        """Some key is visible to some queries of a batch element and hidden
+        from others (not: no mask, per-batch lengths)."""
+        return not (self.unmasked or self.per_batch_lens is not None)
+
+    def kernel_inputs(self, B, queries, keys, values):
+        """``(keys, values, finish)`` for a framework's kernel: unused key and
+        value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
+        For a kernel without ``B.fused_keeps_nan`` the NaN rules are enforced
+        around it, on the device (no host read): NaN in a query row comes back
+        into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query mask,
+        which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
+        are zeroed before it and the rows that may see one are NaN after it."""
+        keys, values = self.guard_unused(B, keys, values)
+        if B.fused_keeps_nan:
+            return keys, values, lambda out: self.zero_empty_rows(B, out)
+        seen = None
+        # (a kernel that skips the hidden half of top-left causal itself never reads it)
+        if self.per_query and not (self.top_left_causal and B.fused_causal):
+            seen = self._sees_nan_keys(B, queries, keys)
+            if seen is not None:
+                keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)
+
+        def finish(out):
+            dtype = B.dtype_name(out)
+            out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
+            if seen is not None:
+                nan = B.astype(B.asarray(np.float32(np.nan), device=B.device_of(out)), dtype)
+                out = B.where(seen, nan, out)
+            return self.zero_empty_rows(B, out)
+
+        return keys, values, finish
+
+    def _sees_nan_keys(self, B, queries, keys):
+        """bool (batch, heads, Q, 1): the query may see a key with a NaN;
+        None when every query sees every key.
+        One product of the visible keys (as 0/1, heads of a one-head mask in
+        its columns, batch broadcast) with each key's NaN flag."""
+        batch, heads, num_q = queries.shape[:3]
+        work = compute_dtype(B.dtype_name(queries))
+        bad = B.astype(B.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
+        if heads != bad.shape[1]:
+            bad = B.repeat(bad, heads // bad.shape[1], 1)
+        visible = self.boolean(B, B.device_of(keys))
+        if visible is None:  # every query sees every key after all
+            return None
+        visible = B.astype(visible, work)
+        columns = visible.shape[1] == 1
+        if columns:  # (b, 1, Q, K) @ (b, 1, K, heads) -> (b, 1, Q, heads)
+            bad = B.transpose(bad, (0, 3, 2, 1))
+        else:
+            visible = B.broadcast_to(visible, (visible.shape[0], heads, num_q, self.num_keys))
+        if visible.shape[0] != batch:
+            visible = B.broadcast_to(visible, (batch,) + tuple(visible.shape[1:]))
+        count = B.matmul(visible, bad)
+        if columns:
+            count = B.transpose(count, (0, 3, 2, 1))
+        return count > 0
 
     def zero_empty_rows(self, B, out):
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
@@ -531,6 +645,17 @@ def _size(x):
     return math.prod(x.shape)
 
 
+def empty_rows(B, shape, dtype, device, *inputs):
+    """Zeros of ``shape`` for rows that see no key, computed by no kernel but
+    kept in the autodiff graph of ``inputs``: their gradients are exact zeros
+    (a select of one element of each, never taken, so NaN there stays out)."""
+    out = B.zeros(shape, dtype, device)
+    never = B.zeros((1,), "bool", device)
+    for x in inputs:
+        out = out + B.astype(B.sum(B.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
+    return out
+
+
 def all_finite(B, *arrays):
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
     read on the host (False while traced, or when a sum overflows). A pass
@@ -539,6 +664,15 @@ def all_finite(B, *arrays):
     if not all(B.is_concrete(x) for x in arrays):
         return False
     return all(np.isfinite(float(B.to_numpy(B.sum(x.reshape((-1,)), 0)))) for x in arrays)
+
+
+def normalize(B, acc, total):
+    """``acc / total`` per row, 0 where the row saw no key. A row's softmax
+    total is at least 1 when it saw a key (its largest term is exp(0)), and
+    exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
+    propagates (``total > 0`` would turn it into zeros)."""
+    has_keys = total != 0
+    return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
 def masked_softmax(B, scores, visible):
@@ -555,6 +689,28 @@ def masked_softmax(B, scores, visible):
 
 
 # -- from the caller's arguments to one Mask ---------------------------------------------
+
+_SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+
+
+def _window_within(window, num_queries, num_keys, offset_known, offset):
+    """A window side that reaches past every key for every query means no
+    limit (None): the arithmetic on positions then never meets a side near
+    2**31 (which wraps in int32). While the offset is traced, sides are
+    clamped to 2**30 instead."""
+    if window is None or window == (None, None):
+        return window
+    if offset is None:
+        offset_known = num_keys - num_queries
+    if offset_known is None:
+        return tuple(None if s is None else min(s, _SIDE_MAX) for s in window)
+    left, right = window
+    # query positions p run over [offset, offset + Q): p - left <= 0 and p + right >= K - 1
+    if left is not None and left >= offset_known + num_queries - 1:
+        left = None
+    if right is not None and right >= num_keys - 1 - offset_known:
+        right = None
+    return None if left is None and right is None else (left, right)
 
 
 def make_mask(
@@ -573,6 +729,9 @@ def make_mask(
     dtype=None,
     heads_axis=True,
     device=None,
+    mask_mod=None,
+    score_mod=None,
+    segment_ids=None,
 ):
     """Check what the caller gave and normalize it into one ``Mask``.
 
@@ -581,12 +740,16 @@ def make_mask(
     else to (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
     multi-head attention); ``causal`` bool; ``window`` int or (left, right);
     ``offset`` the position of query 0 among the keys (default K - Q);
-    ``dtype`` that of the queries (a bias is cast to its compute dtype).
+    ``dtype`` that of the queries (a bias is cast to its compute dtype);
+    ``mask_mod``, ``score_mod``, ``segment_ids`` as in ``mods.py`` (query
+    positions there count from ``offset`` when it is given, else from 0).
     Lists and NumPy arrays are placed on ``device``.
     """
     lens = lens_known = None
     if valid_lens is not None:
-        lens, lens_known = valid_lens_checked(B, valid_lens, batch, num_queries, device=device)
+        lens, lens_known = valid_lens_checked(
+            B, valid_lens, batch, num_queries, device=device, num_keys=num_keys
+        )
         shape = (batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         if lens_known is not None:
             lens_known = lens_known.reshape(shape)
@@ -611,6 +774,7 @@ def make_mask(
             offset_known = int(B.to_numpy(offset)) if B.is_concrete(offset) else None
         else:
             offset = offset_known = int(offset)
+    window = _window_within(window, num_queries, num_keys, offset_known, offset)
     return Mask(
         batch,
         heads,
@@ -625,4 +789,7 @@ def make_mask(
         allowed=allowed,
         bias=bias,
         host=host,
+        **mods.make_fields(
+            B, batch, num_queries, num_keys, mask_mod, score_mod, segment_ids, offset, device
+        ),
     )

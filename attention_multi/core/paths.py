@@ -19,12 +19,14 @@ float rounding; ``attend`` (attend.py) picks one.
 
 import numpy as np
 
-from .masking import Mask, compute_dtype, fill, fill_against, masked_softmax
+from . import mods
+from .masking import Mask, compute_dtype, empty_rows, fill, fill_against, masked_softmax, normalize
 
 DEFAULT_BLOCK_KEYS = 1024
 DEFAULT_BLOCK_QUERIES = 512
 DEFAULT_TRACED_BLOCK_KEYS = 64
 DEFAULT_DIAGONAL_BLOCK = 256  # chunked blocks under causal or window masks
+EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed after
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
@@ -69,7 +71,8 @@ def _scaled(B, x, scale, work):
 def _scores(B, qs, k, mask, work):
     """``qs k^T + bias`` for scaled queries ``qs``, in the compute dtype."""
     s = B.matmul(qs, B.astype(k, work) if B.dtype_name(k) != work else k, transpose_b=True)
-    return s if mask.bias is None else s + mask.bias
+    s = s if mask.bias is None else s + mask.bias
+    return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
 def _weights4(B, q, k, mask, scale):
@@ -106,12 +109,13 @@ def full(B, q, k, v, mask, scale, dropout=0.0, key=None):
 
 def fused(B, q, k, v, mask, scale, memory_budget=None, dropout=0.0):
     """The backend's kernel (None when it declines), with the core's rules
-    around it: unused key/value rows zeroed before, empty rows zeroed after."""
-    if not B.has_fused_attention:
+    around it: unused key/value rows zeroed before, empty rows zeroed after,
+    NaN kept where the kernel would not (``Mask.kernel_inputs``)."""
+    if not B.has_fused_attention or mask.score_mod is not None:
         return None
-    k, v = mask.guard_unused(B, k, v)
+    k, v, finish = mask.kernel_inputs(B, q, k, v)  # (and the NaN rules)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
-    return None if out is None else mask.zero_empty_rows(B, out)
+    return None if out is None else finish(out)
 
 
 # -- online softmax ------------------------------------------------------------------
@@ -130,7 +134,10 @@ def softmax_block(B, qs, k, v, mask, work, dropout=None):
     if visible is not None:
         s = B.where(visible, s, fill_against(B, work, device))
     row_max = B.max(s, -1, keepdims=True)
-    p = B.exp(s - row_max)
+    x = s - row_max
+    if visible is not None:  # (exp of the lowest finite float is ~10x slower on CPUs)
+        x = B.where(visible, x, EXP_FLOOR)
+    p = B.exp(x)
     if visible is not None:  # a row with no visible key has s == row_max
         p = B.where(visible, p, 0.0)
     row_sum = B.sum(p, -1, keepdims=True)
@@ -151,8 +158,7 @@ def merge_blocks(B, a, b):
 def finish_blocks(B, state):
     """``accumulator / row sum``; rows with no visible key give zeros."""
     _, row_sum, acc = state
-    has_keys = row_sum > 0
-    return B.where(has_keys, acc / B.where(has_keys, row_sum, 1.0), 0.0)
+    return normalize(B, acc, row_sum)
 
 
 def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropout=0.0, key=None):
@@ -206,7 +212,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
 
             state = B.checkpoint(step, state, qs, k, v)
         if state is None:  # no query of this block may see any key
-            outs.append(B.zeros((batch, heads, q1 - q0, v.shape[-1]), work, device))
+            outs.append(empty_rows(B, (batch, heads, q1 - q0, v.shape[-1]), work, device, qs, k, v))
         else:
             outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
@@ -266,8 +272,8 @@ def tiled(B, q, k, v, mask, scale, plan, dropout=0.0, key=None):
 
     def tile(index):
         b, q0, q1, start, stop, whole = plan.tasks[index]
-        if stop <= start:
-            return B.zeros((1, heads, q1 - q0, dv), dtype, device)
+        if stop <= start:  # (still in the autodiff graph)
+            return empty_rows(B, (1, heads, q1 - q0, dv), dtype, device, q, k, v)
         sub = (
             Mask(1, heads, q1 - q0, stop - start)
             if whole
@@ -314,7 +320,7 @@ def softmax_product(B, q, k, v, mask, scale, dropout=None):
     visible = mask.boolean(B, B.device_of(q))
     if visible is not None:
         s = B.where(visible, s, fill_against(B, work, B.device_of(q)))
-    shift = mask.bias is not None or not B.is_concrete(q)
+    shift = mask.bias is not None or mask.score_mod is not None or not B.is_concrete(q)
     if not shift:
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2

@@ -177,7 +177,8 @@ class _Attention(Module):
 class AdditiveAttention(_Attention):
     """Additive attention: ``w_v^T tanh(W_q q + W_k k)`` as the score.
 
-    Two signatures (see ``bind_editions``): the seeds'
+    Two signatures (see
+    [`bind_editions`][attention_multi.modules.attention.bind_editions]): the seeds'
     ``AdditiveAttention(key_size, query_size, num_hiddens, dropout)`` (3 or 4
     positional arguments) and d2l 1.0's ``AdditiveAttention(num_hiddens,
     dropout)`` (at most 2), whose ``W_k`` and ``W_q`` are lazily sized unless
@@ -328,11 +329,15 @@ class DotProductAttention(_Attention):
         bias: Array | None = None,
         causal: bool = False,
         window: Window = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
+        segment_ids: Any = None,
         key: Any = None,
     ) -> Array:
         """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
         (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
-        ``causal`` and ``window`` are those of ``dot_product_attention``;
+        ``causal``, ``window``, ``mask_mod``, ``score_mod`` and
+        ``segment_ids`` are those of ``dot_product_attention``;
         ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values)
         if queries.shape[2] != keys.shape[2]:
@@ -349,6 +354,9 @@ class DotProductAttention(_Attention):
             bias=bias,
             causal=causal,
             window=window,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            segment_ids=segment_ids,
         )
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
@@ -380,7 +388,8 @@ class DotProductAttention(_Attention):
 class MultiHeadAttention(_Attention):
     """Multi-head attention over ``num_heads`` scaled dot-product heads.
 
-    Two signatures (see ``bind_editions``): the seeds'
+    Two signatures (see
+    [`bind_editions`][attention_multi.modules.attention.bind_editions]): the seeds'
     ``MultiHeadAttention(key_size, query_size, value_size, num_hiddens,
     num_heads, dropout, bias=False)`` (5 to 7 positional arguments) and d2l
     1.0's ``MultiHeadAttention(num_hiddens, num_heads, dropout, bias=False)``
@@ -463,6 +472,9 @@ class MultiHeadAttention(_Attention):
         bias: Array | None = None,
         causal: bool = False,
         window: Window = None,
+        mask_mod: Any = None,
+        score_mod: Any = None,
+        segment_ids: Any = None,
         key: Any = None,
         cache: Any = None,
     ) -> Any:
@@ -474,8 +486,9 @@ class MultiHeadAttention(_Attention):
         With ``cache`` (from ``init_cache``): this step's keys and values are
         projected and written at the cache's length, and the queries attend
         causally (bottom-right) over every cached position so far; the keys
-        axis of ``valid_lens``, ``mask``, ``bias`` is then the cache's
-        (``max_len``). Returns ``(output, new cache)``.
+        axis of ``valid_lens``, ``mask``, ``bias``, ``segment_ids`` is then
+        the cache's (``max_len``), and a ``mask_mod``'s ``q_idx`` is the
+        query's position in the cache. Returns ``(output, new cache)``.
         """
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, self.value_size))
         B, h = self._backend, self.num_heads
@@ -509,6 +522,9 @@ class MultiHeadAttention(_Attention):
             causal=causal,
             window=window,
             offset=offset,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
+            segment_ids=segment_ids,
         )
         out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = B.transpose(out, (0, 2, 1, 3))

@@ -38,11 +38,12 @@ class NWKernelRegression(Module):
         n, m = keys.shape
         w = self._param("w")
         if n * m == 0:  # no query, or no key: zero output
-            self._keep_attention(zeros_for_empty(B, (n, m), queries, keys, w))
+            empty = zeros_for_empty(B, (n, m), queries, keys, w)
+            self._keep_attention(lambda: empty)  # a thunk: torch.export warns of tensor attributes
             return zeros_for_empty(B, (n,), queries, keys, values, w)
         d = (queries.reshape((n, 1)) - keys) * w
         weights = masked_softmax(B, -(d * d) / 2, None)
-        self._keep_attention(weights)
+        self._keep_attention(lambda: weights)  # a thunk, as above
         return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
 
 

@@ -85,6 +85,33 @@ class _Target:
             return value.detach().cpu().numpy()
         return self.module.backend.to_numpy(value)
 
+    def _storage(self, name: str) -> Any:
+        """What two names that share one parameter (tied weights) share."""
+        v = self.arrays[name]
+        if self.torch is not None and v.numel():
+            return (v.data_ptr(), tuple(v.shape), tuple(v.stride()), v.dtype)
+        return id(v)
+
+    def check_tied(self, params: MappingType[str, np.ndarray], label: str) -> None:
+        """Raise ValueError where names that share one parameter would get
+        different values (the last would silently win)."""
+        groups: dict[Any, list[str]] = {}
+        for name in params:
+            groups.setdefault(self._storage(name), []).append(name)
+        for names in groups.values():
+            first = params[names[0]]
+            for other in names[1:]:
+                value = params[other]
+                same = first.shape == value.shape and np.array_equal(
+                    first, value, equal_nan=first.dtype.kind in "fc" and value.dtype.kind in "fc"
+                )
+                if not same:
+                    raise ValueError(
+                        f"{self.label}.{names[0]} and {self.label}.{other} are one (tied) "
+                        f"parameter, but {label} gives them different values; untie them "
+                        "or give both the same values"
+                    )
+
     def assign(self, params: MappingType[str, np.ndarray]) -> None:
         """Load ``{name: numpy array}`` (every name, shapes checked), cast to
         each entry's dtype. Everything is converted before anything is written."""
@@ -162,14 +189,17 @@ def load_into(module: _M, path: Source) -> _M:
     ``torch.nn.Module`` with the Gluon model's architecture; names pair as
     ``mapping`` shows. Strict: anything missing, left over, ambiguous or of
     another shape raises ValueError naming it (and the file), and then
-    nothing is loaded. Values are cast to the module's dtypes. Modules with
+    nothing is loaded; so do tied parameters (one parameter under two names)
+    that the file gives different values. Values are cast to the module's dtypes. Modules with
     lazily sized layers must have been called once. Call ``module.eval()``
     before comparing outputs (dropout; BatchNorm's running statistics).
     """
     target = _Target(module)
     params, m = _mapping(path, target)
     m.check()
-    target.assign({row.torch: params[row.gluon] for row in m.rows})
+    values = {row.torch: params[row.gluon] for row in m.rows}
+    target.check_tied(values, m.source_label)
+    target.assign(values)
     return module
 
 

@@ -25,9 +25,11 @@ Gluon's ``save_parameters`` writes structural names (``blks.0.attention.W_q.weig
 from __future__ import annotations
 
 import os
+import stat
 import struct
+import sys
 from collections.abc import Mapping
-from typing import Any, NoReturn, Union
+from typing import IO, Any, NoReturn, Union
 
 import numpy as np
 
@@ -40,6 +42,7 @@ __all__ = ["load_mxnet_params", "save_mxnet_params"]
 _LIST_MAGIC = 0x112
 _V1, _V2, _V3 = 0xF993FAC8, 0xF993FAC9, 0xF993FACA
 _CPU = 1  # mxnet Context::kCPU
+_MAX_NDIM = 64  # NumPy 2's limit (NumPy 1 holds 32); MXNet's own is 32
 
 # mshadow type flags (verified by saving each dtype with mxnet 1.9.1).
 # 12 is bfloat16, which NumPy lacks, so it is rejected like any unknown flag.
@@ -57,24 +60,45 @@ _FLAGS = {np.dtype(name): flag for flag, name in _DTYPES.items()}
 
 
 class _Reader:
-    """Bounds-checked cursor over the file bytes; errors carry path and offset."""
+    """Bounds-checked cursor over an open file; errors carry path and offset.
 
-    def __init__(self, path: PathLike, data: bytes) -> None:
-        self.path, self.data, self.pos = os.fspath(path), memoryview(data), 0
+    ``size`` is the file's length when known (a regular file): counts and
+    lengths are checked against it before anything is read. Otherwise (a FIFO,
+    a device) bytes are read as the header announces them, in bounded chunks,
+    so that memory grows only with what actually arrives.
+    """
+
+    _CHUNK = 1 << 24
+
+    def __init__(self, path: PathLike, f: IO[bytes], size: int | None) -> None:
+        self.path, self.f, self.size, self.pos = os.fspath(path), f, size, 0
 
     def fail(self, msg: str, at: int | None = None) -> NoReturn:
         at = self.pos if at is None else at
         raise ValueError(f"{self.path}: {msg} (at byte {at})")
 
-    def take(self, n: int, what: str) -> memoryview:
-        left = len(self.data) - self.pos
-        if n > left:
-            raise ValueError(
-                f"{self.path}: truncated at byte {self.pos} while reading "
-                f"{what} (needed {n} bytes, {left} left)"
-            )
-        start, self.pos = self.pos, self.pos + n
-        return self.data[start : self.pos]
+    def left(self) -> int | None:
+        return None if self.size is None else self.size - self.pos
+
+    def take(self, n: int, what: str) -> bytes:
+        left = self.left()
+        if left is not None and n > left:
+            self._truncated(n, left, what)
+        parts, got = [], 0
+        while got < n:
+            part = self.f.read(min(n - got, self._CHUNK))
+            if not part:
+                self._truncated(n, got, what)
+            parts.append(part)
+            got += len(part)
+        self.pos += n
+        return b"".join(parts)
+
+    def _truncated(self, n: int, left: int, what: str) -> NoReturn:
+        raise ValueError(
+            f"{self.path}: truncated at byte {self.pos} while reading "
+            f"{what} (needed {n} bytes, {left} left)"
+        )
 
     def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
         return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))
@@ -83,8 +107,8 @@ class _Reader:
         """Read a uint64 count; refuse counts the remaining bytes cannot hold."""
         at = self.pos
         (n,) = self.unpack("<Q", what)
-        left = len(self.data) - self.pos
-        if n * min_item_size > left:
+        left = self.left()
+        if left is not None and n * min_item_size > left:
             self.fail(f"{what} is {n}, but only {left} bytes are left", at)
         return n
 
@@ -101,9 +125,9 @@ class _Reader:
                     f"array {i} has unsupported storage type {stype} (only 0 = dense is supported)",
                     at,
                 )
-        at = self.pos
+        at = shape_at = self.pos
         (ndim,) = self.unpack("<i", f"the shape of array {i}")
-        if ndim < 0 and not (magic == _V3 and ndim == -1):
+        if ndim > _MAX_NDIM or (ndim < 0 and not (magic == _V3 and ndim == -1)):
             self.fail(f"array {i} has invalid ndim {ndim}", at)
         shape = self.unpack(f"<{max(ndim, 0)}q", f"the shape of array {i}")
         if (magic == _V3 and (ndim == -1 or -1 in shape)) or (magic != _V3 and ndim == 0):
@@ -117,8 +141,13 @@ class _Reader:
             self.fail(f"array {i} has unsupported dtype flag {flag}", at)
         dtype = np.dtype(_DTYPES[flag])
         size = int(np.prod(shape, dtype=object))  # exact Python int, no overflow
+        if size * dtype.itemsize > sys.maxsize:
+            self.fail(f"array {i} has shape {shape}, too large to hold", shape_at)
         raw = self.take(size * dtype.itemsize, f"the data of array {i}")
-        return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+        try:
+            return np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+        except ValueError as exc:  # more dims than this NumPy holds; a zero-size shape too big
+            self.fail(f"array {i} has shape {shape}, which NumPy cannot hold: {exc}", shape_at)
 
 
 def load_mxnet_params(path: PathLike) -> dict[str, np.ndarray]:
@@ -127,10 +156,17 @@ def load_mxnet_params(path: PathLike) -> dict[str, np.ndarray]:
     A leading ``arg:`` or ``aux:`` prefix (written by ``mx.model.save_checkpoint``)
     is stripped from names, as Gluon's ``ParameterDict.load`` does. Files saved
     from a list (no names) get the keys ``"0"``, ``"1"``, ... Raises ValueError
-    (naming the file and byte offset) for malformed or unsupported content.
+    (naming the file and byte offset) for malformed or unsupported content,
+    names with a NUL byte included. Only what the header announces is read:
+    a FIFO or a device (``/dev/zero``) is refused as soon as its bytes stop
+    making sense, never read whole.
     """
     with open(path, "rb") as f:
-        r = _Reader(path, f.read())
+        info = os.fstat(f.fileno())
+        return _load(_Reader(path, f, info.st_size if stat.S_ISREG(info.st_mode) else None))
+
+
+def _load(r: _Reader) -> dict[str, np.ndarray]:
     (magic, _reserved) = r.unpack("<QQ", "the file header")
     if magic != _LIST_MAGIC:
         r.fail(f"not an MXNet NDArray file: list magic is 0x{magic:X}, expected 0x112", 0)
@@ -148,13 +184,16 @@ def load_mxnet_params(path: PathLike) -> dict[str, np.ndarray]:
             name = str(raw, "utf-8")
         except UnicodeDecodeError:
             r.fail(f"name {i} is not valid UTF-8", r.pos - length)
+        if "\x00" in name:
+            r.fail(f"name {i} ({name!r}) contains a NUL byte", r.pos - length)
         if name.startswith(("arg:", "aux:")):
             name = name[4:]
         if name in names:
             r.fail(f"duplicate name {name!r}", r.pos - length)
         names.append(name)
-    if r.pos != len(r.data):
-        r.fail(f"{len(r.data) - r.pos} unexpected trailing bytes")
+    left = r.left()
+    if left or (left is None and r.f.read(1)):
+        r.fail(f"{left or 'at least 1'} unexpected trailing bytes")
     return dict(zip(names or map(str, range(len(arrays))), arrays))
 
 
@@ -184,6 +223,8 @@ def save_mxnet_params(params: Mapping[str, Any], path: PathLike, *, np_mode: boo
         out.append(np.ascontiguousarray(a, a.dtype.newbyteorder("<")).tobytes())
     out.append(struct.pack("<Q", len(params)))
     for name in params:
+        if "\x00" in str(name):
+            raise ValueError(f"{name!r}: a name with a NUL byte cannot be read back")
         raw = str(name).encode("utf-8")
         out += [struct.pack("<Q", len(raw)), raw]
     with atomic_write(path) as f:

@@ -69,7 +69,8 @@ def assert_close(
 ) -> None:
     """Raise AssertionError unless ``|actual - expected| <= atol + rtol * |expected|``
     everywhere (the same shape; equal infinities match; NaN matches NaN only
-    with ``equal_nan``).
+    with ``equal_nan``). Integers are compared exactly (int64 past 2**53 too),
+    complex numbers by their distance (both parts).
 
     ``actual`` and ``expected`` may be arrays of different frameworks. The
     default ``rtol``/``atol`` are ``default_tolerances`` of their dtypes
@@ -91,13 +92,23 @@ def assert_close(
         raise AssertionError(f"{head}shapes differ: actual {a.shape}, expected {e.shape}\n{kinds}")
     if check_dtype and a_dtype != e_dtype:
         raise AssertionError(f"{head}dtypes differ: actual {a_dtype}, expected {e_dtype}\n{kinds}")
-    a64, e64 = a.astype(np.float64), e.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a64 - e64)
-        allowed = atol + rtol * np.abs(e64)
-        close = np.where(np.isfinite(a64) & np.isfinite(e64), diff <= allowed, a64 == e64)
-        if equal_nan:
-            close |= np.isnan(a64) & np.isnan(e64)
+    if a.dtype.kind in "iub" and e.dtype.kind in "iub":
+        # integers exactly, as Python ints (int64 past 2**53 is not a float)
+        a_obj, e_obj = a.astype(object), e.astype(object)
+        exact = np.abs(a_obj - e_obj)
+        close = np.asarray(exact <= atol + rtol * np.abs(e_obj), bool)
+        a64, e64 = a.astype(np.float64), e.astype(np.float64)
+        diff, allowed = exact.astype(np.float64), atol + rtol * np.abs(e64)
+    else:
+        # complex: the distance in the plane, so both parts count
+        wide = np.complex128 if "c" in (a.dtype.kind, e.dtype.kind) else np.float64
+        a64, e64 = a.astype(wide), e.astype(wide)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.abs(a64 - e64)
+            allowed = atol + rtol * np.abs(e64)
+            close = np.where(np.isfinite(a64) & np.isfinite(e64), diff <= allowed, a64 == e64)
+            if equal_nan:
+                close |= np.isnan(a64) & np.isnan(e64)
     bad = ~close
     count = int(bad.sum())
     if count == 0:
@@ -105,7 +116,7 @@ def assert_close(
     ranked = np.where(bad, np.nan_to_num(diff, nan=np.inf, posinf=np.inf), -1.0)
     worst = np.unravel_index(int(np.argmax(ranked)), a.shape)
     finite = np.isfinite(diff)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         rel = np.where(finite & (e64 != 0), diff / np.abs(e64), 0.0)
     lines = [
         f"{head}arrays are not close (rtol={rtol:g}, atol={atol:g}): {count} of {a.size} "

@@ -35,9 +35,18 @@ import sys
 
 from ...config import get_backend
 from ...files import atomic_write, check_writable
+from ..arguments import (
+    backend_names,
+    nonnegative_int,
+    one_of,
+    positive_float,
+    positive_int,
+    positive_ints,
+)
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
+from .packed import PACKED, packed_table, run_packed
 from .ring import RING, RING_BUDGET, ring_table, run_ring
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
@@ -54,43 +63,53 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--backends",
+        type=backend_names,
         default="numpy,torch,jax,mxnet",
         help="comma-separated backends to measure (default: all installed)",
     )
     parser.add_argument(
         "--shapes",
+        type=one_of(list(DOT_SHAPES), "shape"),
         default=None,
         help="comma-separated from small,medium,large (default: all; --quick: medium)",
     )
     parser.add_argument(
         "--seconds",
-        type=float,
+        type=positive_float,
         default=None,
         help="timing budget per comparison (default 3; --quick 1)",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="torch intra-op threads (default: the number of cores)",
     )
     parser.add_argument(
         "--long-length",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help=f"T of the long-sequence case (default {LONG['length']}; --quick 4096; 0 skips it)",
     )
     parser.add_argument(
         "--ring-length",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help=f"T of the ring-attention case (default {RING['length']}; --quick 2048; 0 skips it)",
     )
     parser.add_argument(
         "--ring-processes",
+        type=positive_ints,
         default="1,2,4",
         help="comma-separated process counts of the ring case "
         "(default 1,2,4; T must be a multiple of 16 times each)",
+    )
+    parser.add_argument(
+        "--packed-batch",
+        type=int,
+        default=None,
+        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
+        "with --shapes 0; 0 skips it)",
     )
     parser.add_argument(
         "--no-memory", action="store_true", help="skip the peak-memory cases under autograd"
@@ -112,11 +131,23 @@ def add_arguments(parser):
 def main(args):
     import backends
 
-    wanted = [b.strip() for b in args.backends.split(",") if b.strip()]
+    wanted = args.backends
     available = backends.available_backends()
-    shapes = (
-        args.shapes.split(",") if args.shapes else ["medium"] if args.quick else list(DOT_SHAPES)
+    shapes = args.shapes or (["medium"] if args.quick else list(DOT_SHAPES))
+    ring_length = (
+        args.ring_length
+        if args.ring_length is not None
+        else (2048 if args.quick else RING["length"])
     )
+    uneven = [n for n in args.ring_processes if ring_length % (16 * n)]
+    if ring_length and uneven:  # the ring splits T into 16-position blocks per process
+        print(
+            f"attention-multi bench: error: --ring-length {ring_length} is not a multiple "
+            f"of 16 times each of --ring-processes {','.join(map(str, args.ring_processes))} "
+            f"(not of {', '.join(str(16 * n) for n in uneven)})",
+            file=sys.stderr,
+        )
+        return 2
     seconds = args.seconds or (1.0 if args.quick else 3.0)
     length = (
         args.long_length
@@ -133,14 +164,9 @@ def main(args):
         print(f"  long case T={length} ...", file=sys.stderr, flush=True)
         launcher_rss = rss_now_mib()
         long_results = run_long([n for n in wanted if n in available], length, threads)
-    ring_length = (
-        args.ring_length
-        if args.ring_length is not None
-        else (2048 if args.quick else RING["length"])
-    )
     ring_results = []
     if ring_length and "torch" in wanted and "torch" in available:
-        sizes = [int(n) for n in args.ring_processes.split(",") if n.strip()]
+        sizes = args.ring_processes
         print(
             f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr, flush=True
         )
@@ -231,6 +257,22 @@ def main(args):
             f"(ru_maxrss) of the largest.\n"
         )
         print(ring_table(ring_results))
+    packed_batch = (
+        args.packed_batch
+        if args.packed_batch is not None
+        else (0 if args.shapes else 1 if args.quick else PACKED["batch"])
+    )
+    packed_rows = []
+    if packed_batch:
+        print("  packed documents ...", file=sys.stderr, flush=True)
+        packed_rows = run_packed(usable, seconds, {"batch": packed_batch})
+        print(
+            f"\nPacked and programmable: B={packed_batch}, T={PACKED['length']}, "
+            f"{PACKED['heads']} heads, d={PACKED['head_size']}, documents of lengths uniform "
+            f"in {list(PACKED['docs'])} filling each row, causal within documents "
+            f"(segment_ids= + causal=True), float32.\n"
+        )
+        print(packed_table(packed_rows))
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump(
@@ -261,6 +303,7 @@ def main(args):
                     "long": long_results,
                     "memory": memory_results,
                     "ring": ring_results,
+                    "packed": packed_rows,
                 },
                 f,
                 indent=1,

@@ -24,7 +24,6 @@ Files: ``cases.py`` (what is checked), ``run.py`` (running it on a backend),
 ``render.py`` (Markdown and figures), ``frameworks.py`` (the frameworks' own).
 """
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import backends
 
 from ...files import WriteError, atomic_write, check_writable, make_directory
+from ..arguments import backend_names, device_names
 from . import frameworks
 from .cases import DTYPES, MECHANISMS, make_inputs, references, rounded
 from .render import figures, markdown, summary, table
@@ -43,38 +43,16 @@ DEFAULT_OUT = "attention-multi-report"
 EXIT_CANNOT_WRITE = 3
 
 
-def _names(text, check, what):
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError(f"no {what} given in {text!r}")
-    try:
-        return list(dict.fromkeys(check(n) for n in names))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _backend_names(text):
-    return _names(text, backends.canonical_name, "backends")
-
-
-def _device_names(text):
-    def check(name):
-        kind, index = backends.parse_device(name)
-        return kind if kind == "cpu" else f"{kind}:{index}" if index else kind
-
-    return _names(text, check, "devices")
-
-
 def add_arguments(parser):
     parser.add_argument(
         "--backends",
-        type=_backend_names,
-        default=list(backends.BACKEND_NAMES),
+        type=backend_names,
+        default=",".join(backends.BACKEND_NAMES),  # a string, so that argparse checks it too
         help="comma-separated, default: all (%(default)s)",
     )
     parser.add_argument(
         "--devices",
-        type=_device_names,
+        type=device_names,
         default=["cpu", "cuda"],
         help="comma-separated, default: cpu,cuda (absent ones are listed, not failed)",
     )

@@ -111,6 +111,7 @@ def multi_head_heatmaps(weights, heads, lens):
         titles=[f"Head {h + 1}" for h in range(heads)],
         figsize=(2.5 * heads, 1.9 * w.shape[0]),
     )
+    fig.suptitle("Multi-head attention weights")
     for b, first in enumerate(fig.axes[: w.shape[0] * heads : heads]):
         first.set_ylabel(f"batch {b} (valid_len {lens[b]})\nQueries")
     return fig
@@ -144,23 +145,24 @@ def figures(out, B, device, inputs, trainer):
     def weights(case):  # the attention weights of a case's module
         return r.numpy(RUNS[case](r, i)[1])
 
-    for case, filename, caption in (
-        (
-            "AdditiveAttention, seed example",
-            "heatmap_additive.png",
-            "Additive attention weights, valid_lens [2, 6]",
-        ),
-        (
-            "DotProductAttention, seed example",
-            "heatmap_dot_product.png",
-            "Dot-product attention weights, valid_lens [2, 6]",
-        ),
+    # The seeds' keys are all ones, so every valid key scores the same: both
+    # mechanisms give uniform weights over the valid keys (1/2 and 1/6), alike.
+    alike = (
+        ": uniform over the valid keys (1/2 and 1/6), as the seeds' keys are all "
+        "equal (every valid key scores the same), hence the same picture for both"
+    )
+    for case, filename, title in (
+        ("AdditiveAttention, seed example", "heatmap_additive.png", "Additive attention"),
+        ("DotProductAttention, seed example", "heatmap_dot_product.png", "Dot-product attention"),
     ):
-        save(
-            am.show_heatmaps(weights(case).reshape((1, 1, 2, 10)), xlabel="Keys", ylabel="Queries"),
-            filename,
-            caption,
+        fig = am.show_heatmaps(
+            weights(case).reshape((1, 1, 2, 10)),
+            xlabel="Keys",
+            ylabel="Queries (batch 0, 1)",
+            titles=[f"{title}, valid_lens [2, 6]"],
+            figsize=(4, 2.5),
         )
+        save(fig, filename, f"{title} weights of the seeds' example{alike}")
 
     lens = i["m_lens"]
     save(

@@ -1,0 +1,182 @@
+"""The "packed and programmable" table: documents packed into rows, causal
+within each document (``segment_ids`` + ``causal``), against the peers.
+
+- torch forward: ours (block states computed in the call) against
+  ``flex_attention`` compiled with a prebuilt ``BlockMask``;
+- torch forward+backward: ours against SDPA with the dense boolean mask;
+- NumPy, JAX (``jit``), MXNet forward: ours against their dense-mask
+  attention (``jax.nn.dot_product_attention(mask=)``; NumPy and MXNet:
+  ``dot_product_attention(mask=)`` with the dense mask, their one kernel);
+- the same mask as a ``mask_mod`` lambda against the built-in form.
+
+Each row states the share of the scores ours computes (blocks not empty).
+"""
+
+import numpy as np
+
+from .timing import compare
+
+PACKED = {"batch": 4, "length": 4096, "heads": 8, "head_size": 64, "docs": (64, 1024)}
+
+
+def packed_ids(batch, length, low, high, seed=0):
+    """(batch, length) segment ids: documents of lengths uniform in
+    [low, high] filling each row (the last one cut)."""
+    import attention_multi as am
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(batch):
+        lengths = []
+        while sum(lengths) < length:
+            lengths.append(int(rng.integers(low, high + 1)))
+        lengths[-1] -= sum(lengths) - length
+        rows.append(lengths)
+    return am.segments_from_lengths(rows, length)
+
+
+def _dense(ids):
+    t = ids.shape[1]
+    return (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((t, t), bool))
+
+
+def run_packed(backends_wanted, seconds, shape=None):
+    """Rows ``(backend, measured, against, ours_s, theirs_s, ratio, fraction, err)``."""
+    import attention_multi as am
+    import backends
+    from attention_multi.core import make_mask
+    from attention_multi.core.blocked import computed_fraction
+
+    p = dict(PACKED, **(shape or {}))
+    B, T, H, d = p["batch"], p["length"], p["heads"], p["head_size"]
+    ids = packed_ids(B, T, *p["docs"])
+    rng = np.random.default_rng(0)
+    qn, kn, vn = (rng.standard_normal((B, H, T, d), dtype=np.float32) for _ in range(3))
+    npm = make_mask(backends.load("numpy"), B, H, T, T, segment_ids=ids, causal=True)
+    fraction = computed_fraction(npm)
+    rows = []
+
+    def row(name, what, against, ours, theirs, sync=lambda x: x):
+        a, b = ours(), theirs()
+        err = float(np.abs(np.asarray(sync(a), np.float64) - np.asarray(sync(b))).max())
+        t_ours, t_theirs, _ = compare(ours, theirs, seconds, sync)
+        rows.append((name, what, against, t_ours, t_theirs, t_ours / t_theirs, fraction, err))
+
+    if "torch" in backends_wanted:
+        import torch
+        from torch.nn.attention import flex_attention as flex
+
+        q, k, v = (torch.tensor(x) for x in (qn, kn, vn))
+        seg = torch.tensor(ids)
+
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
+
+        block = flex.create_block_mask(doc_causal, B, None, T, T, device="cpu")
+        compiled = torch.compile(flex.flex_attention)
+
+        def ours():
+            return am.dot_product_attention(q, k, v, segment_ids=seg, causal=True)
+
+        row(
+            "torch",
+            "forward",
+            "flex_attention, compiled, prebuilt BlockMask",
+            ours,
+            lambda: compiled(q, k, v, block_mask=block),
+            lambda x: x.detach().numpy(),
+        )
+        row(
+            "torch",
+            "forward, mask_mod lambda",
+            "the same with segment_ids=",
+            lambda: am.dot_product_attention(q, k, v, mask_mod=doc_causal),
+            ours,
+            lambda x: x.detach().numpy(),
+        )
+        dense = torch.tensor(_dense(ids)[:, None])
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+        def train(f):
+            def step():
+                for t in (qg, kg, vg):
+                    t.grad = None
+                out = f()
+                out.sum().backward()
+                return out
+
+            return step
+
+        row(
+            "torch",
+            "forward+backward",
+            "SDPA, dense boolean mask",
+            train(lambda: am.dot_product_attention(qg, kg, vg, segment_ids=seg, causal=True)),
+            train(
+                lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qg, kg, vg, attn_mask=dense
+                )
+            ),
+            lambda x: x.detach().numpy(),
+        )
+    if "jax" in backends_wanted:
+        import jax
+        import jax.numpy as jnp
+
+        q, k, v = (jnp.asarray(x) for x in (qn, kn, vn))
+        seg, dense = jnp.asarray(ids), jnp.asarray(_dense(ids)[:, None])
+        ours = jax.jit(
+            lambda q, k, v, s: am.dot_product_attention(q, k, v, segment_ids=s, causal=True)
+        )
+        theirs = jax.jit(
+            lambda q, k, v, m: jnp.swapaxes(
+                jax.nn.dot_product_attention(*(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), mask=m),
+                1,
+                2,
+            )
+        )
+        row(
+            "jax",
+            "forward (jit)",
+            "jax.nn.dot_product_attention, dense mask",
+            lambda: ours(q, k, v, seg),
+            lambda: theirs(q, k, v, dense),
+            lambda x: np.asarray(x.block_until_ready()),
+        )
+    for name in ("numpy", "mxnet"):
+        if name not in backends_wanted:
+            continue
+        Bk = backends.load(name)
+        q, k, v = (Bk.asarray(x) for x in (qn, kn, vn))
+        seg, dense = Bk.asarray(ids), Bk.asarray(_dense(ids)[:, None])
+        row(
+            name,
+            "forward",
+            "its dense-mask attention (mask=)",
+            lambda q=q, k=k, v=v, s=seg: am.dot_product_attention(
+                q, k, v, segment_ids=s, causal=True
+            ),
+            lambda q=q, k=k, v=v, m=dense: am.dot_product_attention(q, k, v, mask=m),
+            Bk.to_numpy,
+        )
+    return rows
+
+
+def packed_table(rows):
+    head = (
+        "backend",
+        "measured",
+        "against",
+        "ours ms",
+        "theirs ms",
+        "ratio",
+        "scores computed",
+        "max |diff|",
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, what, against, a, b, r, f, e in rows:
+        lines.append(
+            f"| {name} | {what} | {against} | {a * 1e3:.1f} | {b * 1e3:.1f} | {r:.2f}x "
+            f"| {f:.1%} | {e:.1e} |"
+        )
+    return "\n".join(lines)

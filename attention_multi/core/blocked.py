@@ -1,0 +1,181 @@
+"""The block-sparse path of the programmable forms (``mask_mod``,
+``score_mod``, ``segment_ids``): online softmax per batch element and block
+of queries, over the blocks of keys that are not empty.
+
+On the host (values concrete) the block states come from
+``blocks.host_table``: empty blocks are never computed, full ones without a
+mask. While traced (``jax.jit``), each block goes through ``Backend.cond`` on
+a device-side test (intervals, segment ids' least and largest values, the
+mask_mod on the block's grid), so blocks are skipped at run time and nothing
+recompiles when the layout changes. Under autodiff each block is recomputed
+in the backward pass.
+"""
+
+import numpy as np
+
+from . import blocks, mods
+from .masking import Mask, compute_dtype, fill
+from .paths import _scaled, dropout_fn, expand_kv, finish_blocks, merge_blocks, softmax_block
+
+DEFAULT_BLOCK = 128
+KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
+TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
+
+
+def pick_block(mask, traced):
+    """Blocks of queries x keys: a BlockMask's own, else square blocks."""
+    if mask.blocks is not None:
+        return mask.blocks.block_q, mask.blocks.block_k
+    if traced:
+        return min(TRACED_BLOCK, mask.num_queries), min(TRACED_BLOCK, mask.num_keys)
+    return min(DEFAULT_BLOCK, mask.num_queries), min(KEY_BLOCK, mask.num_keys)
+
+
+def computed_fraction(mask, block_q=None, block_k=None):
+    """The share of the (batch, Q, K) scores in blocks that are computed
+    (host; None while traced)."""
+    if block_q is None:
+        block_q, block_k = pick_block(mask, False)
+    table = blocks.host_table(mask, block_q, block_k)
+    if table is None:
+        return None
+    nq, nk = mask.num_queries, mask.num_keys
+    qn = [min(block_q, nq - i) for i in range(0, nq, block_q)]
+    kn = [min(block_k, nk - j) for j in range(0, nk, block_k)]
+    size = np.outer(qn, kn)
+    table = np.broadcast_to(table, (mask.batch,) + table.shape[1:])
+    return float(((table != blocks.EMPTY) * size).sum() / (mask.batch * nq * nk))
+
+
+def _spans(table, b, qi, num_k, block_k):
+    """``(k0, k1, state)`` of one row of blocks: every block while traced
+    (``table`` None), else the runs of blocks that are not empty, each
+    computed as one (full when all its blocks are)."""
+    starts = range(0, num_k, block_k)
+    if table is None:
+        return [(k0, min(num_k, k0 + block_k), blocks.PARTIAL) for k0 in starts]
+    row = table[b if table.shape[0] > 1 else 0, qi]
+    on = row != blocks.EMPTY
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], on, [False]]).astype(np.int8)))
+    spans = []
+    for j0, j1 in zip(edges[::2], edges[1::2]):
+        st = blocks.FULL if (row[j0:j1] == blocks.FULL).all() else blocks.PARTIAL
+        spans.append((int(j0) * block_k, min(num_k, int(j1) * block_k), st))
+    return spans
+
+
+def _seen(B, mask, b, q0, q1, k0, k1, device):
+    """Device bool: whether some query of the block may see some key of it."""
+    seen = None
+    if mask.intervals:
+        lo, hi = mask.bounds(B, device)  # (batch|1, 1, Q|1, 1)
+        lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
+
+        def rows(x):
+            x = x[b : b + 1] if x.shape[0] > 1 else x
+            return x[:, :, q0:q1] if x.shape[2] > 1 else x
+
+        lo, hi = rows(lo), rows(hi)
+        lo_c = B.where(lo > k0, lo, k0)
+        hi_c = B.minimum(hi, k1)
+        seen = B.any(hi_c > lo_c)
+    if mask.segments is not None:
+        s = mods.segment_block_seen(B, mask, b, b + 1, q0, q1, k0, k1)
+        seen = s if seen is None else B.logical_and(seen, s)
+    if mask.mod is not None:
+        sub = blocks._region(mask, b, b + 1, q0, q1, k0, k1)
+        v = mods._as_bool(B, mask.mod(*mods.index_grid(B, sub, device)), device)
+        s = B.any(v)
+        seen = s if seen is None else B.logical_and(seen, s)
+    return seen
+
+
+def blocked(B, q, k, v, mask, scale, block=None, dropout=0.0, key=None):
+    """Attention over the non-empty blocks; ``block`` (queries, keys) or None."""
+    dtype = B.dtype_name(q)
+    work = compute_dtype(dtype)
+    batch, heads, num_q = q.shape[:3]
+    num_k, dv = k.shape[2], v.shape[-1]
+    k, v = expand_kv(B, k, v, heads)
+    k, v = mask.guard_unused(B, k, v)
+    device = B.device_of(q)
+    table = blocks.host_table(mask, *(block or pick_block(mask, False)))
+    traced = table is None
+    block_q, block_k = block or pick_block(mask, traced)
+    if traced and table is None and not B.runtime_cond:
+        table = None  # every block computed (the test is not decidable here)
+    drop = dropout_fn(B, dropout, key)
+    per_element = table is None or table.shape[0] > 1
+    groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
+    outs = []
+    for b0, b1 in groups:
+        rows = []
+        for qi, q0 in enumerate(range(0, num_q, block_q)):
+            q1 = min(num_q, q0 + block_q)
+            qs = _scaled(B, q[b0:b1, :, q0:q1], scale, work)
+            if traced:
+                zero = B.zeros((b1 - b0, heads, q1 - q0, 1), work, device)
+                state = (
+                    zero + fill(B, work, device),
+                    zero,
+                    B.zeros(tuple(qs.shape[:3]) + (dv,), work, device),
+                )
+            else:
+                state = None
+            for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
+                if traced:
+                    sub = mask.sub(b0, b1, q0, q1, k0, k1, state="some")
+                else:
+                    sub = (
+                        Mask(b1 - b0, heads, q1 - q0, k1 - k0)
+                        if st == blocks.FULL
+                        else mask.sub(b0, b1, q0, q1, k0, k1, state="some")
+                    )
+                index = (b0 * num_q + q0) * num_k + k0
+                block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
+
+                def step(
+                    state, qs, k, v, k0=k0, k1=k1, sub=sub, block_drop=block_drop, b0=b0, b1=b1
+                ):
+                    return merge_blocks(
+                        B,
+                        state,
+                        softmax_block(
+                            B, qs, k[b0:b1, :, k0:k1], v[b0:b1, :, k0:k1], sub, work, block_drop
+                        ),
+                    )
+
+                if traced and B.runtime_cond:
+                    seen = _seen(B, mask, b0, q0, q1, k0, k1, device)
+
+                    def run(state, qs=qs, step=step):
+                        return B.checkpoint(step, state, qs, k, v)
+
+                    state = B.cond(seen, run, lambda state: state, state)
+                else:
+                    state = B.checkpoint(step, state, qs, k, v)
+            if state is None:
+                rows.append(B.zeros((b1 - b0, heads, q1 - q0, dv), work, device))
+            else:
+                rows.append(finish_blocks(B, state))
+        outs.append(rows[0] if len(rows) == 1 else B.concatenate(rows, 2))
+    out = outs[0] if len(outs) == 1 else B.concatenate(outs, 0)
+    return B.astype(out, dtype) if work != dtype else out
+
+
+PROGRAMMABLE = frozenset(("mod", "score_mod", "segments"))
+MIN_SCORES = 4 * DEFAULT_BLOCK * DEFAULT_BLOCK  # fewer (Q x K) scores: one dense call is cheaper
+
+
+def takes(B, mask, path, dropout, key):
+    """Whether ``attend`` takes this path: a programmable form is set, the
+    path is ``"tiled"`` or ``"auto"``, and for ``"auto"`` the call is large
+    enough (or traced on a framework that skips blocks at run time)."""
+    if path not in ("auto", "tiled") or not mask.set_fields() & PROGRAMMABLE:
+        return False
+    if path == "tiled":
+        return True
+    if dropout and key is not None:  # (jit and eager must draw alike)
+        return False
+    big = mask.num_queries * mask.num_keys >= MIN_SCORES
+    return big or (not mask.known_on_host() and B.runtime_cond)

@@ -1,0 +1,178 @@
+"""What a new user meets first: the command's help and its absence, the errors
+of a bad environment variable or a broken framework, the listed extras, the
+report's figures, and a clean torch.export."""
+
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomllib
+
+import backends
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cli(*args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "attention_multi", *args],
+        cwd=kwargs.pop("cwd", REPO),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
+
+
+def test_no_command_prints_the_commands_and_exits_2():
+    result = cli()
+    assert result.returncode == 2 and result.stdout == ""
+    for name in ("info", "report", "bench", "port"):
+        assert re.search(rf"^\s+{name}\s+\w", result.stderr, re.M), result.stderr
+
+
+def test_help_shows_plain_defaults_whole_words_and_a_description():
+    report = cli("report", "--help").stdout
+    assert "default: all (numpy,torch,jax,mxnet)" in report and "['" not in report
+    assert "Run every mechanism" in report  # a description line
+    port = cli("port", "--help").stdout
+    assert "num_hiddens=8,num_heads=2,dropout=0,bias=True" in port  # not broken across lines
+    from attention_multi.cli import COMMANDS
+
+    assert all(description for _, _, description, _ in list(COMMANDS.values())[1:])
+
+
+def test_readme_documents_every_command():
+    readme = (REPO / "README.md").read_text()
+    for name in ("info", "report", "bench", "port"):
+        assert f"attention-multi {name}" in readme, name
+    assert "with no command" in readme
+
+
+def test_bad_device_variable_is_named(monkeypatch):
+    import attention_multi as am
+
+    monkeypatch.setenv("ATTENTION_MULTI_DEVICE", "gpu9x")
+    with pytest.raises(ValueError, match=r"ATTENTION_MULTI_DEVICE='gpu9x': unknown device"):
+        am.DotProductAttention(0.0)(*[np.ones((1, 2, 4), np.float32)] * 3)
+
+
+@pytest.mark.parametrize(
+    "framework, words",
+    [
+        ("numpy", ["which is installed but failed to import", "ModuleNotFoundError"]),
+        ("no_such_framework_am", ["which is not installed", "pip install 'attention-multi[x]'"]),
+    ],
+)
+def test_import_failure_hint_tells_installed_from_missing(monkeypatch, framework, words):
+    monkeypatch.setitem(backends._SPECS, "numpy", ("no_such_module_am", "X", framework, "x"))
+    monkeypatch.delitem(backends._loaded, "numpy", raising=False)
+    with pytest.raises(ImportError) as info:
+        backends.load("numpy")
+    for word in words:
+        assert word in str(info.value), str(info.value)
+
+
+def test_port_refuses_an_existing_out_before_any_work(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"keep")
+    src = REPO / "tests" / "fixtures" / "mxnet" / "transformer.params"
+    like = "tests.d2l_torch:transformer()"
+    result = cli("port", src, "--to", "torch", "--out", out, "--like", like)
+    assert result.returncode == 1 and "exists; add --force" in result.stderr
+    assert "mapped" not in result.stdout and out.read_bytes() == b"keep"
+
+
+def test_quickstart_and_readme_list_every_extra():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    users = set(extras["optional-dependencies"]) - {"test", "lint"}
+    for doc in (REPO / "README.md", REPO / "docs" / "guide" / "quickstart.md"):
+        text = doc.read_text()
+        assert all(f"'.[{name}]'" in text for name in users), (doc, users)
+
+
+def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
+    pytest.importorskip("matplotlib").use("Agg")
+    import matplotlib.pyplot as plt
+
+    from attention_multi.cli.report import DTYPES, make_inputs, rounded
+    from attention_multi.cli.report.render import figures
+
+    made = []
+    real = plt.Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        made.append([t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes])
+        return real(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plt.Figure, "savefig", record)
+        inputs = {d: rounded(make_inputs(), d) for d in DTYPES}
+        lines = figures(tmp_path, backends.load("numpy"), "cpu", inputs, None)
+    assert len(made) == 4 and all(any(titles) for titles in made), made
+    assert "Additive attention, valid_lens [2, 6]" in made[0]
+    assert sum("as the seeds' keys are all equal" in line for line in lines) == 2
+
+
+def test_torch_export_does_not_warn_about_our_attributes():
+    torch = pytest.importorskip("torch")
+    import attention_multi as am
+
+    model = am.NWKernelRegression(backend="torch")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.export.export(model, (torch.rand(5), torch.rand(5, 4), torch.rand(5, 4)))
+    assert not [w for w in caught if "_attention" in str(w.message)], caught
+
+
+# -- bench checks its arguments up front, with report's messages and exit status ----------
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--backends", "pytroch"], "argument --backends: unknown backend 'pytroch'; valid"),
+        (["--shapes", "huge"], "argument --shapes: unknown shape 'huge'; valid choices: small"),
+        (["--ring-processes", "two"], "argument --ring-processes: expected a positive integer"),
+        (["--seconds", "-1"], "argument --seconds: expected a positive number of seconds"),
+        (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
+        (["--long-length", "-5"], "argument --long-length: expected an integer >= 0"),
+        (
+            ["--ring-length", "100", "--ring-processes", "1,3"],
+            "--ring-length 100 is not a multiple of 16 times each of --ring-processes 1,3",
+        ),
+    ],
+)
+def test_bench_rejects_bad_arguments_before_any_work(capsys, args, message):
+    from attention_multi.cli import main
+
+    try:
+        code = main(["bench", *args, "--json", "/nonexistent-dir/x.json"])
+    except SystemExit as exc:  # argparse's own exit
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"attention-multi bench: error: {message}" in err, err
+    assert "Traceback" not in err and "long case" not in err
+
+
+def test_bench_and_report_share_the_backend_check(capsys):
+    import argparse
+
+    from attention_multi.cli import bench, report
+
+    for command in (bench, report):
+        parser = argparse.ArgumentParser(prog=f"attention-multi {command.__name__}")
+        command.add_arguments(parser)
+        assert parser.parse_args(["--backends", "pytorch,numpy"]).backends == ["torch", "numpy"]
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["--backends", "pytroch"])
+        assert info.value.code == 2
+    errors = capsys.readouterr().err.splitlines()
+    messages = [line.split(": error: ", 1)[1] for line in errors if ": error: " in line]
+    assert len(messages) == 2 and messages[0] == messages[1], errors
