@@ -25,6 +25,21 @@ npx.set_np()
 _FOLD_MIN_SCORES = 1 << 20  # fewer scores: a bias costs less than the copies
 
 
+_SCALARS: dict = {}  # (repr, dtype, ctx) -> 0-d array, never handed out
+
+
+def _scalar(value, like):
+    """``value`` as a 0-d array like ``like``, made once: each new one is a
+    copy that waits for MXNet's engine (where() only reads it)."""
+    key = (repr(float(value)), like.dtype, str(like.ctx))
+    out = _SCALARS.get(key)
+    if out is None:
+        out = mnp.array(value, dtype=like.dtype, ctx=like.ctx)
+        if len(_SCALARS) < 64:
+            _SCALARS[key] = out
+    return out
+
+
 def _cpu_half(x):
     """MXNet's CPU batch_dot and fully_connected have no float16 kernels."""
     return x.dtype == np.float16 and x.ctx.device_type == "cpu"
@@ -100,10 +115,11 @@ class MXNetBackend(NumpyLike):
         )
 
     def softmax(self, x, axis=-1):
-        # npx.softmax leaves a row's other entries finite when one is NaN;
-        # make the whole row NaN, as the other frameworks do.
-        has_nan = mnp.sum(mnp.isnan(x), axis=axis, keepdims=True) > 0
-        return self.where(has_nan, np.nan, npx.softmax(x, axis=axis))
+        # npx.softmax leaves a row's other entries finite when one is NaN (or
+        # +inf); make the whole row NaN, as the other frameworks do: the row's
+        # max is NaN or inf there (0 * it is NaN), finite elsewhere (3 operators,
+        # not 4: small calls pay for each).
+        return npx.softmax(x, axis=axis) + 0 * mnp.max(x, axis=axis, keepdims=True)
 
     def logical_and(self, a, b):
         # MXNet 1.9.1 has no logical_and, and & on booleans fails on some shapes
@@ -113,10 +129,7 @@ class MXNetBackend(NumpyLike):
         # MXNet 1.9.1's where() with a scalar operand sends the other operand's
         # gradient to the wrong positions (apache/mxnet#17893); 0-d arrays do not.
         like = x if isinstance(x, mnp.ndarray) else y
-        x, y = (
-            v if isinstance(v, mnp.ndarray) else mnp.array(v, dtype=like.dtype, ctx=like.ctx)
-            for v in (x, y)
-        )
+        x, y = (v if isinstance(v, mnp.ndarray) else _scalar(v, like) for v in (x, y))
         return mnp.where(condition, x, y)
 
     def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):

@@ -61,7 +61,7 @@ def run(*args, fault=None, cwd=REPO):
         env=environment(),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
     )
 
 
@@ -555,7 +555,7 @@ def test_port_reads_a_fifo_as_far_as_its_header_goes(tmp_path):
         )
         with open(fifo, "wb") as f, contextlib.suppress(BrokenPipeError):
             f.write(payload)
-        out, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=1200)
         assert proc.returncode == code, err
         assert "Traceback" not in err
     assert "array 0 has unknown magic number 0x00000000 (at byte 24)" in err

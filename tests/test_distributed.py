@@ -17,7 +17,7 @@ from attention_multi.testing import assert_close
 from tests import distributed as D
 
 WORKER = os.path.join(D.REPO, "tests", "distributed.py")
-TIMEOUT = 240
+TIMEOUT = 1200
 TOL = dict(rtol=1e-9, atol=1e-10)
 
 

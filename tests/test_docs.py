@@ -94,7 +94,7 @@ def run_doc(doc, tmp_path, select=None, prelude="", epilogue="", env_extra=()):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout

@@ -152,7 +152,12 @@ def test_empty_inputs(backend):
         f"print('RESULTS' + json.dumps(run_cases({backend.name!r})))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-3000:]}"
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS"))

@@ -41,7 +41,7 @@ def run_report(*args, pythonpath=()):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
     )
 
 

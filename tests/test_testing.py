@@ -188,7 +188,7 @@ def run_pytest(folder, *args, pythonpath=()):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
     )
     outcomes = {}  # from the -v lines: "test_user.py::test_parity[jax] SKIPPED (...)"
     for line in result.stdout.splitlines():

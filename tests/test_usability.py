@@ -23,7 +23,7 @@ def cli(*args, **kwargs):
         cwd=kwargs.pop("cwd", REPO),
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1200,
         **kwargs,
     )
 

@@ -92,6 +92,20 @@ def valid_lens_array(
     on the host before they reach a framework that would wrap them (3e9 as
     float32, 2**32 + 2 on JAX), and on the device while traced; never wrapped.
     """
+    return valid_lens_checked(backend, valid_lens, batch, queries, name, device, num_keys)[0]
+
+
+def valid_lens_checked(
+    backend: Backend,
+    valid_lens: Any,
+    batch: int,
+    queries: int,
+    name: str = "valid_lens",
+    device: Any = None,
+    num_keys: int | None = None,
+) -> tuple[Array, np.ndarray | None]:
+    """``(valid_lens_array(...), its int64 host copy or None while traced)``:
+    the values read once on the host, for the checks and for the mask."""
     limit = _INT32_MAX if num_keys is None else min(int(num_keys), _INT32_MAX)
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
@@ -118,17 +132,23 @@ def valid_lens_array(
     kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
     if kind not in "iuf":
         raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
+    known = None
     if backend.is_concrete(valid_lens):
         values = backend.to_numpy(valid_lens)
         _check_lens_values(name, values, kind)
         if values.size and values.max() > limit:  # would wrap, or round past it, in int32
             clamped = np.minimum(values.astype(np.float64 if kind == "f" else np.int64), limit)
-            return backend.asarray(clamped.astype(np.int32), device=backend.device_of(valid_lens))
+            clamped = clamped.astype(np.int32)
+            device = backend.device_of(valid_lens)
+            return backend.asarray(clamped, device=device), clamped.astype(np.int64)
+        known = values.astype(np.int64)
     elif dtype != "int32":  # traced: clamp before the cast (in float32 for half lengths)
         if kind == "f" and dtype != "float64":
             valid_lens = backend.astype(valid_lens, "float32")
         valid_lens = backend.where(valid_lens > limit, limit, valid_lens)
-    return backend.astype(valid_lens, "int32")
+    if dtype != "int32":
+        valid_lens = backend.astype(valid_lens, "int32")
+    return valid_lens, known
 
 
 def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 from backends.protocol import HALF_DTYPES
 
 from . import blocks, mods
-from .checks import check_mask_array, check_window, valid_lens_array
+from .checks import check_mask_array, check_window, valid_lens_checked
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -775,10 +775,12 @@ def make_mask(
     """
     lens = lens_known = None
     if valid_lens is not None:
-        lens = valid_lens_array(B, valid_lens, batch, num_queries, device=device, num_keys=num_keys)
+        lens, lens_known = valid_lens_checked(
+            B, valid_lens, batch, num_queries, device=device, num_keys=num_keys
+        )
         shape = (batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
-        if B.is_concrete(lens):
-            lens_known = B.to_numpy(lens).astype(np.int64).reshape(shape)
+        if lens_known is not None:
+            lens_known = lens_known.reshape(shape)
         lens = lens.reshape(shape)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")

@@ -84,14 +84,24 @@ def _scores(B: Backend, qs: Array, k: Array, mask: Mask, work: str) -> Array:
     return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
-def weights(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
-    """The (batch * heads, Q, K) attention weights, as the full path computes them."""
+def _weights4(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
+    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded."""
     dtype = B.dtype_name(q)
-    k, _ = expand_kv(B, k, k, q.shape[1])
     work = compute_dtype(dtype)
     s = _scores(B, _scaled(B, q, scale, work), k, mask, work)
-    w = B.astype(masked_softmax(B, s, mask.boolean(B, B.device_of(q))), dtype)
+    w = masked_softmax(B, s, mask.boolean(B, B.device_of(q)))
+    return B.astype(w, dtype) if work != dtype else w
+
+
+def _flat(w: Array) -> Array:
+    """(batch, heads, Q, K) -> (batch * heads, Q, K)."""
     return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
+
+
+def weights(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
+    """The (batch * heads, Q, K) attention weights, as the full path computes them."""
+    k, _ = expand_kv(B, k, k, q.shape[1])
+    return _flat(_weights4(B, q, k, mask, scale))
 
 
 def full(
@@ -103,15 +113,16 @@ def full(
     scale: float,
     dropout: float = 0.0,
     key: Any = None,
-) -> tuple[Array, Array]:
-    """Returns ``(output, weights)``, weights (batch * heads, Q, K) before dropout."""
+) -> tuple[Array, Callable[[], Array]]:
+    """Returns ``(output, weights)``, weights (batch * heads, Q, K) before
+    dropout, as a function that reshapes them when they are read (a reshape
+    is an operator call: MXNet's cost about as much as a small product)."""
     k, v = expand_kv(B, k, v, q.shape[1])
     # (the scores are masked by where: NaN in unused keys reaches only gradients)
     k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
-    w = weights(B, q, k, mask, scale)
-    w4 = w.reshape(tuple(q.shape[:2]) + tuple(w.shape[1:]))
+    w4 = _weights4(B, q, k, mask, scale)
     drop = dropout_fn(B, dropout, key)
-    return B.matmul(w4 if drop is None else drop(w4), v), w
+    return B.matmul(w4 if drop is None else drop(w4), v), lambda: _flat(w4)
 
 
 def fused(

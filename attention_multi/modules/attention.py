@@ -117,9 +117,12 @@ class _Attention(Module):
     ) -> None:
         B = self._backend
         arrays = (("queries", queries), ("keys", keys), ("values", values))
+        dtypes = {}
         for name, x in arrays:
             check_array(B, name, x, 3, "(batch, n, features)")
-            check_float(B, name, x)
+            dtype = dtypes[name] = B.dtype_name(x)
+            if dtype not in B.float_dtypes:
+                check_float(B, name, x)  # raises
         if not queries.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(
                 f"batch sizes differ: queries {tuple(queries.shape)}, "
@@ -137,7 +140,6 @@ class _Attention(Module):
                     f"{name} has feature size {x.shape[2]} (shape "
                     f"{tuple(x.shape)}) but the module expects {size}"
                 )
-        dtypes = {name: B.dtype_name(x) for name, x in arrays}
         if sizes is not None:
             dtypes["parameters"] = self._dtype_of_params()
         if len(set(dtypes.values())) > 1:
