@@ -170,15 +170,39 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
         if mask.causal or mask.window is not None:
             block_q = min(block_q, block_k)
     drop = dropout_fn(B, dropout, key)
+    # (a framework whose scan is one compiled loop scans the full blocks of
+    # keys: unrolled, its compiler may keep every block's scores alive at once)
+    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
     outs = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
         qs = _scaled(B, q[:, :, q0:q1], scale, work)
+        blocks = [
+            k0
+            for k0 in range(start, stop, block_k)
+            if mask.block_state(0, batch, q0, q1, k0, min(stop, k0 + block_k)) != "none"
+        ]
         state = None
-        for k0 in range(start, stop, block_k):
-            k1 = min(stop, k0 + block_k)
-            if mask.block_state(0, batch, q0, q1, k0, k1) == "none":
+        i = 0
+        while i < len(blocks):
+            # the full blocks from the second on, up to the next skipped one
+            run = 0
+            if scan and i > 0:
+                while (
+                    i + run < len(blocks)
+                    and blocks[i + run] == blocks[i] + run * block_k
+                    and blocks[i + run] + block_k <= stop
+                ):
+                    run += 1
+            if run >= 2:
+                state = _scan_blocks(
+                    B, state, qs, k, v, mask, (q0, q1), blocks[i], block_k, run, work, drop
+                )
+                i += run
                 continue
+            k0 = blocks[i]
+            k1 = min(stop, k0 + block_k)
+            i += 1
             sub = mask.sub(0, batch, q0, q1, k0, k1)
             block_drop = (
                 None if drop is None else (lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
@@ -200,6 +224,34 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
             outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
     return B.astype(out, dtype) if work != dtype else out
+
+
+def _scan_blocks(B, state, qs, k, v, mask, rows, k0, block_k, count, work, drop):
+    """``state`` merged with ``count`` blocks of ``block_k`` keys from ``k0``
+    for the queries ``rows`` (an interval mask: the block's Mask comes from
+    ``Mask.keys_from`` at a traced start), in one ``B.scan``; each step is
+    recomputed in the backward pass, which keeps only the running states."""
+    q0, q1 = rows
+    batch, heads = k.shape[:2]
+    device = B.device_of(qs)
+    rows_mask = mask.sub(0, batch, q0, q1, 0, mask.num_keys)
+
+    def blocked(x):  # (count, batch, heads, block_k, d)
+        x = x[:, :, k0 : k0 + count * block_k]
+        x = x.reshape((batch, heads, count, block_k, x.shape[-1]))
+        return B.transpose(x, (2, 0, 1, 3, 4))
+
+    starts = np.arange(count) * block_k + k0
+    xs = [blocked(k), blocked(v), B.asarray(starts.astype(np.int32), device=device)]
+    if drop is not None:  # (the index each block's dropout draws from, as unrolled)
+        xs.append(B.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=device))
+
+    def block(state, qs, kb, vb, start, *index):
+        block_drop = None if drop is None else (lambda p: drop(p, index[0]))
+        sub = rows_mask.keys_from(start, block_k)
+        return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work, block_drop))
+
+    return B.scan(lambda state, x: B.checkpoint(block, state, qs, *x), state, xs)
 
 
 # -- tiles over the keys each batch element may see ----------------------------------------
@@ -341,12 +393,40 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
     lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
     start = B.zeros((1, heads, num_q, 1), work, device)
+    # (a framework whose scan is one compiled loop scans the full blocks:
+    # unrolled, its compiler may keep every block's scores alive at once)
+    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    full_blocks = num_k // block_k if scan else 0
     outs = []
     for b in range(batch):
         lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
         qs = _scaled(B, q[b : b + 1], scale, work)
         state = (start + fill(B, work, device), start, B.zeros((1, heads, num_q, dv), work, device))
-        for k0 in range(0, num_k, block_k):
+        if full_blocks:
+            element = mask.sub(b, b + 1, 0, num_q, 0, num_k)
+
+            def scanned(state, x, qs=qs, lo_b=lo_b, hi_b=hi_b, rows_b=rows_b, element=element):
+                kb, vb, k0 = x
+                seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k0 + block_k))
+
+                def block(state, qs, kb, vb, k0):
+                    sub = element.keys_from(k0, block_k)
+                    return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work))
+
+                def step(state):
+                    return B.checkpoint(block, state, qs, kb, vb, k0)
+
+                return B.cond(seen, step, lambda state: state, state)
+
+            def blocked(x, b=b):  # (blocks, 1, heads, block_k, d)
+                x = x[b : b + 1, :, : full_blocks * block_k]
+                x = x.reshape((1, heads, full_blocks, block_k, x.shape[-1]))
+                return B.transpose(x, (2, 0, 1, 3, 4))
+
+            starts = (np.arange(full_blocks) * block_k).astype(np.int32)
+            xs = [blocked(k), blocked(v), B.asarray(starts, device=device)]
+            state = B.scan(scanned, state, xs)
+        for k0 in range(full_blocks * block_k, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
             seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 
