@@ -173,6 +173,7 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
     # (a framework whose scan is one compiled loop scans the full blocks of
     # keys: unrolled, its compiler may keep every block's scores alive at once)
     scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    grid = None  # (the full blocks of keys and values, made once)
     outs = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
@@ -195,8 +196,12 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
                 ):
                     run += 1
             if run >= 2:
+                if grid is None:
+                    full = (stop - start) // block_k
+                    grid = (*(_key_blocks(B, x, start, block_k, full) for x in (k, v)), start)
+                first = (blocks[i] - start) // block_k
                 state = _scan_blocks(
-                    B, state, qs, k, v, mask, (q0, q1), blocks[i], block_k, run, work, drop
+                    B, state, qs, grid, mask, (q0, q1), first, block_k, run, work, drop
                 )
                 i += run
                 continue
@@ -226,29 +231,34 @@ def chunked(B, q, k, v, mask, scale, memory_budget=None, chunk_size=None, dropou
     return B.astype(out, dtype) if work != dtype else out
 
 
-def _scan_blocks(B, state, qs, k, v, mask, rows, k0, block_k, count, work, drop):
-    """``state`` merged with ``count`` blocks of ``block_k`` keys from ``k0``
-    for the queries ``rows`` (an interval mask: the block's Mask comes from
-    ``Mask.keys_from`` at a traced start), in one ``B.scan``; each step is
-    recomputed in the backward pass, which keeps only the running states."""
+def _key_blocks(B, x, start, block_k, count):
+    """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
+    block_k, d): the full blocks of keys from ``start``, to scan over."""
+    x = x[:, :, start : start + count * block_k]
+    x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
+    return B.transpose(x, (2, 0, 1, 3, 4))
+
+
+def _scan_blocks(B, state, qs, grid, mask, rows, first, block_k, count, work, drop):
+    """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
+    ``first, ...`` of ``grid`` (keys and values by ``_key_blocks``, from key
+    ``start``), for the queries ``rows``: an interval mask, whose block Mask
+    comes from ``Mask.keys_from`` at a traced start. One ``B.scan``; each step
+    is recomputed in the backward pass, which keeps only the running states."""
     q0, q1 = rows
-    batch, heads = k.shape[:2]
+    kb, vb, start = grid
+    batch = kb.shape[1]
     device = B.device_of(qs)
     rows_mask = mask.sub(0, batch, q0, q1, 0, mask.num_keys)
-
-    def blocked(x):  # (count, batch, heads, block_k, d)
-        x = x[:, :, k0 : k0 + count * block_k]
-        x = x.reshape((batch, heads, count, block_k, x.shape[-1]))
-        return B.transpose(x, (2, 0, 1, 3, 4))
-
-    starts = np.arange(count) * block_k + k0
-    xs = [blocked(k), blocked(v), B.asarray(starts.astype(np.int32), device=device)]
+    starts = np.arange(first, first + count) * block_k + start
+    xs = [kb[first : first + count], vb[first : first + count]]
+    xs.append(B.asarray(starts.astype(np.int32), device=device))
     if drop is not None:  # (the index each block's dropout draws from, as unrolled)
         xs.append(B.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=device))
 
-    def block(state, qs, kb, vb, start, *index):
+    def block(state, qs, kb, vb, k0, *index):
         block_drop = None if drop is None else (lambda p: drop(p, index[0]))
-        sub = rows_mask.keys_from(start, block_k)
+        sub = rows_mask.keys_from(k0, block_k)
         return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work, block_drop))
 
     return B.scan(lambda state, x: B.checkpoint(block, state, qs, *x), state, xs)
@@ -418,13 +428,9 @@ def tiled_traced(B, q, k, v, mask, scale, memory_budget, block_k=None):
 
                 return B.cond(seen, step, lambda state: state, state)
 
-            def blocked(x, b=b):  # (blocks, 1, heads, block_k, d)
-                x = x[b : b + 1, :, : full_blocks * block_k]
-                x = x.reshape((1, heads, full_blocks, block_k, x.shape[-1]))
-                return B.transpose(x, (2, 0, 1, 3, 4))
-
             starts = (np.arange(full_blocks) * block_k).astype(np.int32)
-            xs = [blocked(k), blocked(v), B.asarray(starts, device=device)]
+            xs = [_key_blocks(B, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)]
+            xs.append(B.asarray(starts, device=device))
             state = B.scan(scanned, state, xs)
         for k0 in range(full_blocks * block_k, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
