@@ -44,6 +44,7 @@ class JaxBackend(NumpyLike):
     fused_keeps_nan = True  # (jax.nn.dot_product_attention masks by select)
     runtime_cond = True
     compiles_per_shape = True
+    sequential_scan = True
 
     def _register_class(self, cls):
         jax_module.register(cls)
@@ -121,6 +122,9 @@ class JaxBackend(NumpyLike):
 
     def checkpoint(self, fn, *args):
         return jax.checkpoint(fn)(*args)
+
+    def scan(self, fn, carry, xs):
+        return jax.lax.scan(lambda c, x: (fn(c, list(x)), None), carry, list(xs))[0]
 
     def cond(self, pred, true_fn, false_fn, operand):
         return jax.lax.cond(pred, true_fn, false_fn, operand)

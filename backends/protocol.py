@@ -138,6 +138,9 @@ class Backend:
     autodiff: bool = False  # whether ``gradients`` works
     runtime_cond: bool = False  # whether ``cond`` decides at run time while traced
     compiles_per_shape: bool = False  # whether each new array shape costs a compilation
+    # whether ``scan`` compiles to one loop: the compiler keeps one step's
+    # work alive at a time, where unrolled independent steps may all be live
+    sequential_scan: bool = False
     kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
@@ -203,6 +206,14 @@ class Backend:
         """``fn(*args)``; under the framework's autodiff, recomputed in the
         backward pass instead of keeping its intermediates (where it can)."""
         return fn(*args)
+
+    def scan(self, fn: Callable[[T, Any], T], carry: T, xs: Sequence[Array]) -> T:
+        """The final carry of ``carry = fn(carry, [x[i] for x in xs])`` for each
+        ``i`` along the first axis of the arrays ``xs``; with ``sequential_scan``
+        one compiled loop (the framework's own scan), not one step per ``i``."""
+        for i in range(xs[0].shape[0]):
+            carry = fn(carry, [x[i] for x in xs])
+        return carry
 
     def cond(
         self, pred: Any, true_fn: Callable[[T], R], false_fn: Callable[[T], R], operand: T

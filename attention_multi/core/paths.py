@@ -235,15 +235,44 @@ def chunked(
         if mask.causal or mask.window is not None:
             block_q = min(block_q, block_k)
     drop = dropout_fn(B, dropout, key)
+    # (a framework whose scan is one compiled loop scans the full blocks of
+    # keys: unrolled, its compiler may keep every block's scores alive at once)
+    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    grid = None  # (the full blocks of keys and values, made once)
     outs = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
         qs = _scaled(B, q[:, :, q0:q1], scale, work)
+        blocks = [
+            k0
+            for k0 in range(start, stop, block_k)
+            if mask.block_state(0, batch, q0, q1, k0, min(stop, k0 + block_k)) != "none"
+        ]
         state = None
-        for k0 in range(start, stop, block_k):
-            k1 = min(stop, k0 + block_k)
-            if mask.block_state(0, batch, q0, q1, k0, k1) == "none":
+        i = 0
+        while i < len(blocks):
+            # the full blocks from the second on, up to the next skipped one
+            run = 0
+            if scan and i > 0:
+                while (
+                    i + run < len(blocks)
+                    and blocks[i + run] == blocks[i] + run * block_k
+                    and blocks[i + run] + block_k <= stop
+                ):
+                    run += 1
+            if run >= 2:
+                if grid is None:
+                    full = (stop - start) // block_k
+                    grid = (*(_key_blocks(B, x, start, block_k, full) for x in (k, v)), start)
+                first = (blocks[i] - start) // block_k
+                state = _scan_blocks(
+                    B, state, qs, grid, mask, (q0, q1), first, block_k, run, work, drop
+                )
+                i += run
                 continue
+            k0 = blocks[i]
+            k1 = min(stop, k0 + block_k)
+            i += 1
             sub = mask.sub(0, batch, q0, q1, k0, k1)
             block_drop = (
                 None if drop is None else (lambda p, index=q0 * mask.num_keys + k0: drop(p, index))
@@ -274,6 +303,39 @@ def chunked(
             outs.append(finish_blocks(B, state))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
     return B.astype(out, dtype) if work != dtype else out
+
+
+def _key_blocks(B, x, start, block_k, count):
+    """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
+    block_k, d): the full blocks of keys from ``start``, to scan over."""
+    x = x[:, :, start : start + count * block_k]
+    x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
+    return B.transpose(x, (2, 0, 1, 3, 4))
+
+
+def _scan_blocks(B, state, qs, grid, mask, rows, first, block_k, count, work, drop):
+    """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
+    ``first, ...`` of ``grid`` (keys and values by ``_key_blocks``, from key
+    ``start``), for the queries ``rows``: an interval mask, whose block Mask
+    comes from ``Mask.keys_from`` at a traced start. One ``B.scan``; each step
+    is recomputed in the backward pass, which keeps only the running states."""
+    q0, q1 = rows
+    kb, vb, start = grid
+    batch = kb.shape[1]
+    device = B.device_of(qs)
+    rows_mask = mask.sub(0, batch, q0, q1, 0, mask.num_keys)
+    starts = np.arange(first, first + count) * block_k + start
+    xs = [kb[first : first + count], vb[first : first + count]]
+    xs.append(B.asarray(starts.astype(np.int32), device=device))
+    if drop is not None:  # (the index each block's dropout draws from, as unrolled)
+        xs.append(B.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=device))
+
+    def block(state, qs, kb, vb, k0, *index):
+        block_drop = None if drop is None else (lambda p: drop(p, index[0]))
+        sub = rows_mask.keys_from(k0, block_k)
+        return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work, block_drop))
+
+    return B.scan(lambda state, x: B.checkpoint(block, state, qs, *x), state, xs)
 
 
 # -- tiles over the keys each batch element may see ----------------------------------------
@@ -453,12 +515,36 @@ def tiled_traced(
     lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
     start = B.zeros((1, heads, num_q, 1), work, device)
+    # (a framework whose scan is one compiled loop scans the full blocks:
+    # unrolled, its compiler may keep every block's scores alive at once)
+    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    full_blocks = num_k // block_k if scan else 0
     outs = []
     for b in range(batch):
         lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
         qs = _scaled(B, q[b : b + 1], scale, work)
         state = (start + fill(B, work, device), start, B.zeros((1, heads, num_q, dv), work, device))
-        for k0 in range(0, num_k, block_k):
+        if full_blocks:
+            element = mask.sub(b, b + 1, 0, num_q, 0, num_k)
+
+            def scanned(state, x, qs=qs, lo_b=lo_b, hi_b=hi_b, rows_b=rows_b, element=element):
+                kb, vb, k0 = x
+                seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k0 + block_k))
+
+                def block(state, qs, kb, vb, k0):
+                    sub = element.keys_from(k0, block_k)
+                    return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work))
+
+                def step(state):
+                    return B.checkpoint(block, state, qs, kb, vb, k0)
+
+                return B.cond(seen, step, lambda state: state, state)
+
+            starts = (np.arange(full_blocks) * block_k).astype(np.int32)
+            xs = [_key_blocks(B, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)]
+            xs.append(B.asarray(starts, device=device))
+            state = B.scan(scanned, state, xs)
+        for k0 in range(full_blocks * block_k, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
             seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k1))
 

@@ -18,6 +18,17 @@ MEMORY = {  # autograd cases: (what, shape, peak RSS target in MiB)
         dict(batch=1, heads=8, head_size=64, length=8192),
         1.5 * 1024,
     ),
+    # (issue 24: jitted, the way JAX trains; the lengths built inside the function)
+    "jax-mha-jit-grad-lens": (
+        "jax.jit(jax.grad) through MultiHeadAttention, valid_lens",
+        dict(batch=1, heads=8, head_size=32, length=8192),
+        1.5 * 1024,
+    ),
+    "jax-mha-jit-grad": (
+        "jax.jit(jax.grad) through MultiHeadAttention, no lengths",
+        dict(batch=1, heads=8, head_size=32, length=8192),
+        1.5 * 1024,
+    ),
 }
 
 
@@ -49,16 +60,18 @@ def memory_child(name):
         E = heads * shape["head_size"]
         m = am.MultiHeadAttention(E, E, E, E, heads, 0.0, backend="jax").eval()
         x = B.asarray(rng.standard_normal((shape["batch"], T, E), dtype=np.float32))
-        lens = np.array([T - T // 8], dtype=np.int32)
+        jitted = name.startswith("jax-mha-jit")
+        lens = None if name == "jax-mha-jit-grad" else np.array([T - T // 8], dtype=np.int32)
 
         paths = []
 
         def loss(module):
-            out = module(x, x, x, lens)
+            out = module(x, x, x, jax.numpy.asarray(lens) if jitted and lens is not None else lens)
             paths.append(module.last_path)  # (module is a traced copy here)
             return (out**2).sum()
 
-        grads = jax.grad(loss)(m)
+        grads = (jax.jit(jax.grad(loss)) if jitted else jax.grad(loss))(m)
+        jax.block_until_ready(grads)
         grad = float(sum(abs(g).sum() for g in grads.named_arrays().values()))
         taken = paths[0]
     print(
