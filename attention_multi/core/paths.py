@@ -237,7 +237,7 @@ def chunked(
     drop = dropout_fn(B, dropout, key)
     # (a framework whose scan is one compiled loop scans the full blocks of
     # keys: unrolled, its compiler may keep every block's scores alive at once)
-    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    scan = B.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
     outs = []
     for q0 in range(0, num_q, block_q):
@@ -305,7 +305,7 @@ def chunked(
     return B.astype(out, dtype) if work != dtype else out
 
 
-def _key_blocks(B, x, start, block_k, count):
+def _key_blocks(B: Backend, x: Array, start: int, block_k: int, count: int) -> Array:
     """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
     block_k, d): the full blocks of keys from ``start``, to scan over."""
     x = x[:, :, start : start + count * block_k]
@@ -313,7 +313,19 @@ def _key_blocks(B, x, start, block_k, count):
     return B.transpose(x, (2, 0, 1, 3, 4))
 
 
-def _scan_blocks(B, state, qs, grid, mask, rows, first, block_k, count, work, drop):
+def _scan_blocks(
+    B: Backend,
+    state: Any,
+    qs: Array,
+    grid: tuple[Array, Array, int],
+    mask: Mask,
+    rows: tuple[int, int],
+    first: int,
+    block_k: int,
+    count: int,
+    work: str,
+    drop: Callable[..., Array] | None,
+) -> Any:
     """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
     ``first, ...`` of ``grid`` (keys and values by ``_key_blocks``, from key
     ``start``), for the queries ``rows``: an interval mask, whose block Mask
@@ -330,7 +342,7 @@ def _scan_blocks(B, state, qs, grid, mask, rows, first, block_k, count, work, dr
     if drop is not None:  # (the index each block's dropout draws from, as unrolled)
         xs.append(B.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=device))
 
-    def block(state, qs, kb, vb, k0, *index):
+    def block(state: Any, qs: Array, kb: Array, vb: Array, k0: Array, *index: Any) -> Any:
         block_drop = None if drop is None else (lambda p: drop(p, index[0]))
         sub = rows_mask.keys_from(k0, block_k)
         return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work, block_drop))
@@ -517,7 +529,7 @@ def tiled_traced(
     start = B.zeros((1, heads, num_q, 1), work, device)
     # (a framework whose scan is one compiled loop scans the full blocks:
     # unrolled, its compiler may keep every block's scores alive at once)
-    scan = B.sequential_scan and mask.allowed is None and mask.bias is None
+    scan = B.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
     outs = []
     for b in range(batch):
@@ -527,15 +539,23 @@ def tiled_traced(
         if full_blocks:
             element = mask.sub(b, b + 1, 0, num_q, 0, num_k)
 
-            def scanned(state, x, qs=qs, lo_b=lo_b, hi_b=hi_b, rows_b=rows_b, element=element):
+            def scanned(
+                state: Any,
+                x: Any,
+                qs: Array = qs,
+                lo_b: Array = lo_b,
+                hi_b: Array = hi_b,
+                rows_b: Array = rows_b,
+                element: Mask = element,
+            ) -> Any:
                 kb, vb, k0 = x
                 seen = B.any(B.logical_and(B.logical_and(rows_b, hi_b > k0), lo_b < k0 + block_k))
 
-                def block(state, qs, kb, vb, k0):
+                def block(state: Any, qs: Array, kb: Array, vb: Array, k0: Array) -> Any:
                     sub = element.keys_from(k0, block_k)
                     return merge_blocks(B, state, softmax_block(B, qs, kb, vb, sub, work))
 
-                def step(state):
+                def step(state: Any) -> Any:
                     return B.checkpoint(block, state, qs, kb, vb, k0)
 
                 return B.cond(seen, step, lambda state: state, state)
