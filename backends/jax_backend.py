@@ -160,7 +160,12 @@ class JaxBackend(NumpyLike):
         return gpus[index]
 
     def device_of(self, x):
-        return next(iter(x.devices())) if self.is_concrete(x) else None
+        """The device of a committed array; None for an uncommitted one (JAX
+        places it), so that what is made beside it stays uncommitted too and
+        can meet arrays sharded over a mesh (``jax.device_put`` commits)."""
+        if not self.is_concrete(x) or not getattr(x, "committed", True):
+            return None
+        return next(iter(x.devices()))
 
     def to_device(self, x, device):
         return x if device is None else jax.device_put(x, device)
