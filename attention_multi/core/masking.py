@@ -820,4 +820,14 @@ def make_mask(
         **mods.make_fields(
             B, batch, num_queries, num_keys, mask_mod, score_mod, segment_ids, offset, device
         ),
+        **_block_mask_fields(mask_mod, batch, num_queries, num_keys),
     )
+
+
+def _block_mask_fields(mask_mod: Any, batch: int, num_queries: int, num_keys: int) -> dict:
+    """``{"blocks": mask_mod}`` when ``mask_mod`` is a prebuilt ``BlockMask``
+    (checked against the call's shape), else nothing."""
+    if not isinstance(mask_mod, blocks.BlockMask):
+        return {}
+    mask_mod.check(batch, num_queries, num_keys)
+    return {"blocks": mask_mod}

@@ -261,16 +261,12 @@ def make_fields(
     offset: int | Array | None,
     device: Any,
 ) -> dict[str, Any]:
-    """The ``Mask`` keywords of the programmable forms (checked)."""
-    from .blocks import BlockMask
-
+    """The ``Mask`` keywords of the programmable forms (checked); a
+    ``BlockMask`` given as ``mask_mod`` is added by ``masking.make_mask``."""
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
     fields: dict[str, Any] = {"mod": mask_mod, "score_mod": score_mod}
-    if isinstance(mask_mod, BlockMask):
-        mask_mod.check(batch, num_queries, num_keys)
-        fields["blocks"] = mask_mod
     if segment_ids is not None:
         qs, ks = check_segments(B, segment_ids, batch, num_queries, num_keys, device)
         if qs is None:
