@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
-from . import blocked, paths
+from . import blocked, paths, small
 from .checks import check_choice, check_positive_int
 
 if TYPE_CHECKING:
@@ -44,13 +43,6 @@ def zeros_for_empty(B: Backend, shape: tuple[int, ...], like: Array, *inputs: Ar
             out = out + B.sum(x.reshape((0,)), 0)
     return out
 
-
-SMALL_SCORES = 1 << 15
-"""``"auto"`` takes the full path at once for calls with at most this many
-(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
-kernel cost more host time than the arithmetic they could save (the d2l
-examples and chapter-11 training batches are far below it), and the full
-path keeps the weights."""
 
 TILED_WORK_MAX = 0.9
 """``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
@@ -96,7 +88,7 @@ def attend(
       blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
     - ``"auto"`` (default): ``"full"`` when the float32 scores fit in
-      ``memory_budget`` and there are at most ``SMALL_SCORES`` of them or
+      ``memory_budget`` and there are at most ``small.SMALL_SCORES`` of them or
       ``want_weights`` (the caller will read the weights); else
       ``"tiled"`` when the lengths are known and its tiles, each call
       counted, cost at most ``TILED_WORK_MAX`` of one kernel call over all
@@ -131,7 +123,7 @@ def attend(
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if queries.shape[-1] == 0:  # no features: every score is 0 (no kernel sees d = 0)
         queries, keys = (zeros_for_empty(B, tuple(x.shape[:-1]) + (1,), x) for x in (queries, keys))
-    scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+    scale = paths.default_scale(queries.shape[-1]) if scale is None else scale
     batch, heads, num_q = queries.shape[:3]
     num_k = keys.shape[2]
 
@@ -141,7 +133,7 @@ def attend(
         return out, weights, "empty"
     scores = batch * heads * num_q * num_k
     scores_bytes = scores * paths.work_itemsize(B, queries)
-    if path == "auto" and scores_bytes <= budget and (scores <= SMALL_SCORES or want_weights):
+    if path == "auto" and scores_bytes <= budget and (scores <= small.SMALL_SCORES or want_weights):
         out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
         return out, weights, "full"
     q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))

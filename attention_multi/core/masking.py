@@ -57,9 +57,15 @@ def compute_dtype(dtype: str) -> str:
     return "float32" if dtype in HALF_DTYPES else dtype
 
 
+_FILL: dict[str, float] = {}
+
+
 def fill_value(dtype: str) -> float:
     """What a masked score becomes: the lowest finite value of ``dtype``."""
-    return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+    value = _FILL.get(dtype)
+    if value is None:
+        value = _FILL[dtype] = float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+    return value
 
 
 _CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
@@ -107,6 +113,37 @@ def _positions(B: Backend, num_keys: int, device: Any) -> Array:
         device,
         lambda: B.arange(num_keys, device).reshape((1, 1, 1, num_keys)),
     )
+
+
+def lengths_visible(
+    B: Backend, lens: Array, ndim: int, num_keys: int, device: Any
+) -> tuple[Array, Array]:
+    """The lengths form of the first rule without a ``Mask`` (the straight
+    line of small calls): key ``j`` is visible to a query when ``j`` is below
+    its length. ``lens`` (batch,) or (batch, Q), integer or float32/float64
+    with whole values; ``ndim`` that of the inputs, 3 or 4. Returns
+    ``(visible, used)``: bool (batch, [1,] Q|1, K), and bool (batch, [1,] K,
+    1) where some query of the batch element sees the key."""
+    dtype = B.dtype_name(lens)
+    if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
+        lens, dtype = B.astype(lens, "int32"), "int32"
+    j = _constant(
+        B,
+        ("positions", num_keys, dtype),
+        device,
+        lambda: (
+            B.astype(B.arange(num_keys, device), dtype)
+            if dtype != "int32"
+            else B.arange(num_keys, device)
+        ),
+    )
+    batch, lead = lens.shape[0], (1,) * (ndim - 3)
+    if len(lens.shape) == 1:
+        visible = j < lens.reshape((batch,) + lead + (1, 1))
+        return visible, visible.reshape((batch,) + lead + (num_keys, 1))
+    lens = lens.reshape((batch,) + lead + (lens.shape[1], 1))
+    visible = j < lens
+    return visible, j.reshape((num_keys, 1)) < B.max(lens, -2, keepdims=True)
 
 
 class Mask:
@@ -697,17 +734,24 @@ def normalize(B: Backend, acc: Array, total: Array) -> Array:
     return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
-def masked_softmax(B: Backend, scores: Array, visible: Array | None) -> Array:
+def masked_softmax(
+    B: Backend, scores: Array, visible: Array | None, empty_rows: bool = True
+) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
-    Returns the dtype of ``scores``."""
+    Returns the dtype of ``scores``. ``empty_rows=False``: the caller knows
+    every row sees a key (its masked weights are then 0 without a second
+    ``where``: exp of the fill against a visible score underflows to 0)."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
     if visible is None:
-        return B.astype(B.softmax(x, -1), dtype)
-    weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
-    return B.astype(B.where(visible, weights, 0.0), dtype)
+        weights = B.softmax(x, -1)
+    else:
+        weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
+        if empty_rows:
+            weights = B.where(visible, weights, 0.0)
+    return weights if work == dtype else B.astype(weights, dtype)
 
 
 # -- from the caller's arguments to one Mask ---------------------------------------------

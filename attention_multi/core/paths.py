@@ -39,6 +39,11 @@ EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed afte
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
+def default_scale(features: int) -> float:
+    """The default ``scale``: 1/sqrt(d) (d = 0 counts as 1: the scores are 0)."""
+    return 1.0 / max(features, 1) ** 0.5
+
+
 def work_itemsize(B: Backend, x: Array) -> int:
     """Bytes per element of score-sized work on ``x`` (half runs in float32)."""
     return 8 if B.dtype_name(x) == "float64" else 4
@@ -93,7 +98,7 @@ def _weights4(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array
     return B.astype(w, dtype) if work != dtype else w
 
 
-def _flat(w: Array) -> Array:
+def flat(w: Array) -> Array:
     """(batch, heads, Q, K) -> (batch * heads, Q, K)."""
     return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
 
@@ -101,7 +106,7 @@ def _flat(w: Array) -> Array:
 def weights(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
     """The (batch * heads, Q, K) attention weights, as the full path computes them."""
     k, _ = expand_kv(B, k, k, q.shape[1])
-    return _flat(_weights4(B, q, k, mask, scale))
+    return flat(_weights4(B, q, k, mask, scale))
 
 
 def full(
@@ -122,7 +127,7 @@ def full(
     k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
     w4 = _weights4(B, q, k, mask, scale)
     drop = dropout_fn(B, dropout, key)
-    return B.matmul(w4 if drop is None else drop(w4), v), lambda: _flat(w4)
+    return B.matmul(w4 if drop is None else drop(w4), v), lambda: flat(w4)
 
 
 def fused(
