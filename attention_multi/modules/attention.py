@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..core import (
-    default_scale,
-    small,
     DEFAULT_MEMORY_BUDGET,
     attend,
     check_path_options,
+    default_scale,
     make_mask,
     masked_softmax,
+    small,
     zeros_for_empty,
 )
 from ..core.checks import (
