@@ -146,6 +146,9 @@ class Backend:
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
     weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
+    # whether adding a broadcast (..., 1, K) array beats ``where`` over the
+    # scores (torch's CPU ``where`` costs several additions)
+    masks_by_adding: bool = False
     # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
     # query row or visible key gives NaN, a NaN score the mask hides does not
     # (the mask is a select, not an addition); if not, the core restores it

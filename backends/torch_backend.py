@@ -67,6 +67,7 @@ class TorchBackend(NumpyLike):
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
     weak_scalars = True
+    masks_by_adding = True
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)

@@ -307,6 +307,18 @@ class Mask:
 
         return self._fact("sees_all", compute)
 
+    @property
+    def every_row_sees_a_key(self) -> bool:
+        """Known on the host: no query is left with no visible key."""
+        if self.unmasked:
+            return True
+        return (
+            self.only_lens
+            and self.host
+            and self.lens_known is not None
+            and self._least_length() > 0
+        )
+
     def _only_lengths(self) -> bool:
         """Only lengths make the intervals (no causal, no window)."""
         return self.lens is not None and not self.causal and self.window is None
@@ -735,23 +747,45 @@ def normalize(B: Backend, acc: Array, total: Array) -> Array:
 
 
 def masked_softmax(
-    B: Backend, scores: Array, visible: Array | None, empty_rows: bool = True
+    B: Backend,
+    scores: Array,
+    visible: Array | None,
+    empty_rows: bool = True,
+    hidden_finite: bool = False,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
-    Returns the dtype of ``scores``. ``empty_rows=False``: the caller knows
-    every row sees a key (its masked weights are then 0 without a second
-    ``where``: exp of the fill against a visible score underflows to 0)."""
+    Returns the dtype of ``scores``.
+
+    What the caller knows makes it cheaper, never different:
+    ``empty_rows=False``, every row sees a key (masked weights are then 0
+    without a second ``where``: exp of the fill against a visible score
+    underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
+    nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
+    broadcast mask of 0 and the fill is added instead of a ``where`` over
+    every score (fill + score rounds to the fill, or to -inf: weight 0)."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
     if visible is None:
         weights = B.softmax(x, -1)
     else:
-        weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
+        device = B.device_of(x)
+        if hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
+            x = x + B.where(visible, _zero(B, work, device), fill(B, work, device))
+        else:
+            x = B.where(visible, x, fill_against(B, work, device))
+        weights = B.softmax(x, -1)
         if empty_rows:
             weights = B.where(visible, weights, 0.0)
     return weights if work == dtype else B.astype(weights, dtype)
+
+
+def _zero(B: Backend, dtype: str, device: Any) -> Array:
+    """0 as a 0-d array of ``dtype``."""
+    return _constant(
+        B, ("zero", dtype), device, lambda: B.asarray(np.zeros((), np.dtype(dtype)), device=device)
+    )
 
 
 # -- from the caller's arguments to one Mask ---------------------------------------------

@@ -89,12 +89,22 @@ def _scores(B: Backend, qs: Array, k: Array, mask: Mask, work: str) -> Array:
     return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
-def _weights4(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
-    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded."""
+def _weights4(
+    B: Backend, q: Array, k: Array, mask: Mask, scale: float, keys_guarded: bool = False
+) -> Array:
+    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded;
+    ``keys_guarded``: key rows nobody sees were zeroed."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     s = _scores(B, _scaled(B, q, scale, work), k, mask, work)
-    w = masked_softmax(B, s, mask.boolean(B, B.device_of(q)))
+    w = masked_softmax(
+        B,
+        s,
+        mask.boolean(B, B.device_of(q)),
+        empty_rows=not mask.every_row_sees_a_key,
+        # (a per-batch mask hides only key rows nobody sees: zeroed, their scores are finite)
+        hidden_finite=keys_guarded and mask.per_batch_lens is not None,
+    )
     return B.astype(w, dtype) if work != dtype else w
 
 
@@ -123,9 +133,10 @@ def full(
     dropout, as a function that reshapes them when they are read (a reshape
     is an operator call: MXNet's cost about as much as a small product)."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    # (the scores are masked by where: NaN in unused keys reaches only gradients)
-    k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
-    w4 = _weights4(B, q, k, mask, scale)
+    # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
+    guard_keys = B.may_differentiate(q) or B.masks_by_adding
+    k, v = mask.guard_unused(B, k, v, guard_keys=guard_keys)
+    w4 = _weights4(B, q, k, mask, scale, keys_guarded=guard_keys)
     drop = dropout_fn(B, dropout, key)
     return B.matmul(w4 if drop is None else drop(w4), v), lambda: flat(w4)
 
