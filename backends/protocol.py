@@ -298,6 +298,18 @@ class Backend:
         """Hook for frameworks that must know about new module classes."""
 
     # == 6. Provided here, from the members above ===============================
+    def softmax_before_product(self, x: Array, axis: int = -1) -> Array:
+        """A softmax whose output is multiplied by the values next: where the
+        framework's own softmax leaves a NaN row's other entries finite (the
+        NaN stays in its entry), this may too, since the product spreads it
+        over the output row. ``softmax`` unless a backend saves work here."""
+        return self.softmax(x, axis)
+
+    def nan_rows(self, weights: Array, axis: int = -1) -> Array:
+        """Weights from ``softmax_before_product`` as ``softmax`` gives them
+        (a row with a NaN entry is all NaN)."""
+        return weights
+
     def native_device(self, device: Any) -> Any:
         """The framework's device for a name (``"cuda:0"``); a native device
         object passes through. ValueError if it is absent."""

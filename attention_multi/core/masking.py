@@ -752,6 +752,7 @@ def masked_softmax(
     visible: Array | None,
     empty_rows: bool = True,
     hidden_finite: bool = False,
+    before_product: bool = False,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
@@ -763,19 +764,23 @@ def masked_softmax(
     underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
     nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
     broadcast mask of 0 and the fill is added instead of a ``where`` over
-    every score (fill + score rounds to the fill, or to -inf: weight 0)."""
+    every score (fill + score rounds to the fill, or to -inf: weight 0).
+    ``before_product``: the weights are multiplied by the values next and
+    reach users only through ``Backend.nan_rows``
+    (``Backend.softmax_before_product``)."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
+    softmax = B.softmax_before_product if before_product else B.softmax
     if visible is None:
-        weights = B.softmax(x, -1)
+        weights = softmax(x, -1)
     else:
         device = B.device_of(x)
         if hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
             x = x + B.where(visible, _zero(B, work, device), fill(B, work, device))
         else:
             x = B.where(visible, x, fill_against(B, work, device))
-        weights = B.softmax(x, -1)
+        weights = softmax(x, -1)
         if empty_rows:
             weights = B.where(visible, weights, 0.0)
     return weights if work == dtype else B.astype(weights, dtype)

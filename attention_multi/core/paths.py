@@ -90,10 +90,17 @@ def _scores(B: Backend, qs: Array, k: Array, mask: Mask, work: str) -> Array:
 
 
 def _weights4(
-    B: Backend, q: Array, k: Array, mask: Mask, scale: float, keys_guarded: bool = False
+    B: Backend,
+    q: Array,
+    k: Array,
+    mask: Mask,
+    scale: float,
+    keys_guarded: bool = False,
+    before_product: bool = False,
 ) -> Array:
     """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded;
-    ``keys_guarded``: key rows nobody sees were zeroed."""
+    ``keys_guarded``: key rows nobody sees were zeroed; ``before_product``:
+    as ``masked_softmax``'s."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     s = _scores(B, _scaled(B, q, scale, work), k, mask, work)
@@ -104,6 +111,7 @@ def _weights4(
         empty_rows=not mask.every_row_sees_a_key,
         # (a per-batch mask hides only key rows nobody sees: zeroed, their scores are finite)
         hidden_finite=keys_guarded and mask.per_batch_lens is not None,
+        before_product=before_product,
     )
     return B.astype(w, dtype) if work != dtype else w
 
@@ -136,9 +144,9 @@ def full(
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
     guard_keys = B.may_differentiate(q) or B.masks_by_adding
     k, v = mask.guard_unused(B, k, v, guard_keys=guard_keys)
-    w4 = _weights4(B, q, k, mask, scale, keys_guarded=guard_keys)
+    w4 = _weights4(B, q, k, mask, scale, keys_guarded=guard_keys, before_product=True)
     drop = dropout_fn(B, dropout, key)
-    return B.matmul(w4 if drop is None else drop(w4), v), lambda: flat(w4)
+    return B.matmul(w4 if drop is None else drop(w4), v), lambda: B.nan_rows(flat(w4))
 
 
 def fused(

@@ -58,8 +58,8 @@ def attention(
     key: Any = None,
 ) -> tuple[Array, Any]:
     """``(output, weights)`` of (batch, [heads,] n, d) inputs, as the full
-    path gives them: weights (batch * heads, Q, K) before dropout, for 4-D
-    inputs as a function that reshapes them when they are read.
+    path gives them: weights (batch * heads, Q, K) before dropout, as a
+    function (``Backend.nan_rows`` and the reshape run when they are read).
     ``valid_lens`` None, (batch,) or (batch, Q), checked as everywhere."""
     if len(queries.shape) == 4:
         keys, values = expand_kv(B, keys, values, queries.shape[1])
@@ -81,9 +81,11 @@ def attention(
     if work != dtype:
         queries, keys = B.astype(queries, work), B.astype(keys, work)
     scores = B.matmul(queries * scale, keys, transpose_b=True)
-    weights = masked_softmax(B, scores, visible, empty_rows)
+    weights = masked_softmax(B, scores, visible, empty_rows, before_product=True)
     if work != dtype:
         weights = B.astype(weights, dtype)
     drop = dropout_fn(B, dropout, key)
     out = B.matmul(weights if drop is None else drop(weights), values)
-    return out, weights if len(weights.shape) == 3 else lambda: flat(weights)
+    if len(weights.shape) == 3:
+        return out, lambda: B.nan_rows(weights)
+    return out, lambda: B.nan_rows(flat(weights))
