@@ -106,7 +106,7 @@ def dot_product_attention(
     """
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
-    if small.takes("auto", q, k, (mask, bias, window, mask_mod, score_mod, segment_ids, causal)):
+    if small.takes(B, "auto", q, k, (mask, bias, window, mask_mod, score_mod, segment_ids, causal)):
         dropout = check_dropout("dropout", dropout)
         scale = check_scale(scale)
         scale = default_scale(q.shape[-1]) if scale is None else scale

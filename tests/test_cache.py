@@ -52,7 +52,7 @@ def dtype(request, backend):
 
 def test_gqa_projections_and_oracle(backend, dtype, monkeypatch):
     # "auto"'s choice beyond small calls (which take the full path), at these sizes
-    monkeypatch.setattr(importlib.import_module("attention_multi.core.small"), "SMALL_SCORES", 0)
+    monkeypatch.setattr(importlib.import_module("attention_multi.core.attend"), "SMALL_SCORES", 0)
     mha, params = build(backend, dtype)
     assert tuple(mha.W_k.named_arrays()["weight"].shape) == (HIDDEN // 2, SIZE)
     assert sorted(am.get_params(mha)) == sorted(params)  # names unchanged

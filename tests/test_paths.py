@@ -206,7 +206,7 @@ def test_auto_path_choice(backend, monkeypatch):
     m(q, k, v, lens)
     assert m.last_path == "full"  # at most SMALL_SCORES scores
     # the choice beyond small calls, at these sizes
-    monkeypatch.setattr(importlib.import_module("attention_multi.core.small"), "SMALL_SCORES", 0)
+    monkeypatch.setattr(importlib.import_module("attention_multi.core.attend"), "SMALL_SCORES", 0)
     m(q, k, v, lens)
     assert m.last_path == ("fused" if backend.has_fused_attention else "tiled")
     # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import blocked, paths, small
+from . import blocked, paths
 from .checks import check_choice, check_positive_int
 
 if TYPE_CHECKING:
@@ -43,6 +43,14 @@ def zeros_for_empty(B: Backend, shape: tuple[int, ...], like: Array, *inputs: Ar
             out = out + B.sum(x.reshape((0,)), 0)
     return out
 
+
+SMALL_SCORES = 1 << 15
+"""``"auto"`` takes the full path at once for calls with at most this many
+(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
+kernel cost more host time than the arithmetic they could save (the d2l
+examples and chapter-11 training batches are far below it), and the full
+path keeps the weights. Those with lengths or nothing take it as a straight
+line (``small.py``)."""
 
 TILED_WORK_MAX = 0.9
 """``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
@@ -88,7 +96,7 @@ def attend(
       blocks are recomputed in the backward pass.
     - ``"full"``: materializes the (batch, heads, Q, K) scores and keeps the weights.
     - ``"auto"`` (default): ``"full"`` when the float32 scores fit in
-      ``memory_budget`` and there are at most ``small.SMALL_SCORES`` of them or
+      ``memory_budget`` and there are at most ``SMALL_SCORES`` of them or
       ``want_weights`` (the caller will read the weights); else
       ``"tiled"`` when the lengths are known and its tiles, each call
       counted, cost at most ``TILED_WORK_MAX`` of one kernel call over all
@@ -133,7 +141,7 @@ def attend(
         return out, weights, "empty"
     scores = batch * heads * num_q * num_k
     scores_bytes = scores * paths.work_itemsize(B, queries)
-    if path == "auto" and scores_bytes <= budget and (scores <= small.SMALL_SCORES or want_weights):
+    if path == "auto" and scores_bytes <= budget and (scores <= SMALL_SCORES or want_weights):
         out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
         return out, weights, "full"
     q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))

@@ -12,29 +12,39 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import attend
 from .checks import lengths_for_compare
-from .masking import compute_dtype, lengths_visible, masked_softmax
-from .paths import dropout_fn, expand_kv, flat
+from .masking import (
+    FINITE_CHECK_MIN,
+    _size,
+    all_finite,
+    compute_dtype,
+    lengths_visible,
+    masked_softmax,
+)
+from .paths import dropout_fn, expand_kv, flat, work_itemsize
 
 if TYPE_CHECKING:
     from backends import Backend
 
     from ..types import Array
 
-SMALL_SCORES = 1 << 15
-"""``"auto"`` takes the full path at once for calls with at most this many
-(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
-kernel cost more host time than the arithmetic they could save (the d2l
-examples and chapter-11 training batches are far below it), and the full
-path keeps the weights."""
 
-
-def takes(path: str, queries: Array, keys: Array, forms: tuple[Any, ...]) -> bool:
+def takes(
+    B: Backend,
+    path: str,
+    queries: Array,
+    keys: Array,
+    forms: tuple[Any, ...],
+    want_weights: bool = False,
+    memory_budget: int | None = None,
+) -> bool:
     """The straight line applies: ``path`` "auto" or "full", every mask form
     but ``valid_lens`` unset (``forms``: the call's ``mask``, ``bias``,
     ``window``, ``mask_mod``, ``score_mod``, ``segment_ids``, each None, then
-    ``causal`` exactly False), no empty axis, a feature size, and at most
-    ``SMALL_SCORES`` scores (``path="full"``: any number)."""
+    ``causal`` exactly False), no empty axis, a feature size, and "auto"
+    would take the full path: at most ``attend.SMALL_SCORES`` scores, or
+    ``want_weights`` and the scores fit in ``memory_budget``."""
     if path not in ("auto", "full") or forms[-1] is not False:
         return False
     for form in forms[:-1]:
@@ -44,7 +54,12 @@ def takes(path: str, queries: Array, keys: Array, forms: tuple[Any, ...]) -> boo
     scores = qs[-2] * ks[-2]
     for n in qs[:-2]:
         scores *= n
-    return 0 < scores and qs[-1] > 0 and (path == "full" or scores <= SMALL_SCORES)
+    if scores == 0 or qs[-1] == 0:
+        return False
+    if path == "full" or scores <= attend.SMALL_SCORES:
+        return True
+    budget = attend.DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    return want_weights and scores * work_itemsize(B, queries) <= budget
 
 
 def attention(
@@ -64,7 +79,7 @@ def attention(
     if len(queries.shape) == 4:
         keys, values = expand_kv(B, keys, values, queries.shape[1])
     visible = used = None
-    empty_rows = True
+    empty_rows, hidden_finite = True, False
     if valid_lens is not None:
         batch, num_q, num_k = queries.shape[0], queries.shape[-2], keys.shape[-2]
         device = B.device_of(queries)
@@ -72,16 +87,24 @@ def attention(
         if least is None or least < num_k:  # (else every key is seen)
             visible, used = lengths_visible(B, lens, len(queries.shape), num_k, device)
             empty_rows = least is None or least == 0
-    if used is not None:  # NaN in a value row nobody sees must not leak
-        values = B.where(used, values, 0.0)
-        if B.may_differentiate(queries):  # nor through the keys into gradients
-            keys = B.where(used, keys, 0.0)
+    if used is not None:  # NaN in a key or value row nobody sees must not leak
+        big = _size(keys) + _size(values) >= FINITE_CHECK_MIN
+        if big and all_finite(B, keys, values):
+            keys_clean = True  # (a read instead of two writes)
+        else:
+            values = B.where(used, values, 0.0)
+            # (into gradients through the keys; or into the scores, when adding the mask)
+            keys_clean = B.may_differentiate(queries) or (big and B.masks_by_adding)
+            if keys_clean:
+                keys = B.where(used, keys, 0.0)
+        # (lengths per batch element hide only keys nobody sees)
+        hidden_finite = keys_clean and len(lens.shape) == 1
     dtype = B.dtype_name(queries)
     work = compute_dtype(dtype)
     if work != dtype:
         queries, keys = B.astype(queries, work), B.astype(keys, work)
     scores = B.matmul(queries * scale, keys, transpose_b=True)
-    weights = masked_softmax(B, scores, visible, empty_rows, before_product=True)
+    weights = masked_softmax(B, scores, visible, empty_rows, hidden_finite, before_product=True)
     if work != dtype:
         weights = B.astype(weights, dtype)
     drop = dropout_fn(B, dropout, key)

@@ -379,7 +379,7 @@ class DotProductAttention(_Attention):
                 f"{tuple(keys.shape)}"
             )
         forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
-        if small.takes(self.path, queries, keys, forms):
+        if self._takes_straight(queries, keys, forms):
             return self._straight(queries, keys, values, valid_lens, key)
         m = self._mask(
             queries,
@@ -396,6 +396,18 @@ class DotProductAttention(_Attention):
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
+
+    def _takes_straight(self, queries: Array, keys: Array, forms: tuple[Any, ...]) -> bool:
+        """Whether a call takes the straight line (``core/small.py``)."""
+        return small.takes(
+            self._backend,
+            self.path,
+            queries,
+            keys,
+            forms,
+            self.__dict__.get("_attention_read", False),
+            self.memory_budget,
+        )
 
     def _straight(
         self, queries: Array, keys: Array, values: Array, valid_lens: Any, key: Any
@@ -566,7 +578,7 @@ class MultiHeadAttention(_Attention):
         k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
         num_keys, offset = keys.shape[1], None
         forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
-        if cache is None and small.takes(self.attention.path, q, k, forms):
+        if cache is None and self.attention._takes_straight(q, k, forms):
             out = B.transpose(self.attention._straight(q, k, v, valid_lens, key), (0, 2, 1, 3))
             return self.W_o(out.reshape((out.shape[0], out.shape[1], self.num_hiddens)))
         if cache is not None:
