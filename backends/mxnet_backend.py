@@ -61,6 +61,7 @@ def _append_feature(x, column):
 
 class MXNetBackend(NumpyLike):
     name = "mxnet"
+    masks_by_adding = True  # (broadcast where: ~12 ns an element, an addition ~3)
     xp = mnp
     array_type = mnp.ndarray
     module_base = GluonModule

@@ -147,8 +147,12 @@ class Backend:
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
     weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
     # whether adding a broadcast (..., 1, K) array beats ``where`` over the
-    # scores (torch's CPU ``where`` costs several additions)
+    # scores (torch's and MXNet's CPU ``where`` cost several additions)
     masks_by_adding: bool = False
+    # keys and values with at least this many elements (together) are read
+    # for non-finite entries on the host before their unused rows are zeroed
+    # (a finite pair skips the zeroing); below it the zeroing costs less
+    finite_check_min: int = 1 << 16
     # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
     # query row or visible key gives NaN, a NaN score the mask hides does not
     # (the mask is a select, not an addition); if not, the core restores it

@@ -625,13 +625,13 @@ class Mask:
         scores by ``where`` and computes no gradient through the keys)."""
         if (
             self.restricted
-            and _size(keys) + _size(values) >= FINITE_CHECK_MIN
+            and _size(keys) + _size(values) >= B.finite_check_min
             and all_finite(B, keys, values)
         ):  # (no dense mask to build)
             return keys, values
         used = self.used_keys(B, B.device_of(keys))
         if used is None or (
-            _size(keys) + _size(values) >= FINITE_CHECK_MIN and all_finite(B, keys, values)
+            _size(keys) + _size(values) >= B.finite_check_min and all_finite(B, keys, values)
         ):
             return keys, values
         return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
@@ -702,12 +702,6 @@ class Mask:
         """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
         rows = self.rows_with_keys(B, B.device_of(out))
         return out if rows is None else B.where(rows, out, 0.0)
-
-
-FINITE_CHECK_MIN = 1 << 16
-"""Keys and values with at least this many elements (together) are checked
-for non-finite entries on the host before their unused rows are zeroed,
-which a finite pair skips; below it the zeroing costs less than that read."""
 
 
 def _size(x: Array) -> int:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from . import attend
 from .checks import lengths_for_compare
 from .masking import (
-    FINITE_CHECK_MIN,
     _size,
     all_finite,
     compute_dtype,
@@ -88,7 +87,7 @@ def attention(
             visible, used = lengths_visible(B, lens, len(queries.shape), num_k, device)
             empty_rows = least is None or least == 0
     if used is not None:  # NaN in a key or value row nobody sees must not leak
-        big = _size(keys) + _size(values) >= FINITE_CHECK_MIN
+        big = _size(keys) + _size(values) >= B.finite_check_min
         if big and all_finite(B, keys, values):
             keys_clean = True  # (a read instead of two writes)
         else:
