@@ -86,12 +86,16 @@ class JaxModule(PlainModule):
         return state
 
     def _tree_flatten(self):
-        params = tuple(getattr(self, n) for n in self._param_names)
-        children = tuple(getattr(self, n) for n in self._child_names)
-        static = self.__dict__.get("_tree_static")
-        if static is None:
-            static = self.__dict__["_tree_static"] = self._tree_static()
-        return params + children, (len(params), static)
+        attributes = self.__dict__
+        kept = attributes.get("_tree_static")
+        if kept is None:  # (leaf names, aux data)
+            names = (*self._param_names, *self._child_names)
+            kept = attributes["_tree_static"] = (
+                names,
+                (len(self._param_names), self._tree_static()),
+            )
+        names, aux = kept
+        return [attributes[n] for n in names], aux
 
     def _tree_static(self):
         skip = set(self._param_names) | set(self._child_names) | {"_tree_static"}
