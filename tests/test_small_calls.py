@@ -107,3 +107,52 @@ def test_lengths_errors_are_those_of_the_full_checks(backend, lens, message):
     q, k, v = (backend.asarray(x, "float32") for x in (Q[:, 0], K[:, 0], V[:, 0]))
     with pytest.raises(ValueError, match=message):
         m(q, k, v, backend.asarray(lens))
+
+
+def _set_forms(backend):
+    """A value for every mask keyword that changes what a small call sees."""
+    b, q, k = 3, 4, 6
+    return {
+        "mask": backend.asarray(np.tril(np.ones((b, q, k), bool), 2)),
+        "bias": backend.asarray(np.linspace(-1, 1, b * q * k).reshape(b, q, k), "float32"),
+        "causal": True,
+        "window": 1,
+        "mask_mod": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx,
+        "score_mod": lambda score, b, h, q_idx, kv_idx: score * 0.5,
+        "segment_ids": backend.asarray(np.array([[0, 0, 0, 1, 1, 1]] * b)),
+    }
+
+
+NOT_FORMS = {"self", "queries", "keys", "values", "valid_lens", "key", "cache", "scale", "dropout"}
+
+
+@pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
+def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
+    """A call that sets any mask keyword but valid_lens never takes the
+    straight line (which reads lengths only): a keyword added to the API
+    must be added to the forms it checks, or this test names it."""
+    import inspect
+
+    from attention_multi.core import small
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the straight line took a call with a mask form")
+
+    monkeypatch.setattr(small, "attention", refuse)
+    q = backend.asarray(Q[:, 0, :4], "float32")
+    kv = backend.asarray(K[:, 0], "float32")
+    if where == "functional":
+        call, signature = am.dot_product_attention, inspect.signature(am.dot_product_attention)
+    else:
+        module = (
+            am.DotProductAttention(0.0, backend=backend)
+            if where == "DotProductAttention"
+            else am.MultiHeadAttention(8, 8, 8, 8, 2, 0.0, backend=backend)
+        ).eval()
+        call, signature = module, inspect.signature(type(module).forward)
+    forms = _set_forms(backend)
+    unknown = set(signature.parameters) - NOT_FORMS - set(forms)
+    assert not unknown, f"new keywords {unknown}: add them to the straight line's forms and here"
+    for name in signature.parameters:
+        if name in forms:
+            call(q, kv, kv, **{name: forms[name]})  # (refuse() would raise)
