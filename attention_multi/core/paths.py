@@ -142,7 +142,7 @@ def full(
     is an operator call: MXNet's cost about as much as a small product)."""
     k, v = expand_kv(B, k, v, q.shape[1])
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
-    guard_keys = B.may_differentiate(q) or B.masks_by_adding
+    guard_keys = B.may_differentiate(q) or (B.masks_by_adding and mask.per_batch_lens is not None)
     k, v = mask.guard_unused(B, k, v, guard_keys=guard_keys)
     w4 = _weights4(B, q, k, mask, scale, keys_guarded=guard_keys, before_product=True)
     drop = dropout_fn(B, dropout, key)
