@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core import attend, make_mask, zeros_for_empty
+from .core import attend, default_scale, make_mask, small, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (
     backend_of,
@@ -106,6 +106,12 @@ def dot_product_attention(
     """
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
+    if small.takes(B, "auto", q, k, (mask, bias, window, mask_mod, score_mod, segment_ids, causal)):
+        dropout = check_dropout("dropout", dropout)
+        scale = check_scale(scale)
+        scale = default_scale(q.shape[-1]) if scale is None else scale
+        out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key)
+        return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
     m = make_mask(
         B,
         batch,
@@ -286,7 +292,7 @@ def ring_attention(
         device=B.device_of(q),
     )
     scale = check_scale(scale)
-    scale = 1.0 / float(max(q.shape[-1], 1)) ** 0.5 if scale is None else scale
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:

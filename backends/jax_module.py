@@ -56,12 +56,49 @@ class _NameList(tuple):
 
 
 class JaxModule(PlainModule):
-    """Native base: a pytree. Transient state (attention weights) is dropped."""
+    """Native base: a pytree. Transient state (attention weights) is dropped.
+
+    The static part of the tree (every attribute but the parameters and
+    children) is kept between flattenings: ``jax.jit`` flattens the module on
+    every call, and at d2l's sizes building it cost as much as the call.
+    Setting an attribute, or adding a parameter or buffer, forgets it."""
+
+    def __setattr__(self, name, value):
+        self.__dict__.pop("_tree_static", None)
+        super().__setattr__(name, value)
+
+    def _add_param(self, name, value):
+        self.__dict__.pop("_tree_static", None)
+        super()._add_param(name, value)
+
+    def _add_lazy_param(self, name, shape):
+        self.__dict__.pop("_tree_static", None)
+        super()._add_lazy_param(name, shape)
+
+    def _add_buffer(self, name, value):
+        self.__dict__.pop("_tree_static", None)
+        super()._add_buffer(name, value)
+
+    def __getstate__(self):
+        parent = getattr(super(), "__getstate__", None)  # (absent before 3.11)
+        state = dict(parent() if parent is not None else self.__dict__)
+        state.pop("_tree_static", None)
+        return state
 
     def _tree_flatten(self):
-        params = tuple(getattr(self, n) for n in self._param_names)
-        children = tuple(getattr(self, n) for n in self._child_names)
-        skip = set(self._param_names) | set(self._child_names)
+        attributes = self.__dict__
+        kept = attributes.get("_tree_static")
+        if kept is None:  # (leaf names, aux data)
+            names = (*self._param_names, *self._child_names)
+            kept = attributes["_tree_static"] = (
+                names,
+                (len(self._param_names), self._tree_static()),
+            )
+        names, aux = kept
+        return [attributes[n] for n in names], aux
+
+    def _tree_static(self):
+        skip = set(self._param_names) | set(self._child_names) | {"_tree_static"}
         static = []
         for k, v in sorted(vars(self).items()):
             if k in skip or k.startswith("_attention") or k == "_device":
@@ -75,7 +112,7 @@ class JaxModule(PlainModule):
             except TypeError:
                 v = _ByIdentity(v)
             static.append((k, v))
-        return params + children, (len(params), tuple(static))
+        return tuple(static)
 
     @classmethod
     def _tree_unflatten(cls, aux, leaves):

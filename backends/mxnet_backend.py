@@ -61,6 +61,7 @@ def _append_feature(x, column):
 
 class MXNetBackend(NumpyLike):
     name = "mxnet"
+    masks_by_adding = True  # (broadcast where: ~12 ns an element, an addition ~3)
     xp = mnp
     array_type = mnp.ndarray
     module_base = GluonModule
@@ -120,6 +121,12 @@ class MXNetBackend(NumpyLike):
         # max is NaN or inf there (0 * it is NaN), finite elsewhere (3 operators,
         # not 4: small calls pay for each).
         return npx.softmax(x, axis=axis) + 0 * mnp.max(x, axis=axis, keepdims=True)
+
+    def softmax_before_product(self, x, axis=-1):
+        return npx.softmax(x, axis=axis)  # (a NaN row keeps its NaN entry: nan_rows)
+
+    def nan_rows(self, weights, axis=-1):
+        return weights + 0 * mnp.max(weights, axis=axis, keepdims=True)
 
     def logical_and(self, a, b):
         # MXNet 1.9.1 has no logical_and, and & on booleans fails on some shapes

@@ -146,6 +146,13 @@ class Backend:
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
     weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
+    # whether adding a broadcast (..., 1, K) array beats ``where`` over the
+    # scores (torch's and MXNet's CPU ``where`` cost several additions)
+    masks_by_adding: bool = False
+    # keys and values with at least this many elements (together) are read
+    # for non-finite entries on the host before their unused rows are zeroed
+    # (a finite pair skips the zeroing); below it the zeroing costs less
+    finite_check_min: int = 1 << 16
     # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
     # query row or visible key gives NaN, a NaN score the mask hides does not
     # (the mask is a select, not an addition); if not, the core restores it
@@ -295,6 +302,18 @@ class Backend:
         """Hook for frameworks that must know about new module classes."""
 
     # == 6. Provided here, from the members above ===============================
+    def softmax_before_product(self, x: Array, axis: int = -1) -> Array:
+        """A softmax whose output is multiplied by the values next: where the
+        framework's own softmax leaves a NaN row's other entries finite (the
+        NaN stays in its entry), this may too, since the product spreads it
+        over the output row. ``softmax`` unless a backend saves work here."""
+        return self.softmax(x, axis)
+
+    def nan_rows(self, weights: Array, axis: int = -1) -> Array:
+        """Weights from ``softmax_before_product`` as ``softmax`` gives them
+        (a row with a NaN entry is all NaN)."""
+        return weights
+
     def native_device(self, device: Any) -> Any:
         """The framework's device for a name (``"cuda:0"``); a native device
         object passes through. ValueError if it is absent."""

@@ -67,6 +67,7 @@ class TorchBackend(NumpyLike):
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
     weak_scalars = True
+    masks_by_adding = True
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
@@ -82,7 +83,12 @@ class TorchBackend(NumpyLike):
             x = torch.as_tensor(np.asarray(x))
         return x.to(device=device, dtype=None if dtype is None else getattr(torch, dtype))
 
+    def matmul(self, a, b, transpose_b=False):
+        return torch.matmul(a, b.mT if transpose_b else b)
+
     def to_numpy(self, x):
+        if x.device.type == "cpu" and not x.requires_grad and x.dtype != torch.bfloat16:
+            return x.numpy()  # (a view: one call, not three)
         x = x.detach().cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from . import blocked, paths
@@ -50,7 +49,8 @@ SMALL_SCORES = 1 << 15
 (batch * heads * Q * K) scores: there, planning tiles and dispatching to a
 kernel cost more host time than the arithmetic they could save (the d2l
 examples and chapter-11 training batches are far below it), and the full
-path keeps the weights."""
+path keeps the weights. Those with lengths or nothing take it as a straight
+line (``small.py``)."""
 
 TILED_WORK_MAX = 0.9
 """``"auto"`` takes the tiled path first when its tiles cost at most 0.9 of
@@ -131,7 +131,7 @@ def attend(
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if queries.shape[-1] == 0:  # no features: every score is 0 (no kernel sees d = 0)
         queries, keys = (zeros_for_empty(B, tuple(x.shape[:-1]) + (1,), x) for x in (queries, keys))
-    scale = 1.0 / math.sqrt(queries.shape[-1]) if scale is None else scale
+    scale = paths.default_scale(queries.shape[-1]) if scale is None else scale
     batch, heads, num_q = queries.shape[:3]
     num_k = keys.shape[2]
 

@@ -107,6 +107,13 @@ def valid_lens_checked(
     """``(valid_lens_array(...), its int64 host copy or None while traced)``:
     the values read once on the host, for the checks and for the mask."""
     limit = _INT32_MAX if num_keys is None else min(int(num_keys), _INT32_MAX)
+    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
+        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+        if fast is not None:
+            lens = fast[0]
+            if backend.dtype_name(lens) != "int32":
+                lens = backend.astype(lens, "int32")
+            return lens, fast[1].astype(np.int64)
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
             host = np.asarray(valid_lens)
@@ -149,6 +156,64 @@ def valid_lens_checked(
     if dtype != "int32":
         valid_lens = backend.astype(valid_lens, "int32")
     return valid_lens, known
+
+
+_EXACT_LENS = {"int32": "i", "int64": "i", "float32": "f", "float64": "f"}
+_SMALL_HOST = 64  # up to this many values, Python's min/max beat NumPy's reductions
+
+
+def lengths_for_compare(
+    backend: Backend, valid_lens: Any, batch: int, queries: int, num_keys: int, device: Any
+) -> tuple[Array, int | None]:
+    """``(lengths, least)`` for a caller that only compares key positions
+    with them (the straight line of small calls): ``valid_lens`` checked as
+    ``valid_lens_checked`` does; a well-formed int32/int64/float32/float64
+    array comes back as it is (every value is exact there, no cast), and
+    ``least`` is its smallest value (None while traced)."""
+    limit = min(int(num_keys), _INT32_MAX)
+    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
+        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+        if fast is not None:
+            return valid_lens, fast[2]
+    lens, known = valid_lens_checked(
+        backend, valid_lens, batch, queries, device=device, num_keys=num_keys
+    )
+    return lens, None if known is None else (int(known.min()) if known.size else 0)
+
+
+_EXACT_LENS = {"int32": "i", "int64": "i", "float32": "f", "float64": "f"}
+_SMALL_HOST = 64  # up to this many values, Python's min/max beat NumPy's reductions
+
+
+def _well_formed_lens(
+    backend: Backend, lens: Array, batch: int, queries: int, limit: int
+) -> tuple[Array, np.ndarray, int] | None:
+    """The common case at the cost of one host read: a concrete int32/int64
+    (or float32/float64) array of the right shape whose values are whole
+    numbers in [0, limit]: ``(lens, its values on the host, the least)``.
+    None for anything else: the full checks then run and raise or convert."""
+    kind = _EXACT_LENS.get(backend.dtype_name(lens))
+    shape = tuple(lens.shape)
+    if kind is None or shape not in ((batch,), (batch, queries)) or 0 in shape:
+        return None
+    values = backend.to_numpy(lens)
+    if values.size <= _SMALL_HOST:
+        listed = values.ravel().tolist()
+        if kind == "f":  # (NaN fails every comparison; min and max would skip it)
+            if not all(0 <= x <= limit and x == int(x) for x in listed):
+                return None
+        elif not (0 <= min(listed) and max(listed) <= limit):
+            return None
+        least = min(listed)
+    else:
+        least = values.min()
+        if not (
+            0 <= least
+            and values.max() <= limit
+            and (kind == "i" or bool((values == np.round(values)).all()))
+        ):
+            return None
+    return lens, values, int(least)
 
 
 def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:

@@ -57,9 +57,15 @@ def compute_dtype(dtype: str) -> str:
     return "float32" if dtype in HALF_DTYPES else dtype
 
 
+_FILL: dict[str, float] = {}
+
+
 def fill_value(dtype: str) -> float:
     """What a masked score becomes: the lowest finite value of ``dtype``."""
-    return float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+    value = _FILL.get(dtype)
+    if value is None:
+        value = _FILL[dtype] = float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+    return value
 
 
 _CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
@@ -107,6 +113,37 @@ def _positions(B: Backend, num_keys: int, device: Any) -> Array:
         device,
         lambda: B.arange(num_keys, device).reshape((1, 1, 1, num_keys)),
     )
+
+
+def lengths_visible(
+    B: Backend, lens: Array, ndim: int, num_keys: int, device: Any
+) -> tuple[Array, Array]:
+    """The lengths form of the first rule without a ``Mask`` (the straight
+    line of small calls): key ``j`` is visible to a query when ``j`` is below
+    its length. ``lens`` (batch,) or (batch, Q), integer or float32/float64
+    with whole values; ``ndim`` that of the inputs, 3 or 4. Returns
+    ``(visible, used)``: bool (batch, [1,] Q|1, K), and bool (batch, [1,] K,
+    1) where some query of the batch element sees the key."""
+    dtype = B.dtype_name(lens)
+    if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
+        lens, dtype = B.astype(lens, "int32"), "int32"
+    j = _constant(
+        B,
+        ("positions", num_keys, dtype),
+        device,
+        lambda: (
+            B.astype(B.arange(num_keys, device), dtype)
+            if dtype != "int32"
+            else B.arange(num_keys, device)
+        ),
+    )
+    batch, lead = lens.shape[0], (1,) * (ndim - 3)
+    if len(lens.shape) == 1:
+        visible = j < lens.reshape((batch,) + lead + (1, 1))
+        return visible, visible.reshape((batch,) + lead + (num_keys, 1))
+    lens = lens.reshape((batch,) + lead + (lens.shape[1], 1))
+    visible = j < lens
+    return visible, j.reshape((num_keys, 1)) < B.max(lens, -2, keepdims=True)
 
 
 class Mask:
@@ -269,6 +306,18 @@ class Mask:
             )
 
         return self._fact("sees_all", compute)
+
+    @property
+    def every_row_sees_a_key(self) -> bool:
+        """Known on the host: no query is left with no visible key."""
+        if self.unmasked:
+            return True
+        return (
+            self.only_lens
+            and self.host
+            and self.lens_known is not None
+            and self._least_length() > 0
+        )
 
     def _only_lengths(self) -> bool:
         """Only lengths make the intervals (no causal, no window)."""
@@ -576,13 +625,13 @@ class Mask:
         scores by ``where`` and computes no gradient through the keys)."""
         if (
             self.restricted
-            and _size(keys) + _size(values) >= FINITE_CHECK_MIN
+            and _size(keys) + _size(values) >= B.finite_check_min
             and all_finite(B, keys, values)
         ):  # (no dense mask to build)
             return keys, values
         used = self.used_keys(B, B.device_of(keys))
         if used is None or (
-            _size(keys) + _size(values) >= FINITE_CHECK_MIN and all_finite(B, keys, values)
+            _size(keys) + _size(values) >= B.finite_check_min and all_finite(B, keys, values)
         ):
             return keys, values
         return B.where(used, keys, 0.0) if guard_keys else keys, B.where(used, values, 0.0)
@@ -655,12 +704,6 @@ class Mask:
         return out if rows is None else B.where(rows, out, 0.0)
 
 
-FINITE_CHECK_MIN = 1 << 16
-"""Keys and values with at least this many elements (together) are checked
-for non-finite entries on the host before their unused rows are zeroed,
-which a finite pair skips; below it the zeroing costs less than that read."""
-
-
 def _size(x: Array) -> int:
     return math.prod(x.shape)
 
@@ -697,17 +740,51 @@ def normalize(B: Backend, acc: Array, total: Array) -> Array:
     return B.where(has_keys, acc / B.where(has_keys, total, 1.0), 0.0)
 
 
-def masked_softmax(B: Backend, scores: Array, visible: Array | None) -> Array:
+def masked_softmax(
+    B: Backend,
+    scores: Array,
+    visible: Array | None,
+    empty_rows: bool = True,
+    hidden_finite: bool = False,
+    before_product: bool = False,
+) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
-    Returns the dtype of ``scores``."""
+    Returns the dtype of ``scores``.
+
+    What the caller knows makes it cheaper, never different:
+    ``empty_rows=False``, every row sees a key (masked weights are then 0
+    without a second ``where``: exp of the fill against a visible score
+    underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
+    nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
+    broadcast mask of 0 and the fill is added instead of a ``where`` over
+    every score (fill + score rounds to the fill, or to -inf: weight 0).
+    ``before_product``: the weights are multiplied by the values next and
+    reach users only through ``Backend.nan_rows``
+    (``Backend.softmax_before_product``)."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
+    softmax = B.softmax_before_product if before_product else B.softmax
     if visible is None:
-        return B.astype(B.softmax(x, -1), dtype)
-    weights = B.softmax(B.where(visible, x, fill_against(B, work, B.device_of(x))), -1)
-    return B.astype(B.where(visible, weights, 0.0), dtype)
+        weights = softmax(x, -1)
+    else:
+        device = B.device_of(x)
+        if hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
+            x = x + B.where(visible, _zero(B, work, device), fill(B, work, device))
+        else:
+            x = B.where(visible, x, fill_against(B, work, device))
+        weights = softmax(x, -1)
+        if empty_rows:
+            weights = B.where(visible, weights, 0.0)
+    return weights if work == dtype else B.astype(weights, dtype)
+
+
+def _zero(B: Backend, dtype: str, device: Any) -> Array:
+    """0 as a 0-d array of ``dtype``."""
+    return _constant(
+        B, ("zero", dtype), device, lambda: B.asarray(np.zeros((), np.dtype(dtype)), device=device)
+    )
 
 
 # -- from the caller's arguments to one Mask ---------------------------------------------

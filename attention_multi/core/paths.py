@@ -39,6 +39,11 @@ EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed afte
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 
 
+def default_scale(features: int) -> float:
+    """The default ``scale``: 1/sqrt(d) (d = 0 counts as 1: the scores are 0)."""
+    return 1.0 / max(features, 1) ** 0.5
+
+
 def work_itemsize(B: Backend, x: Array) -> int:
     """Bytes per element of score-sized work on ``x`` (half runs in float32)."""
     return 8 if B.dtype_name(x) == "float64" else 4
@@ -84,16 +89,34 @@ def _scores(B: Backend, qs: Array, k: Array, mask: Mask, work: str) -> Array:
     return s if mask.score_mod is None else mods.apply_score_mod(B, mask, s, work)
 
 
-def _weights4(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
-    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded."""
+def _weights4(
+    B: Backend,
+    q: Array,
+    k: Array,
+    mask: Mask,
+    scale: float,
+    keys_guarded: bool = False,
+    before_product: bool = False,
+) -> Array:
+    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded;
+    ``keys_guarded``: key rows nobody sees were zeroed; ``before_product``:
+    as ``masked_softmax``'s."""
     dtype = B.dtype_name(q)
     work = compute_dtype(dtype)
     s = _scores(B, _scaled(B, q, scale, work), k, mask, work)
-    w = masked_softmax(B, s, mask.boolean(B, B.device_of(q)))
+    w = masked_softmax(
+        B,
+        s,
+        mask.boolean(B, B.device_of(q)),
+        empty_rows=not mask.every_row_sees_a_key,
+        # (a per-batch mask hides only key rows nobody sees: zeroed, their scores are finite)
+        hidden_finite=keys_guarded and mask.per_batch_lens is not None,
+        before_product=before_product,
+    )
     return B.astype(w, dtype) if work != dtype else w
 
 
-def _flat(w: Array) -> Array:
+def flat(w: Array) -> Array:
     """(batch, heads, Q, K) -> (batch * heads, Q, K)."""
     return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
 
@@ -101,7 +124,7 @@ def _flat(w: Array) -> Array:
 def weights(B: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
     """The (batch * heads, Q, K) attention weights, as the full path computes them."""
     k, _ = expand_kv(B, k, k, q.shape[1])
-    return _flat(_weights4(B, q, k, mask, scale))
+    return flat(_weights4(B, q, k, mask, scale))
 
 
 def full(
@@ -118,11 +141,12 @@ def full(
     dropout, as a function that reshapes them when they are read (a reshape
     is an operator call: MXNet's cost about as much as a small product)."""
     k, v = expand_kv(B, k, v, q.shape[1])
-    # (the scores are masked by where: NaN in unused keys reaches only gradients)
-    k, v = mask.guard_unused(B, k, v, guard_keys=B.may_differentiate(q))
-    w4 = _weights4(B, q, k, mask, scale)
+    # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
+    guard_keys = B.may_differentiate(q) or (B.masks_by_adding and mask.per_batch_lens is not None)
+    k, v = mask.guard_unused(B, k, v, guard_keys=guard_keys)
+    w4 = _weights4(B, q, k, mask, scale, keys_guarded=guard_keys, before_product=True)
     drop = dropout_fn(B, dropout, key)
-    return B.matmul(w4 if drop is None else drop(w4), v), lambda: _flat(w4)
+    return B.matmul(w4 if drop is None else drop(w4), v), lambda: B.nan_rows(flat(w4))
 
 
 def fused(

@@ -11,8 +11,10 @@ from ..core import (
     DEFAULT_MEMORY_BUDGET,
     attend,
     check_path_options,
+    default_scale,
     make_mask,
     masked_softmax,
+    small,
     zeros_for_empty,
 )
 from ..core.checks import (
@@ -148,7 +150,14 @@ class _Attention(Module):
                 f"dtypes differ ({listing}); build the module with dtype= or cast the inputs"
             )
 
+    _SIZED_LAYER = (
+        ""  # a Linear child that is never lazily sized: its weight's dtype is the module's
+    )
+
     def _dtype_of_params(self) -> str:
+        layer = getattr(self, self._SIZED_LAYER, None) if self._SIZED_LAYER else None
+        if layer is not None:  # (one parameter read, not the whole list: every call asks)
+            return self._backend.dtype_name(layer._param("weight"))
         arrays = self.named_arrays() if self.sized else {}
         if not arrays:  # lazily sized: the dtype the parameters will have
             return self._dtype
@@ -369,6 +378,9 @@ class DotProductAttention(_Attention):
                 f"queries {tuple(queries.shape)} and keys "
                 f"{tuple(keys.shape)}"
             )
+        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
+        if self._takes_straight(queries, keys, forms):
+            return self._straight(queries, keys, values, valid_lens, key)
         m = self._mask(
             queries,
             keys.shape[1],
@@ -384,6 +396,37 @@ class DotProductAttention(_Attention):
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
+
+    def _takes_straight(self, queries: Array, keys: Array, forms: tuple[Any, ...]) -> bool:
+        """Whether a call takes the straight line (``core/small.py``)."""
+        return small.takes(
+            self._backend,
+            self.path,
+            queries,
+            keys,
+            forms,
+            self.__dict__.get("_attention_read", False),
+            self.memory_budget,
+        )
+
+    def _straight(
+        self, queries: Array, keys: Array, values: Array, valid_lens: Any, key: Any
+    ) -> Array:
+        """The full path of a small call with lengths or nothing (``core/small.py``)."""
+        self.__dict__.pop("_attention_read", None)
+        out, weights = small.attention(
+            self._backend,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            default_scale(queries.shape[-1]),
+            self.dropout if self.training else 0.0,
+            key,
+        )
+        self._keep_attention(weights)
+        self.__dict__["_attention_path"] = "full"
+        return out
 
     def _attend(
         self,
@@ -435,6 +478,7 @@ class MultiHeadAttention(_Attention):
     """
 
     _SEEDS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias")
+    _SIZED_LAYER = "W_o"
     _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
 
     def __init__(
@@ -533,6 +577,10 @@ class MultiHeadAttention(_Attention):
         q = heads(self.W_q(queries), h)
         k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
         num_keys, offset = keys.shape[1], None
+        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
+        if cache is None and self.attention._takes_straight(q, k, forms):
+            out = B.transpose(self.attention._straight(q, k, v, valid_lens, key), (0, 2, 1, 3))
+            return self.W_o(out.reshape((out.shape[0], out.shape[1], self.num_hiddens)))
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
             k = B.write_slice(cache.keys, k, start, 2)

@@ -1,0 +1,158 @@
+"""The straight line of small calls (``core/small.py``): with lengths or
+nothing, the modules and the functional form skip the ``Mask`` and the
+planning; the answers, the weights and the reported path are those of the
+full path, graded by the float64 oracle."""
+
+import numpy as np
+import pytest
+
+import attention_multi as am
+from attention_multi import reference as oracle
+
+RNG = np.random.default_rng(11)
+Q, K, V = (RNG.standard_normal(s) for s in ((3, 2, 4, 8), (3, 1, 6, 8), (3, 1, 6, 5)))
+TOL = {"float32": dict(rtol=2e-5, atol=2e-6), "float64": dict(rtol=1e-10, atol=1e-12)}
+LENS = {
+    "none": None,
+    "1d": np.array([2, 0, 6]),  # an empty row, and a length of every key
+    "1d-all": np.array([6, 9, 6]),  # past the last key: nothing masked
+    "2d": np.array([[1, 2, 3, 4], [0, 6, 2, 1], [6, 6, 5, 0]]),
+}
+
+
+def _dtype(backend, dtype):
+    if dtype not in backend.float_dtypes:
+        pytest.skip(f"the {backend.name} backend has no {dtype}")
+    return dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lens_dtype", ["int32", "int64", "float32"])
+@pytest.mark.parametrize("form", sorted(LENS))
+def test_dot_product_attention_small_call(backend, dtype, lens_dtype, form):
+    """3-D module calls with every lengths form and dtype (MXNet's d2l code
+    passes float32 lengths): the oracle's output and weights, path "full"."""
+    dtype = _dtype(backend, dtype)
+    q, k, v = Q[:, 0], K[:, 0], V[:, 0]
+    lens = LENS[form]
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    arrays = [backend.asarray(x, dtype) for x in (q, k, v)]
+    got = m(*arrays, None if lens is None else backend.asarray(lens, lens_dtype))
+    want, weights = oracle.dot_product_attention(q, k, v, lens)
+    assert m.last_path == "full"
+    np.testing.assert_allclose(backend.to_numpy(got), want, **TOL[dtype])
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), weights, **TOL[dtype])
+
+
+@pytest.mark.parametrize("form", sorted(LENS))
+def test_functional_grouped_query_small_call(backend, form):
+    """4-D functional calls with two query heads per key head."""
+    lens = LENS[form]
+    got = am.dot_product_attention(
+        *(backend.asarray(x, "float32") for x in (Q, K, V)),
+        None if lens is None else backend.asarray(lens),
+    )
+    want, _ = oracle.attention(Q, K, V, lens)
+    np.testing.assert_allclose(backend.to_numpy(got), want, **TOL["float32"])
+
+
+def test_multi_head_small_call_with_lists(backend):
+    """A list of lengths (checked and placed as everywhere) and the seeds'
+    module: the oracle's output and (batch * heads, Q, K) weights."""
+    m = am.MultiHeadAttention(8, 8, 5, 12, 3, 0.0, backend=backend).eval()
+    params = {n: np.asarray(x, np.float64) for n, x in am.get_params(m).items()}
+    lens = [4, 1, 0]
+    q, kv = Q[:, 0], K[:, 0]
+    values = RNG.standard_normal((3, 6, 5))
+    got = m(*(backend.asarray(x, "float32") for x in (q, kv, values)), lens)
+    want, weights = oracle.multi_head_attention(params, q, kv, values, np.array(lens), 3)
+    assert m.last_path == "full"
+    np.testing.assert_allclose(backend.to_numpy(got), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), weights, **TOL["float32"])
+
+
+def test_nan_in_unseen_rows_stays_out_and_nan_query_rows_propagate(backend):
+    """The masking contract on the straight line: NaN in a key or value row
+    nobody sees changes nothing; a NaN query row is NaN, weights included."""
+    q, k, v = Q[:, 0].copy(), K[:, 0].copy(), V[:, 0].copy()
+    k[0, 4], v[0, 5] = np.nan, np.nan  # batch 0 sees keys 0-1
+    q[2, 1] = np.nan
+    lens = np.array([2, 3, 6])
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    got = np.array(backend.to_numpy(m(*(backend.asarray(x, "float32") for x in (q, k, v)), lens)))
+    weights = np.array(backend.to_numpy(m.attention_weights))
+    clean = Q[:, 0].copy()
+    clean[2, 1] = 0.0
+    want, want_weights = oracle.dot_product_attention(
+        clean, np.nan_to_num(k), np.nan_to_num(v), lens
+    )
+    assert m.last_path == "full"
+    assert np.isnan(got[2, 1]).all() and np.isnan(weights[2, 1]).all()
+    got[2, 1], weights[2, 1] = want[2, 1], want_weights[2, 1]
+    np.testing.assert_allclose(got, want, **TOL["float32"])
+    np.testing.assert_allclose(weights, want_weights, **TOL["float32"])
+
+
+@pytest.mark.parametrize(
+    "lens, message",
+    [
+        (np.array([1.0, np.nan, 2.0], np.float32), "valid_lens contains NaN"),
+        (np.array([1, -1, 2]), "valid_lens must be >= 0"),
+        (np.array([1.5, 1.0, 2.0], np.float32), "valid_lens must hold whole numbers"),
+        (np.array([1, 2]), r"valid_lens must have shape \(3,\)"),
+    ],
+)
+def test_lengths_errors_are_those_of_the_full_checks(backend, lens, message):
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    q, k, v = (backend.asarray(x, "float32") for x in (Q[:, 0], K[:, 0], V[:, 0]))
+    with pytest.raises(ValueError, match=message):
+        m(q, k, v, backend.asarray(lens))
+
+
+def _set_forms(backend):
+    """A value for every mask keyword that changes what a small call sees."""
+    b, q, k = 3, 4, 6
+    return {
+        "mask": backend.asarray(np.tril(np.ones((b, q, k), bool), 2)),
+        "bias": backend.asarray(np.linspace(-1, 1, b * q * k).reshape(b, q, k), "float32"),
+        "causal": True,
+        "window": 1,
+        "mask_mod": lambda b, h, q_idx, kv_idx: kv_idx <= q_idx,
+        "score_mod": lambda score, b, h, q_idx, kv_idx: score * 0.5,
+        "segment_ids": backend.asarray(np.array([[0, 0, 0, 1, 1, 1]] * b)),
+    }
+
+
+NOT_FORMS = {"self", "queries", "keys", "values", "valid_lens", "key", "cache", "scale", "dropout"}
+
+
+@pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
+def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
+    """A call that sets any mask keyword but valid_lens never takes the
+    straight line (which reads lengths only): a keyword added to the API
+    must be added to the forms it checks, or this test names it."""
+    import inspect
+
+    from attention_multi.core import small
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the straight line took a call with a mask form")
+
+    monkeypatch.setattr(small, "attention", refuse)
+    q = backend.asarray(Q[:, 0, :4], "float32")
+    kv = backend.asarray(K[:, 0], "float32")
+    if where == "functional":
+        call, signature = am.dot_product_attention, inspect.signature(am.dot_product_attention)
+    else:
+        module = (
+            am.DotProductAttention(0.0, backend=backend)
+            if where == "DotProductAttention"
+            else am.MultiHeadAttention(8, 8, 8, 8, 2, 0.0, backend=backend)
+        ).eval()
+        call, signature = module, inspect.signature(type(module).forward)
+    forms = _set_forms(backend)
+    unknown = set(signature.parameters) - NOT_FORMS - set(forms)
+    assert not unknown, f"new keywords {unknown}: add them to the straight line's forms and here"
+    for name in signature.parameters:
+        if name in forms:
+            call(q, kv, kv, **{name: forms[name]})  # (refuse() would raise)
