@@ -31,6 +31,7 @@ def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
     return jnp.swapaxes(out, 1, 2).astype(dtype)
 
 
+_DIFFERENTIATING = frozenset(("JVPTracer", "LinearizeTracer"))  # jax 0.6; 0.7 and later
 _TREES: set[type] = set()  # classes registered by register_tree (once per process)
 
 
@@ -72,6 +73,11 @@ class JaxBackend(NumpyLike):
     def enable_float64(self):
         jax.config.update("jax_enable_x64", True)
 
+    def is_differentiated(self, x):
+        # (inside jax.grad, jax.vjp, value_and_grad, also under jit: JVP or
+        # linearize tracers; a plain jit trace may still be differentiated later)
+        return any(c.__name__ in _DIFFERENTIATING for c in type(x).__mro__)
+
     def softmax(self, x, axis=-1):
         return jax.nn.softmax(x, axis=axis)
 
@@ -81,7 +87,8 @@ class JaxBackend(NumpyLike):
         else as a boolean ``mask`` (a window too: jax 0.6.2 ignores
         ``local_window_size`` unless another mask is given) and ``bias``.
         Its XLA implementation materializes the scores, so it declines when
-        they would not fit in ``memory_budget``; also when values and queries
+        they would not fit in ``memory_budget`` (four times over under
+        autodiff, which holds them for the backward pass); also when values and queries
         differ in feature size (JAX requires them equal), for float64 (it
         computes the scores in float32) and with dropout (it has none)."""
         batch, heads, num_q, d = queries.shape
@@ -91,7 +98,14 @@ class JaxBackend(NumpyLike):
             or queries.dtype == jnp.float64
             or (
                 memory_budget is not None
-                and batch * heads * num_q * keys.shape[2] * 4 > memory_budget
+                # (under autodiff its backward holds about four score-sized arrays)
+                and batch
+                * heads
+                * num_q
+                * keys.shape[2]
+                * 4
+                * (4 if self.is_differentiated(queries) else 1)
+                > memory_budget
             )
         ):
             return None

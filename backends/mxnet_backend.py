@@ -81,6 +81,8 @@ class MXNetBackend(NumpyLike):
     def may_differentiate(self, x):
         return autograd.is_recording()
 
+    is_differentiated = may_differentiate
+
     def to_numpy(self, x):
         if x.size == 0:  # asnumpy() fails on an empty array never written
             return np.zeros(x.shape, np.dtype(x.dtype))
@@ -151,7 +153,10 @@ class MXNetBackend(NumpyLike):
         batch, heads, num_q, _ = queries.shape
         num_k = keys.shape[2]
         if dropout or (
-            memory_budget is not None and batch * heads * num_q * num_k * 4 > memory_budget
+            memory_budget is not None
+            # (under autograd.record() its intermediates are held: about four score-sized)
+            and batch * heads * num_q * num_k * 4 * (4 if autograd.is_recording() else 1)
+            > memory_budget
         ):
             return None
         dtype = queries.dtype

@@ -272,6 +272,13 @@ class Backend:
         autodiff recording it): work done only for gradients is skipped."""
         return self.autodiff
 
+    def is_differentiated(self, x: Array) -> bool:
+        """True when autodiff is known to record ``x`` in this call, so the
+        backward pass will hold what the forward makes (memory planning
+        counts it); False when unknown (a trace that may be differentiated
+        later, such as ``grad(jit(f))``)."""
+        return False
+
     def snapshot(self, x: Array) -> Array:
         """A copy of ``x`` that later in-place writes to ``x`` do not reach
         (an immutable framework's array is returned as it is)."""

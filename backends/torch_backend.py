@@ -126,6 +126,8 @@ class TorchBackend(NumpyLike):
     def may_differentiate(self, x):
         return x.requires_grad and torch.is_grad_enabled()
 
+    is_differentiated = may_differentiate
+
     def snapshot(self, x):
         return x.clone()
 

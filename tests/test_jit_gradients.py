@@ -1,7 +1,8 @@
 """Jitted JAX gradients through the block loops (``jax.jit(jax.grad(...))``,
 the way JAX trains) against the float64 oracle's gradient formulas: the full
 blocks of keys run as one ``lax.scan`` (``Backend.sequential_scan``), lengths
-known or traced. Memory is measured by the bench (``bench --memory``)."""
+known or traced. Peak memory is measured by the bench (``bench --memory``);
+here, what the compiled gradient holds."""
 
 import numpy as np
 import pytest
@@ -62,3 +63,22 @@ def test_jitted_gradient_traced_lengths(form):
     """Lengths as an argument of the jitted function: the traced tiled path
     scans its blocks of keys, skipping at run time those no query sees."""
     _check(form, traced=True, path="auto", chunk_size=16)
+
+
+def test_jitted_gradient_counts_what_its_backward_holds():
+    """Under ``jax.jit(jax.grad(...))`` a materialized softmax holds about
+    four score-sized arrays for the backward pass: "auto" counts them against
+    ``memory_budget``. At T=4096 (512 MiB of scores, 8 heads) the compiled
+    gradient of ``MultiHeadAttention`` needs at most twice the scores (it
+    took 2060 MiB when the budget counted the forward only)."""
+    import attention_multi as am
+
+    T = 4096
+    m = am.MultiHeadAttention(
+        256, 8, 0.0, key_size=256, query_size=256, value_size=256, backend="jax"
+    ).eval()
+    x = jnp.zeros((1, T, 256), jnp.float32)
+    grad = jax.jit(jax.grad(lambda m, x: (m(x, x, x) ** 2).mean()))
+    held = grad.lower(m, x).compile().memory_analysis().temp_size_in_bytes
+    scores = 8 * T * T * 4
+    assert held <= 2 * scores, f"{held / 2**20:.0f} MiB held for {scores / 2**20:.0f} MiB of scores"

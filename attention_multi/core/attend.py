@@ -44,6 +44,18 @@ def zeros_for_empty(B: Backend, shape: tuple[int, ...], like: Array, *inputs: Ar
     return out
 
 
+AUTODIFF_HELD = 4
+"""Score-sized arrays a materialized softmax holds for its backward pass
+(measured: JAX's jitted gradient keeps 4.05 for one of scores); a call under
+autodiff counts its scores this many times against ``memory_budget`` before
+taking a path that materializes them (``Backend.is_differentiated``)."""
+
+
+def held(B: Backend, queries: Array) -> int:
+    """How many times a path that materializes the scores holds them."""
+    return AUTODIFF_HELD if B.is_differentiated(queries) else 1
+
+
 SMALL_SCORES = 1 << 15
 """``"auto"`` takes the full path at once for calls with at most this many
 (batch * heads * Q * K) scores: there, planning tiles and dispatching to a
@@ -106,7 +118,11 @@ def attend(
       the backend skips blocks at run time; else ``"fused"`` if the backend's
       kernel takes the case within ``memory_budget``; else ``"tiled"`` if the
       lengths are known; else ``"chunked"`` if the float32 scores would
-      exceed ``memory_budget`` (default 512 MiB); else ``"full"``.
+      exceed ``memory_budget`` (default 512 MiB); else ``"full"``. Under
+      autodiff (``Backend.is_differentiated``) the scores count
+      ``AUTODIFF_HELD`` times against the budget wherever they would be
+      materialized (full, tiles): the backward pass holds them (a kernel
+      counts what its own backward holds).
 
     A forced ``"fused"`` or ``"tiled"`` falls back as ``"auto"`` does when it
     cannot run (no kernel for the case, traced lengths, too small a budget;
@@ -140,7 +156,9 @@ def attend(
         weights = zeros_for_empty(B, (batch * heads, num_q, num_k), queries)
         return out, weights, "empty"
     scores = batch * heads * num_q * num_k
-    scores_bytes = scores * paths.work_itemsize(B, queries)
+    times = held(B, queries)
+    scores_bytes = scores * paths.work_itemsize(B, queries) * times
+    kernel_budget = max(1, budget // times)  # (for the tiles, which materialize)
     if path == "auto" and scores_bytes <= budget and (scores <= SMALL_SCORES or want_weights):
         out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
         return out, weights, "full"
@@ -164,7 +182,11 @@ def attend(
         and not (dropout and key is not None)
         and (path == "tiled" or not B.compiles_per_shape)
     ):
-        plan = paths.plan_tiles(B, queries, mask, budget, chunk_size)
+        plan = paths.plan_tiles(B, queries, mask, kernel_budget, chunk_size)
+        # (under autodiff every tile's scores are held at once: all must fit)
+        if plan is not None and times > 1 and path != "tiled":
+            if plan.scores * paths.work_itemsize(B, queries) * times > budget:
+                plan = None
     # (a kernel that skips the masked half of top-left causal attention
     # itself beats tiles that each carry a mask)
     kernel_causal = mask.top_left_causal and B.fused_causal
@@ -186,7 +208,14 @@ def attend(
         )
     if path in ("auto", "fused") and (not dropout or B.fused_dropout):
         out = paths.fused(
-            B, queries, keys, values, mask, scale, None if path == "fused" else budget, dropout
+            B,
+            queries,
+            keys,
+            values,
+            mask,
+            scale,
+            None if path == "fused" else budget,
+            dropout,
         )
         if out is not None:
             return out, kept, "fused"

@@ -382,15 +382,17 @@ class TilePlan:
     whole)``, one per batch element and block of queries ``blocks``, element
     by element (``whole``: every row sees all of its keys). ``cost``: the
     share of a single kernel call over all the (batch, Q, K) scores that the
-    tiles cost, counting ``Backend.kernel_call_cost`` per call."""
+    tiles cost, counting ``Backend.kernel_call_cost`` per call; ``scores``:
+    how many scores the tiles compute (all of them held under autodiff)."""
 
     def __init__(
         self,
         tasks: list[tuple[int, int, int, int, int, bool]],
         blocks: list[tuple[int, int]],
         cost: float,
+        scores: int = 0,
     ) -> None:
-        self.tasks, self.blocks, self.cost = tasks, blocks, cost
+        self.tasks, self.blocks, self.cost, self.scores = tasks, blocks, cost, scores
 
 
 def plan_tiles(
@@ -422,7 +424,10 @@ def plan_tiles(
             work += heads * (q1 - q0) * max(0, end - begin)
     call = B.kernel_call_cost
     return TilePlan(
-        tasks, blocks, (work + call * len(tasks)) / (heads * batch * num_q * mask.num_keys + call)
+        tasks,
+        blocks,
+        (work + call * len(tasks)) / (heads * batch * num_q * mask.num_keys + call),
+        work,
     )
 
 

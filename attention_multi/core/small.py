@@ -58,7 +58,7 @@ def takes(
     if path == "full" or scores <= attend.SMALL_SCORES:
         return True
     budget = attend.DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    return want_weights and scores * work_itemsize(B, queries) <= budget
+    return want_weights and scores * work_itemsize(B, queries) * attend.held(B, queries) <= budget
 
 
 def attention(

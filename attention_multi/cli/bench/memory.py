@@ -29,6 +29,17 @@ MEMORY = {  # autograd cases: (what, shape, peak RSS target in MiB)
         dict(batch=1, heads=8, head_size=32, length=8192),
         1.5 * 1024,
     ),
+    # (issue 24: the torch equivalent, compiled)
+    "torch-mha-compile-grad-lens": (
+        "torch.compile(MultiHeadAttention) forward+backward, valid_lens",
+        dict(batch=1, heads=8, head_size=32, length=8192),
+        1.5 * 1024,
+    ),
+    "torch-mha-compile-grad": (
+        "torch.compile(MultiHeadAttention) forward+backward, no lengths",
+        dict(batch=1, heads=8, head_size=32, length=8192),
+        1.5 * 1024,
+    ),
 }
 
 
@@ -51,6 +62,18 @@ def memory_child(name):
         q.requires_grad_(True)
         m(q, kv, kv, lens).sum().backward()
         grad = float(q.grad.abs().sum())
+        taken = m.last_path
+    elif name.startswith("torch-mha-compile"):
+        import torch
+
+        T, heads = shape["length"], shape["heads"]
+        E = heads * shape["head_size"]
+        m = am.MultiHeadAttention(E, E, E, E, heads, 0.0, backend="torch").eval()
+        x = torch.from_numpy(rng.standard_normal((shape["batch"], T, E), dtype=np.float32))
+        lens = None if name.endswith("grad") else torch.tensor([T - T // 8])
+        compiled = torch.compile(m)
+        compiled(x, x, x, lens).square().sum().backward()
+        grad = float(sum(p.grad.abs().sum() for p in m.parameters()))
         taken = m.last_path
     else:
         import jax
