@@ -7,7 +7,8 @@ PYTHON ?= python3
 LEGACY := .venv-legacy
 MODERN := .venv-modern
 LINT := .venv-lint
-PYTEST := python -m pytest -q -p no:cacheprovider
+# every core, a test file per worker (module fixtures run once)
+PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile
 SHELL := /bin/bash
 
 .PHONY: report test venvs test-legacy test-modern check docs

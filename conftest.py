@@ -6,10 +6,28 @@ The ``cuda`` device skips with a reason where no GPU is present.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 import backends
+
+# One JAX compilation cache for the whole run, made by the first process (the
+# xdist controller) and inherited through the environment: the workers and the
+# tests' subprocesses reuse what another process compiled. Removed at the end.
+JAX_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_made_jax_cache = None
+if JAX_CACHE not in os.environ:
+    _made_jax_cache = os.environ[JAX_CACHE] = tempfile.mkdtemp(prefix="attention-multi-jax-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+    if _made_jax_cache is not None:
+        shutil.rmtree(_made_jax_cache, ignore_errors=True)
+
 
 REQUIRED = {
     n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()
