@@ -149,6 +149,7 @@ class Backend:
     # whether adding a broadcast (..., 1, K) array beats ``where`` over the
     # scores (torch's and MXNet's CPU ``where`` cost several additions)
     masks_by_adding: bool = False
+    masks_by_lengths: bool = False  # below_lengths is cheaper than where (MXNet's SequenceMask)
     # keys and values with at least this many elements (together) are read
     # for non-finite entries on the host before their unused rows are zeroed
     # (a finite pair skips the zeroing); below it the zeroing costs less
@@ -315,6 +316,15 @@ class Backend:
         NaN stays in its entry), this may too, since the product spreads it
         over the output row. ``softmax`` unless a backend saves work here."""
         return self.softmax(x, axis)
+
+    def below_lengths(self, x: Array, keep: Array, lens: Array, value: float, axis: int) -> Array:
+        """``where(keep, x, value)`` (``value`` replaces NaN too) where ``keep``
+        is the key lengths' rule along ``axis`` of ``x`` (batch, [heads,] Q|K,
+        K|d): -1, key ``j`` of a query's row below its length; -2, key row
+        ``j`` below the largest length of the batch element. ``lens`` (batch,)
+        or (batch, Q). A framework with an operator for lengths
+        (``masks_by_lengths``) uses it instead of the broadcast ``keep``."""
+        return self.where(keep, x, value)
 
     def nan_rows(self, weights: Array, axis: int = -1) -> Array:
         """Weights from ``softmax_before_product`` as ``softmax`` gives them

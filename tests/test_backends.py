@@ -118,6 +118,39 @@ def test_where_with_arrays_and_scalars(backend, dtype):
     close(backend, got, np.where(want_cond, x, 0.0), dtype)
 
 
+@pytest.mark.parametrize("ndim", [3, 4])
+@pytest.mark.parametrize("lens_form", ["1d", "2d", "1d-float"])
+def test_below_lengths_is_the_lengths_where(backend, dtype, ndim, lens_form):
+    """``below_lengths`` (MXNet: SequenceMask, above a size) equals ``where``
+    with the lengths' rule, NaN replaced too, along both axes, small and large."""
+    for heads, n in ((1, 3), (4, 64)):  # (the large one: past MXNet's threshold)
+        batch = 5 if n > 3 else 2
+        lead = (batch,) if ndim == 3 else (batch, heads)
+        if lens_form.startswith("1d"):
+            lens = rng.integers(0, n + 1, batch)
+            row_lens = lens[:, None]  # (batch, 1): every query
+            used_len = lens
+        else:
+            lens = rng.integers(0, n + 1, (batch, n))
+            row_lens = lens
+            used_len = lens.max(1)
+        lens_in = put(backend, lens, "float32" if lens_form.endswith("float") else "int32")
+        j = np.arange(n)
+        for axis, value in ((-1, -1024.0), (-2, 0.0)):  # (exact in every dtype)
+            x = rng.normal(size=lead + (n, n if axis == -1 else 32))
+            x[(0,) * len(lead) + (n - 1, 0)] = np.nan  # hidden or not, per the lengths
+            if axis == -1:  # (batch, [heads,] Q, K): key j below its query's length
+                keep = j < row_lens.reshape((batch,) + (1,) * (ndim - 3) + (-1, 1))
+            else:  # (batch, [heads,] K, d): key row j below the longest length
+                keep = (j < used_len[:, None]).reshape((batch,) + (1,) * (ndim - 3) + (n, 1))
+            got = backend.below_lengths(
+                put(backend, x, dtype), put(backend, keep), lens_in, value, axis
+            )
+            want = np.where(keep, rounded(x, dtype), value)
+            got = backend.to_numpy(got).astype(np.float64)
+            np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 def test_elementwise_and_reductions(backend, dtype):
     x = rounded(rng.normal(size=(2, 3)), dtype)
     a = put(backend, x, dtype)

@@ -747,6 +747,7 @@ def masked_softmax(
     empty_rows: bool = True,
     hidden_finite: bool = False,
     before_product: bool = False,
+    lens: Array | None = None,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
@@ -761,7 +762,8 @@ def masked_softmax(
     every score (fill + score rounds to the fill, or to -inf: weight 0).
     ``before_product``: the weights are multiplied by the values next and
     reach users only through ``Backend.nan_rows``
-    (``Backend.softmax_before_product``)."""
+    (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
+    was made from (``lengths_visible``), for ``Backend.below_lengths``."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
@@ -770,13 +772,20 @@ def masked_softmax(
         weights = softmax(x, -1)
     else:
         device = B.device_of(x)
-        if hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
+        by_lengths = lens is not None and B.masks_by_lengths
+        if by_lengths:
+            x = B.below_lengths(x, visible, lens, fill_value(work), -1)
+        elif hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
             x = x + B.where(visible, _zero(B, work, device), fill(B, work, device))
         else:
             x = B.where(visible, x, fill_against(B, work, device))
         weights = softmax(x, -1)
         if empty_rows:
-            weights = B.where(visible, weights, 0.0)
+            weights = (
+                B.below_lengths(weights, visible, lens, 0.0, -1)
+                if by_lengths
+                else B.where(visible, weights, 0.0)
+            )
     return weights if work == dtype else B.astype(weights, dtype)
 
 

@@ -78,6 +78,7 @@ def attention(
     if len(queries.shape) == 4:
         keys, values = expand_kv(B, keys, values, queries.shape[1])
     visible = used = None
+    lens: Any = None
     empty_rows, hidden_finite = True, False
     if valid_lens is not None:
         batch, num_q, num_k = queries.shape[0], queries.shape[-2], keys.shape[-2]
@@ -91,11 +92,11 @@ def attention(
         if big and all_finite(B, keys, values):
             keys_clean = True  # (a read instead of two writes)
         else:
-            values = B.where(used, values, 0.0)
+            values = B.below_lengths(values, used, lens, 0.0, -2)
             # (into gradients through the keys; or into the scores, when adding the mask)
             keys_clean = B.may_differentiate(queries) or (big and B.masks_by_adding)
             if keys_clean:
-                keys = B.where(used, keys, 0.0)
+                keys = B.below_lengths(keys, used, lens, 0.0, -2)
         # (lengths per batch element hide only keys nobody sees)
         hidden_finite = keys_clean and len(lens.shape) == 1
     dtype = B.dtype_name(queries)
@@ -103,7 +104,9 @@ def attention(
     if work != dtype:
         queries, keys = B.astype(queries, work), B.astype(keys, work)
     scores = B.matmul(queries * scale, keys, transpose_b=True)
-    weights = masked_softmax(B, scores, visible, empty_rows, hidden_finite, before_product=True)
+    weights = masked_softmax(
+        B, scores, visible, empty_rows, hidden_finite, before_product=True, lens=lens
+    )
     if work != dtype:
         weights = B.astype(weights, dtype)
     drop = dropout_fn(B, dropout, key)
