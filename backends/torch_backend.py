@@ -14,7 +14,25 @@ except ImportError:  # pragma: no cover (older torch)
     _get_proxy_mode = None
 
 
-_DTYPE_NAMES: dict = {}
+# Filled at import: a dict that grows while torch.compile traces makes its
+# guard fail on the next call (one recompile for nothing).
+_DTYPE_NAMES: dict = {
+    d: str(d)[len("torch.") :]
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def _proxy_mode():

@@ -371,3 +371,39 @@ def test_traced_segments_compile_once(backend):
             )
             np.testing.assert_allclose(np.asarray(out), want[:, 0], rtol=3e-5, atol=3e-5)
     assert len(traces) == 1
+
+
+def _layouts(rng, T, count):
+    """``count`` random packed layouts of two rows of T (padding at the end)."""
+    for _ in range(count):
+        end = T - int(rng.integers(0, 8))
+        cuts = np.sort(rng.choice(np.arange(1, end), size=rng.integers(1, 6), replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [end]])).tolist()
+        yield am.segments_from_lengths([lengths, lengths[::-1]], T)
+
+
+def test_traced_segments_torch_compile_once():
+    """``torch.compile(fullgraph=True)`` with the segment ids as an argument:
+    one compilation for 100 new layouts (no guard on their values, nor on a
+    cache that fills while tracing), each answer the oracle's."""
+    import torch
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    T, counter = 64, CompileCounter()
+    module = am.DotProductAttention(0.0, path="tiled", chunk_size=16, backend="torch").eval()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def f(q, k, v, seg):
+        return module(q, k, v, segment_ids=seg, causal=True)
+
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.tensor(rng.normal(size=(2, T, 4)), dtype=torch.float32) for _ in range(3))
+    for i, ids in enumerate(_layouts(rng, T, 100)):
+        out = f(q, k, v, torch.as_tensor(ids))
+        if i % 25 == 0:
+            want, _ = oracle.attention(
+                *(x.numpy()[:, None] for x in (q, k, v)), causal=True, segment_ids=ids
+            )
+            np.testing.assert_allclose(out.numpy(), want[:, 0], rtol=3e-5, atol=3e-5)
+    assert counter.frame_count == 1

@@ -57,7 +57,12 @@ def compute_dtype(dtype: str) -> str:
     return "float32" if dtype in HALF_DTYPES else dtype
 
 
-_FILL: dict[str, float] = {}
+# Filled at import: a dict that grows under torch.compile fails its guard on
+# the next call (one recompile for nothing).
+_FILL: dict[str, float] = {
+    d: float(np.finfo(np.dtype(compute_dtype(d))).min)
+    for d in ("float16", "bfloat16", "float32", "float64")
+}
 
 
 def fill_value(dtype: str) -> float:
