@@ -139,6 +139,7 @@ def _evaluate(
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
+    padded = width > num_keys  # (a last block of keys past K)
     kv = B.arange(width, dev).reshape((1, 1, 1, width))
     col_ok = kv < num_keys
     kv = B.where(col_ok, kv, num_keys - 1) + bases[2]  # (padding: a function may index arrays)
@@ -154,10 +155,11 @@ def _evaluate(
             grid = tuple(B.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
         v = mods._as_bool(B, mask_mod(*grid), dev)
         v = B.broadcast_to(v, (v.shape[0], v.shape[1], bq, width))
-        seen = B.astype(B.logical_and(v, ok), "int32").reshape(
-            (v.shape[0], v.shape[1], bq, nkb, bk)
-        )
-        rows.append(B.to_numpy(B.sum(B.sum(seen, 4), 2)))
+        if padded or (i + 1) * bq > num_queries:
+            v = B.logical_and(v, ok)
+        # (a sum of booleans, then exact integers: one pass over the row)
+        seen = B.astype(B.sum(v.reshape((v.shape[0], v.shape[1], bq, nkb, bk)), 4), "int32")
+        rows.append(B.to_numpy(B.sum(seen, 2)))
     counts = np.stack(rows, 2)  # (b|1, h|1, nqb, nkb)
     qn = np.minimum(bq, num_queries - np.arange(nqb) * bq)
     kn = np.minimum(bk, num_keys - np.arange(nkb) * bk)
