@@ -37,7 +37,12 @@ _DTYPE_NAMES: dict = {
 
 def _proxy_mode():
     """Whether ``make_fx`` (the tracer under ``torch.export``) is recording."""
-    return _get_proxy_mode is not None and _get_proxy_mode() is not None
+    # (the proxy mode is on the dispatch stack: an empty stack is a cheaper test)
+    return (
+        _get_proxy_mode is not None
+        and torch._C._len_torch_dispatch_stack() > 0
+        and _get_proxy_mode() is not None
+    )
 
 
 def _send_recv(x, step, group):
