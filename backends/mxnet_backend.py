@@ -12,6 +12,8 @@ MXNet 1.9.1 quirks handled here:
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
 
+import math
+
 import mxnet as mx  # (backends/__init__.py restored numpy.bool)
 import numpy as np
 from mxnet import autograd, npx
@@ -110,7 +112,8 @@ class MXNetBackend(NumpyLike):
         return npx.batch_dot(a, b, transpose_b=transpose_b)
 
     def linear(self, x, weight, bias=None):
-        if x.size == 0:  # fully_connected corrupts memory on empty inputs
+        # (each .shape or .size is a C call here: small calls pay for each)
+        if 0 in x.shape:  # fully_connected corrupts memory on empty inputs
             out = mnp.zeros(tuple(x.shape[:-1]) + (weight.shape[0],), dtype=x.dtype, ctx=x.ctx)
             out = out + mnp.sum(x.reshape((0,)))  # (0: keeps autograd's graph)
             return out if bias is None else out + bias
@@ -139,9 +142,10 @@ class MXNetBackend(NumpyLike):
         # (SequenceMask's value is a float32: only values exact there; a few
         # operators more than one where: for small arrays where is cheaper)
         exact = abs(value) <= _FLOAT32_MAX and float(np.float32(value)) == value
-        if not exact or x.size < _SEQUENCE_MASK_MIN:
-            return self.where(keep, x, value)
-        shape, batch, last = x.shape, x.shape[0], x.shape[-1]
+        shape = x.shape  # (one C call)
+        if not exact or math.prod(shape) < _SEQUENCE_MASK_MIN:
+            return self.where(keep() if callable(keep) else keep, x, value)
+        batch, last = shape[0], shape[-1]
         per = int(np.prod(shape[1:-2], dtype=np.int64))  # heads, or 1
         if axis == -2:  # rows of keys or values: below the batch element's longest
             lens = mnp.max(lens, axis=1) if lens.ndim == 2 else lens

@@ -317,14 +317,15 @@ class Backend:
         over the output row. ``softmax`` unless a backend saves work here."""
         return self.softmax(x, axis)
 
-    def below_lengths(self, x: Array, keep: Array, lens: Array, value: float, axis: int) -> Array:
+    def below_lengths(self, x: Array, keep: Any, lens: Array, value: float, axis: int) -> Array:
         """``where(keep, x, value)`` (``value`` replaces NaN too) where ``keep``
         is the key lengths' rule along ``axis`` of ``x`` (batch, [heads,] Q|K,
         K|d): -1, key ``j`` of a query's row below its length; -2, key row
         ``j`` below the largest length of the batch element. ``lens`` (batch,)
-        or (batch, Q). A framework with an operator for lengths
-        (``masks_by_lengths``) uses it instead of the broadcast ``keep``."""
-        return self.where(keep, x, value)
+        or (batch, Q). ``keep``: the array, or a function that makes it. A
+        framework with an operator for lengths (``masks_by_lengths``) uses it
+        instead of the broadcast ``keep``, which it then need not make."""
+        return self.where(keep() if callable(keep) else keep, x, value)
 
     def nan_rows(self, weights: Array, axis: int = -1) -> Array:
         """Weights from ``softmax_before_product`` as ``softmax`` gives them

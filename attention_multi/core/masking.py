@@ -768,7 +768,8 @@ def masked_softmax(
     ``before_product``: the weights are multiplied by the values next and
     reach users only through ``Backend.nan_rows``
     (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
-    was made from (``lengths_visible``), for ``Backend.below_lengths``."""
+    was made from (``lengths_visible``), for ``Backend.below_lengths``;
+    ``visible`` may then be a function that makes it (``small.py``)."""
     dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
@@ -778,6 +779,8 @@ def masked_softmax(
     else:
         device = B.device_of(x)
         by_lengths = lens is not None and B.masks_by_lengths
+        if not by_lengths and callable(visible):
+            visible = visible()
         if by_lengths:
             x = B.below_lengths(x, visible, lens, fill_value(work), -1)
         elif hidden_finite and B.masks_by_adding and _size(visible) * 8 <= _size(x):
