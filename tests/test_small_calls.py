@@ -156,3 +156,62 @@ def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
     for name in signature.parameters:
         if name in forms:
             call(q, kv, kv, **{name: forms[name]})  # (refuse() would raise)
+
+
+@pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention"])
+def test_a_kept_line_skips_no_check_a_call_needs(backend, monkeypatch, where):
+    """A module keeps the straight line of a small call for the next calls
+    with the same signature (types, shapes, dtypes): lengths' values are
+    still checked every call, other shapes and every mask form are checked
+    in full, and a new ``path`` is honoured."""
+    from attention_multi.core import small
+
+    q, k, v = (backend.asarray(x, "float32") for x in (Q[:, 0], K[:, 0], V[:, 0]))
+    if where == "DotProductAttention":
+        m = am.DotProductAttention(0.0, backend=backend).eval()
+    else:
+        m = am.MultiHeadAttention(8, 8, 5, 12, 3, 0.0, backend=backend).eval()
+        v = backend.asarray(V[:, 0], "float32")
+    lens = np.array([2, 0, 6])
+    first = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
+    assert m.__dict__.get("_attention_line") is not None  # kept
+    again = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
+    np.testing.assert_array_equal(again, first)
+    with pytest.raises(ValueError, match="valid_lens must be >= 0"):
+        m(q, k, v, backend.asarray(np.array([2, -1, 6])))
+    with pytest.raises(ValueError, match=r"valid_lens must have shape \(3,\)"):
+        m(q, k, v, backend.asarray(np.array([2, 1])))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        m(q, k[:2], v[:2], backend.asarray(lens))
+    if "float64" in backend.float_dtypes:
+        with pytest.raises(TypeError, match="dtypes differ"):
+            m(q, backend.asarray(K[:, 0], "float64"), v)
+    m(q, k, v, backend.asarray(lens))  # kept again
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the straight line took a call with a mask form")
+
+    monkeypatch.setattr(small, "attention", refuse)
+    for name, value in _set_forms(backend).items():
+        if where == "MultiHeadAttention" and name in ("mask", "bias"):
+            value = backend.asarray(backend.to_numpy(value)[:, None])  # (a heads axis)
+        m(q, k, v, **{name: value})
+    m.path = "chunked"
+    got = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
+    assert m.last_path == "chunked"
+    np.testing.assert_allclose(got, first, **TOL["float32"])
+
+
+def test_a_kept_line_then_torch_compile_is_one_graph():
+    """An eager small call keeps its line; the same module compiled with
+    fullgraph=True afterwards traces the straight line without it."""
+    torch = pytest.importorskip("torch")
+    m = am.DotProductAttention(0.0, backend="torch").eval()
+    q, k, v = (torch.tensor(x, dtype=torch.float32) for x in (Q[:, 0], K[:, 0], V[:, 0]))
+    lens = torch.tensor([2, 0, 6])
+    want = m(q, k, v, lens)
+    assert m.__dict__.get("_attention_line") is not None
+    explained = torch._dynamo.explain(m)(q, k, v, lens)
+    assert explained.graph_break_count == 0
+    got = torch.compile(m, fullgraph=True, backend="eager")(q, k, v, lens)
+    torch.testing.assert_close(got, want)

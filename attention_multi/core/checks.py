@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from ..types import Array
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def backend_of(**arrays: Any) -> Backend:
@@ -106,7 +106,7 @@ def valid_lens_checked(
 ) -> tuple[Array, np.ndarray | None]:
     """``(valid_lens_array(...), its int64 host copy or None while traced)``:
     the values read once on the host, for the checks and for the mask."""
-    limit = _INT32_MAX if num_keys is None else min(int(num_keys), _INT32_MAX)
+    limit = INT32_MAX if num_keys is None else min(int(num_keys), INT32_MAX)
     if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
         fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
         if fast is not None:
@@ -170,7 +170,7 @@ def lengths_for_compare(
     ``valid_lens_checked`` does; a well-formed int32/int64/float32/float64
     array comes back as it is (every value is exact there, no cast), and
     ``least`` is its smallest value (None while traced)."""
-    limit = min(int(num_keys), _INT32_MAX)
+    limit = min(int(num_keys), INT32_MAX)
     if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
         fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
         if fast is not None:
@@ -192,11 +192,29 @@ def _well_formed_lens(
     (or float32/float64) array of the right shape whose values are whole
     numbers in [0, limit]: ``(lens, its values on the host, the least)``.
     None for anything else: the full checks then run and raise or convert."""
+    kind = lens_kind(backend, lens, batch, queries)
+    if kind is None:
+        return None
+    values = backend.to_numpy(lens)
+    least = least_length(values, kind, limit)
+    return None if least is None else (lens, values, least)
+
+
+def lens_kind(backend: Backend, lens: Array, batch: int, queries: int) -> str | None:
+    """``"i"`` or ``"f"`` for lengths whose dtype and shape need no
+    conversion (int32/int64, float32/float64; (batch,) or (batch, queries),
+    not empty); None otherwise."""
     kind = _EXACT_LENS.get(backend.dtype_name(lens))
     shape = tuple(lens.shape)
     if kind is None or shape not in ((batch,), (batch, queries)) or 0 in shape:
         return None
-    values = backend.to_numpy(lens)
+    return kind
+
+
+def least_length(values: np.ndarray, kind: str, limit: int) -> int | None:
+    """The least of host lengths of ``kind`` (``lens_kind``) when every one
+    is a whole number in [0, limit]; None otherwise (the full checks then
+    raise or convert)."""
     if values.size <= _SMALL_HOST:
         listed = values.ravel().tolist()
         if kind == "f":  # (NaN fails every comparison; min and max would skip it)
@@ -204,16 +222,15 @@ def _well_formed_lens(
                 return None
         elif not (0 <= min(listed) and max(listed) <= limit):
             return None
-        least = min(listed)
-    else:
-        least = values.min()
-        if not (
-            0 <= least
-            and values.max() <= limit
-            and (kind == "i" or bool((values == np.round(values)).all()))
-        ):
-            return None
-    return lens, values, int(least)
+        return int(min(listed))
+    least = values.min()
+    if not (
+        0 <= least
+        and values.max() <= limit
+        and (kind == "i" or bool((values == np.round(values)).all()))
+    ):
+        return None
+    return int(least)
 
 
 def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from . import attend
-from .checks import lengths_for_compare
+from .checks import INT32_MAX, least_length, lengths_for_compare, lens_kind
 from .masking import (
     _size,
     all_finite,
@@ -21,12 +21,28 @@ from .masking import (
     lengths_visible,
     masked_softmax,
 )
-from .paths import dropout_fn, expand_kv, flat, work_itemsize
+from .paths import default_scale, dropout_fn, expand_kv, flat, work_itemsize
 
 if TYPE_CHECKING:
     from backends import Backend
 
     from ..types import Array
+
+
+def no_forms(forms: tuple[Any, ...]) -> bool:
+    """Whether ``forms`` (a call's ``mask``, ``bias``, ``window``,
+    ``mask_mod``, ``score_mod``, ``segment_ids``, then ``causal``) set
+    nothing but lengths: each None, ``causal`` exactly False."""
+    mask, bias, window, mask_mod, score_mod, segment_ids, causal = forms
+    return (
+        causal is False
+        and mask is None
+        and bias is None
+        and window is None
+        and mask_mod is None
+        and score_mod is None
+        and segment_ids is None
+    )
 
 
 def takes(
@@ -44,11 +60,8 @@ def takes(
     ``causal`` exactly False), no empty axis, a feature size, and "auto"
     would take the full path: at most ``attend.SMALL_SCORES`` scores, or
     ``want_weights`` and the scores fit in ``memory_budget``."""
-    if path not in ("auto", "full") or forms[-1] is not False:
+    if path not in ("auto", "full") or not no_forms(forms):
         return False
-    for form in forms[:-1]:
-        if form is not None:
-            return False
     qs, ks = queries.shape, keys.shape
     scores = qs[-2] * ks[-2]
     for n in qs[:-2]:
@@ -61,6 +74,84 @@ def takes(
     return want_weights and scores * work_itemsize(B, queries) * attend.held(B, queries) <= budget
 
 
+def bound() -> int:
+    """``attend.SMALL_SCORES``, read at each call (a kept ``Line`` chose the
+    straight line under it)."""
+    return attend.SMALL_SCORES
+
+
+def signature(
+    queries: Array, keys: Array, values: Array, valid_lens: Any
+) -> tuple[Any, ...] | None:
+    """What a call's input checks and its ``Line`` depend on: the types,
+    shapes and dtypes of its arrays. None when ``valid_lens`` is neither None
+    nor an array of the queries' type (a list...): such a call is checked in
+    full every time."""
+    if valid_lens is None:
+        lens = None
+    elif type(valid_lens) is type(queries):
+        lens = (valid_lens.shape, valid_lens.dtype)
+    else:
+        return None
+    return (
+        type(queries),
+        queries.shape,
+        queries.dtype,
+        type(keys),
+        keys.shape,
+        keys.dtype,
+        type(values),
+        values.shape,
+        values.dtype,
+        lens,
+    )
+
+
+class Line:
+    """What the straight line decides from a call's ``signature``, once:
+    a module keeps it and calls with the same signature reuse it (outside
+    traces: ``Backend.is_tracing``). It holds no arrays. ``reusable``: its
+    choice of the straight line did not depend on the call's state (the
+    weights being read, the memory budget)."""
+
+    __slots__ = (
+        "reusable",
+        "expand",
+        "flat",
+        "ndim",
+        "num_keys",
+        "scale",
+        "lens_kind",
+        "limit",
+        "big",
+        "dtype",
+        "work",
+    )
+
+    def __init__(
+        self, B: Backend, queries: Array, keys: Array, values: Array, valid_lens: Any, path: str
+    ) -> None:
+        qs, ks = queries.shape, keys.shape
+        scores = qs[-2] * ks[-2]
+        for n in qs[:-2]:
+            scores *= n
+        self.reusable = path == "full" or scores <= attend.SMALL_SCORES
+        self.ndim, self.num_keys = len(qs), ks[-2]
+        self.flat = self.ndim == 4
+        self.scale = default_scale(qs[-1])  # (the modules' scale)
+        group = qs[1] // ks[1] if self.flat else 1
+        self.expand = group != 1
+        self.lens_kind = (
+            None
+            if valid_lens is None or not B.is_array(valid_lens) or not B.is_concrete(valid_lens)
+            else lens_kind(B, valid_lens, qs[0], qs[-2])
+        )
+        self.limit = min(int(ks[-2]), INT32_MAX)
+        self.big = (_size(keys) + _size(values)) * group >= B.finite_check_min
+        self.dtype = B.dtype_name(queries)
+        self.work = compute_dtype(self.dtype)
+
+
 def attention(
     B: Backend,
     queries: Array,
@@ -70,37 +161,50 @@ def attention(
     scale: float,
     dropout: float = 0.0,
     key: Any = None,
+    line: Line | None = None,
 ) -> tuple[Array, Any]:
     """``(output, weights)`` of (batch, [heads,] n, d) inputs, as the full
     path gives them: weights (batch * heads, Q, K) before dropout, as a
     function (``Backend.nan_rows`` and the reshape run when they are read).
-    ``valid_lens`` None, (batch,) or (batch, Q), checked as everywhere."""
-    if len(queries.shape) == 4:
+    ``valid_lens`` None, (batch,) or (batch, Q), checked as everywhere.
+    ``line``: the call's ``Line``, if kept from an earlier call."""
+    if line is None:
+        line = Line(B, queries, keys, values, valid_lens, "full")
+    if line.expand:
         keys, values = expand_kv(B, keys, values, queries.shape[1])
     visible = used = None
     lens: Any = None
     empty_rows, hidden_finite = True, False
     if valid_lens is not None:
-        batch, num_q, num_k = queries.shape[0], queries.shape[-2], keys.shape[-2]
+        num_k = line.num_keys
         device = B.device_of(queries)
-        lens, least = lengths_for_compare(B, valid_lens, batch, num_q, num_k, device)
+        least = None
+        if line.lens_kind is not None:  # (the checks' common case, without a copy)
+            least = least_length(B.to_numpy(valid_lens), line.lens_kind, line.limit)
+            lens = valid_lens
+        if least is None:
+            batch, num_q = queries.shape[0], queries.shape[-2]
+            lens, least = lengths_for_compare(B, valid_lens, batch, num_q, num_k, device)
         if least is None or least < num_k:  # (else every key is seen)
-            visible, used = lengths_visible(B, lens, len(queries.shape), num_k, device)
+            if B.masks_by_lengths:  # (its operator may not need them: made if asked)
+                visible, used = _made_once(
+                    lambda: lengths_visible(B, lens, line.ndim, num_k, device)
+                )
+            else:
+                visible, used = lengths_visible(B, lens, line.ndim, num_k, device)
             empty_rows = least is None or least == 0
     if used is not None:  # NaN in a key or value row nobody sees must not leak
-        big = _size(keys) + _size(values) >= B.finite_check_min
-        if big and all_finite(B, keys, values):
+        if line.big and all_finite(B, keys, values):
             keys_clean = True  # (a read instead of two writes)
         else:
             values = B.below_lengths(values, used, lens, 0.0, -2)
             # (into gradients through the keys; or into the scores, when adding the mask)
-            keys_clean = B.may_differentiate(queries) or (big and B.masks_by_adding)
+            keys_clean = B.may_differentiate(queries) or (line.big and B.masks_by_adding)
             if keys_clean:
                 keys = B.below_lengths(keys, used, lens, 0.0, -2)
         # (lengths per batch element hide only keys nobody sees)
         hidden_finite = keys_clean and len(lens.shape) == 1
-    dtype = B.dtype_name(queries)
-    work = compute_dtype(dtype)
+    dtype, work = line.dtype, line.work
     if work != dtype:
         queries, keys = B.astype(queries, work), B.astype(keys, work)
     scores = B.matmul(queries * scale, keys, transpose_b=True)
@@ -111,6 +215,22 @@ def attention(
         weights = B.astype(weights, dtype)
     drop = dropout_fn(B, dropout, key)
     out = B.matmul(weights if drop is None else drop(weights), values)
-    if len(weights.shape) == 3:
+    if not line.flat:
         return out, lambda: B.nan_rows(weights)
     return out, lambda: B.nan_rows(flat(weights))
+
+
+def _made_once(make: Any) -> tuple[Any, Any]:
+    """The two parts of the pair ``make()`` returns, as two functions that
+    call ``make`` once, when the first of them is called."""
+    made: list[Any] = []
+
+    def part(i: int) -> Any:
+        def get() -> Any:
+            if not made:
+                made.append(make())
+            return made[0][i]
+
+        return get
+
+    return part(0), part(1)

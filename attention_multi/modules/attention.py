@@ -11,7 +11,6 @@ from ..core import (
     DEFAULT_MEMORY_BUDGET,
     attend,
     check_path_options,
-    default_scale,
     make_mask,
     masked_softmax,
     small,
@@ -162,6 +161,34 @@ class _Attention(Module):
         if not arrays:  # lazily sized: the dtype the parameters will have
             return self._dtype
         return self._backend.dtype_name(next(iter(arrays.values())))
+
+    def _line_key(self) -> tuple[Any, ...]:
+        """What a kept straight line depends on beside the inputs' signature."""
+        raise NotImplementedError
+
+    def _kept_line(
+        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: tuple[Any, ...]
+    ) -> small.Line | None:
+        """The straight line (``core/small.py``) kept from an earlier call
+        with this call's signature (``small.signature``), which passed the
+        same input checks: they are not repeated. None otherwise."""
+        if not small.no_forms(forms) or self._backend.is_tracing():
+            return None
+        kept = self.__dict__.get("_attention_line")
+        if kept is None or kept[1] != small.signature(queries, keys, values, valid_lens):
+            return None
+        return kept[2] if kept[0] == self._line_key() else None
+
+    def _keep_line(
+        self, line: small.Line | None, queries: Array, keys: Array, values: Array, valid_lens: Any
+    ) -> None:
+        """Keep ``line``, the straight line of a call with these inputs,
+        checked, for the next calls with their signature (outside traces)."""
+        if line is None or not line.reusable or self._backend.is_tracing():
+            return
+        sig = small.signature(queries, keys, values, valid_lens)
+        if sig is not None:
+            self.__dict__["_attention_line"] = (self._line_key(), sig, line)
 
     def _mask(
         self,
@@ -371,16 +398,20 @@ class DotProductAttention(_Attention):
         ``causal``, ``window``, ``mask_mod``, ``score_mod`` and
         ``segment_ids`` are those of ``dot_product_attention``;
         ``key``: the JAX dropout key in training mode."""
-        self._check_inputs(queries, keys, values)
-        if queries.shape[2] != keys.shape[2]:
-            raise ValueError(
-                f"queries and keys must have the same feature size, got "
-                f"queries {tuple(queries.shape)} and keys "
-                f"{tuple(keys.shape)}"
-            )
         forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
-        if self._takes_straight(queries, keys, forms):
-            return self._straight(queries, keys, values, valid_lens, key)
+        line = self._kept_line(queries, keys, values, valid_lens, forms)
+        if line is None:
+            self._check_inputs(queries, keys, values)
+            if queries.shape[2] != keys.shape[2]:
+                raise ValueError(
+                    f"queries and keys must have the same feature size, got "
+                    f"queries {tuple(queries.shape)} and keys "
+                    f"{tuple(keys.shape)}"
+                )
+            line = self._new_line(queries, keys, values, valid_lens, forms)
+            self._keep_line(line, queries, keys, values, valid_lens)
+        if line is not None:
+            return self._straight(queries, keys, values, valid_lens, key, line)
         m = self._mask(
             queries,
             keys.shape[1],
@@ -397,20 +428,35 @@ class DotProductAttention(_Attention):
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
-    def _takes_straight(self, queries: Array, keys: Array, forms: tuple[Any, ...]) -> bool:
-        """Whether a call takes the straight line (``core/small.py``)."""
-        return small.takes(
-            self._backend,
+    def _line_key(self) -> tuple[Any, ...]:
+        return (self.path, small.bound())
+
+    def _new_line(
+        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: tuple[Any, ...]
+    ) -> small.Line | None:
+        """The straight line (``core/small.py``) of a call whose inputs were
+        checked; None when the call does not take it."""
+        B = self._backend
+        if not small.takes(
+            B,
             self.path,
             queries,
             keys,
             forms,
             self.__dict__.get("_attention_read", False),
             self.memory_budget,
-        )
+        ):
+            return None
+        return small.Line(B, queries, keys, values, valid_lens, self.path)
 
     def _straight(
-        self, queries: Array, keys: Array, values: Array, valid_lens: Any, key: Any
+        self,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        valid_lens: Any,
+        key: Any,
+        line: small.Line,
     ) -> Array:
         """The full path of a small call with lengths or nothing (``core/small.py``)."""
         self.__dict__.pop("_attention_read", None)
@@ -420,9 +466,10 @@ class DotProductAttention(_Attention):
             keys,
             values,
             valid_lens,
-            default_scale(queries.shape[-1]),
+            line.scale,
             self.dropout if self.training else 0.0,
             key,
+            line,
         )
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
@@ -565,7 +612,13 @@ class MultiHeadAttention(_Attention):
         the cache's (``max_len``), and a ``mask_mod``'s ``q_idx`` is the
         query's position in the cache. Returns ``(output, new cache)``.
         """
-        self._check_inputs(queries, keys, values, (self.query_size, self.key_size, self.value_size))
+        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
+        line = (
+            None if cache is not None else self._kept_line(queries, keys, values, valid_lens, forms)
+        )
+        if line is None:
+            sizes = (self.query_size, self.key_size, self.value_size)
+            self._check_inputs(queries, keys, values, sizes)
         B, h = self._backend, self.num_heads
 
         def heads(
@@ -576,11 +629,16 @@ class MultiHeadAttention(_Attention):
 
         q = heads(self.W_q(queries), h)
         k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
+        if cache is None:
+            if line is None:
+                line = self.attention._new_line(q, k, v, valid_lens, forms)
+                self._keep_line(line, queries, keys, values, valid_lens)
+            if line is not None:
+                out = self.attention._straight(q, k, v, valid_lens, key, line)
+                b, n = queries.shape[:2]
+                out = B.transpose(out, (0, 2, 1, 3))
+                return self.W_o(out.reshape((b, n, self.num_hiddens)))
         num_keys, offset = keys.shape[1], None
-        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
-        if cache is None and self.attention._takes_straight(q, k, forms):
-            out = B.transpose(self.attention._straight(q, k, v, valid_lens, key), (0, 2, 1, 3))
-            return self.W_o(out.reshape((out.shape[0], out.shape[1], self.num_hiddens)))
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
             k = B.write_slice(cache.keys, k, start, 2)
@@ -612,6 +670,10 @@ class MultiHeadAttention(_Attention):
         b, n = out.shape[0], out.shape[1]
         out = self.W_o(out.reshape((b, n, self.num_hiddens)))
         return out if cache is None else (out, cache)
+
+    def _line_key(self) -> tuple[Any, ...]:
+        # (the parameters' dtype is checked against the inputs')
+        return (self.path, small.bound(), self._dtype_of_params())
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to

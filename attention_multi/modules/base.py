@@ -111,6 +111,7 @@ class Module(_Native):
         state = dict(parent() if parent is not None else self.__dict__)
         state.pop("_attention_kept", None)
         state.pop("_attention_read", None)
+        state.pop("_attention_line", None)  # (a cache of the last small call's decisions)
         state.pop("_device", None)  # used only while building; JAX devices don't pickle
         return state
 
