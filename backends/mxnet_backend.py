@@ -12,6 +12,7 @@ MXNet 1.9.1 quirks handled here:
   and ``npx.softmax`` leaves a row finite when one entry is NaN.
 """
 
+import functools
 import math
 
 import mxnet as mx  # (backends/__init__.py restored numpy.bool)
@@ -32,6 +33,12 @@ _SCALARS: dict = {}  # (repr, dtype, ctx) -> 0-d array, never handed out
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SEQUENCE_MASK_MIN = 8192  # elements
+
+
+@functools.cache
+def _exact_in_float32(value):
+    """Whether float ``value`` is exact as a float32 (SequenceMask's value)."""
+    return abs(value) <= _FLOAT32_MAX and float(np.float32(value)) == value
 
 
 def _scalar(value, like):
@@ -141,12 +148,11 @@ class MXNetBackend(NumpyLike):
     def below_lengths(self, x, keep, lens, value, axis):
         # (SequenceMask's value is a float32: only values exact there; a few
         # operators more than one where: for small arrays where is cheaper)
-        exact = abs(value) <= _FLOAT32_MAX and float(np.float32(value)) == value
         shape = x.shape  # (one C call)
-        if not exact or math.prod(shape) < _SEQUENCE_MASK_MIN:
+        if not _exact_in_float32(value) or math.prod(shape) < _SEQUENCE_MASK_MIN:
             return self.where(keep() if callable(keep) else keep, x, value)
         batch, last = shape[0], shape[-1]
-        per = int(np.prod(shape[1:-2], dtype=np.int64))  # heads, or 1
+        per = math.prod(shape[1:-2])  # heads, or 1 (a Python int: np.prod costs 5 µs)
         if axis == -2:  # rows of keys or values: below the batch element's longest
             lens = mnp.max(lens, axis=1) if lens.ndim == 2 else lens
             rows = mnp.repeat(lens, per) if per > 1 else lens
