@@ -8,6 +8,7 @@ NumPy and in ``jax.numpy`` (under ``jax.jit``, as ours); on MXNet it is seed
 004's (``d2l_mxnet``); on torch ``d2l_torch``.
 """
 
+import itertools
 import math
 import statistics
 import time
@@ -20,7 +21,7 @@ ENCODER_TARGET = 1.05  # d2l's encoder with our attention, weights read after ea
 # case -> (queries shape, keys shape, values shape, valid_lens, module)
 DOT = ((2, 1, 2), (2, 10, 2), (2, 10, 4), [2, 6])
 MHA = dict(sizes=(100, 100, 100, 100, 5), queries=(2, 4, 100), keys=(2, 6, 100), lens=[3, 2])
-BATCH = dict(hiddens=32, heads=4, batch=64, steps=10)
+BATCH = dict(hiddens=32, heads=4, batch=64, steps=10, draws=8)  # draws: lengths, one per step
 ENCODER = dict(vocab=200, hiddens=64, ffn=64, heads=4, blocks=2, batch=16, steps=64)
 
 
@@ -56,8 +57,17 @@ def _inputs():
     mha = [rng.standard_normal(MHA[n]).astype(np.float32) for n in ("queries", "keys")]
     b, t, h = BATCH["batch"], BATCH["steps"], BATCH["hiddens"]
     x = rng.standard_normal((b, t, h)).astype(np.float32)
-    lens = rng.integers(1, t + 1, b).astype(np.int64)
+    lens = [rng.integers(1, t + 1, b).astype(np.int64) for _ in range(BATCH["draws"])]
     return dot, mha, x, lens
+
+
+def _per_step(call, draws):
+    """``call(lengths)`` with the next of ``draws`` at each call, round and
+    round: a training loop's batches, each with its own lengths (a module may
+    keep what it made from the last lengths it saw; one fixed batch would
+    measure only that)."""
+    it = itertools.cycle(draws)
+    return lambda: call(next(it))
 
 
 # ---- the seeds' code in NumPy and in jax.numpy ----------------------------------
@@ -154,7 +164,11 @@ def bench_numpy(seconds):
             "numpy",
             "batch",
             "eval",
-            pair_ratio(lambda: mb(x, x, x, lens), lambda: mha(pb, heads, x, x, x, lens), seconds),
+            pair_ratio(
+                _per_step(lambda d: mb(x, x, x, d), lens),
+                _per_step(lambda d: mha(pb, heads, x, x, x, d), lens),
+                seconds,
+            ),
         )
     )
     return rows
@@ -199,27 +213,31 @@ def bench_torch(seconds):
         hid, heads = BATCH["hiddens"], BATCH["heads"]
         mb = am.MultiHeadAttention(hid, hid, hid, hid, heads, 0.1, backend="torch")
         sb = d2l_torch.MultiHeadAttention(hid, heads, 0.1)
-        sb(x, x, x, lens)
+        sb(x, x, x, lens[0])
         mb.eval(), sb.eval()
         rows.append(
             _row(
                 "torch",
                 "batch",
                 "eval",
-                pair_ratio(lambda: mb(x, x, x, lens), lambda: sb(x, x, x, lens), seconds),
+                pair_ratio(
+                    _per_step(lambda d: mb(x, x, x, d), lens),
+                    _per_step(lambda d: sb(x, x, x, d), lens),
+                    seconds,
+                ),
             )
         )
     mb.train(), sb.train()
 
     def step(module):
-        def run():
+        def run(lens):
             for p in module.parameters():
                 p.grad = None
             out = module(x, x, x, lens)
             out.sum().backward()
             return out
 
-        return run
+        return _per_step(run, lens)
 
     rows.append(_row("torch", "batch", "train", pair_ratio(step(mb), step(sb), seconds)))
     return rows
@@ -338,21 +356,26 @@ def bench_jax(seconds):
             "batch",
             "eval",
             pair_ratio(
-                lambda: call(mb, x, x, x, lens),
-                lambda: seed_mha(pb, heads, x, x, x, lens),
+                _per_step(lambda d: call(mb, x, x, x, d), lens),
+                _per_step(lambda d: seed_mha(pb, heads, x, x, x, d), lens),
                 seconds,
                 sync,
             ),
         )
     )
-    ours_grad = jax.jit(jax.grad(lambda m, x: m(x, x, x, lens).sum()))
-    seed_grad = jax.jit(jax.grad(lambda p, x: mha(p, heads, x, x, x, lens).sum()))
+    ours_grad = jax.jit(jax.grad(lambda m, x, lens: m(x, x, x, lens).sum()))
+    seed_grad = jax.jit(jax.grad(lambda p, x, lens: mha(p, heads, x, x, x, lens).sum()))
     rows.append(
         _row(
             "jax",
             "batch",
             "train",
-            pair_ratio(lambda: ours_grad(mb, x), lambda: seed_grad(pb, x), seconds, sync),
+            pair_ratio(
+                _per_step(lambda d: ours_grad(mb, x, d), lens),
+                _per_step(lambda d: seed_grad(pb, x, d), lens),
+                seconds,
+                sync,
+            ),
         )
     )
     return rows
@@ -401,13 +424,18 @@ def bench_mxnet(seconds):
     mb = am.MultiHeadAttention(hid, hid, hid, hid, heads, 0.1, backend="mxnet").eval()
     sb = d2l_mxnet.MultiHeadAttention(hid, heads, 0.1)
     sb.initialize()
-    bl = lens.astype("float32")
+    bl = [a.astype("float32") for a in lens]
     rows.append(
         _row(
             "mxnet",
             "batch",
             "eval",
-            pair_ratio(lambda: mb(x, x, x, bl), lambda: sb(x, x, x, bl), seconds, sync),
+            pair_ratio(
+                _per_step(lambda d: mb(x, x, x, d), bl),
+                _per_step(lambda d: sb(x, x, x, d), bl),
+                seconds,
+                sync,
+            ),
         )
     )
     return rows
