@@ -202,6 +202,31 @@ def test_a_kept_line_skips_no_check_a_call_needs(backend, monkeypatch, where):
     np.testing.assert_allclose(got, first, **TOL["float32"])
 
 
+def test_a_kept_mask_follows_the_lengths(backend):
+    """A kept line keeps the mask of the last lengths it saw (``small._lengths``):
+    new lengths, lengths equal to earlier ones and lengths changed in place
+    after a call each give the oracle's answer, and the weights read are
+    those of the call that made them."""
+    q, k, v = Q[:, 0], K[:, 0], V[:, 0]
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    arrays = [backend.asarray(x, "float32") for x in (q, k, v)]
+    for lens in ([2, 0, 6], [6, 1, 3], [6, 1, 3], [2, 0, 6], [6, 9, 6], [0, 0, 0], [2, 0, 6]):
+        got = m(*arrays, backend.asarray(np.array(lens)))
+        want, weights = oracle.dot_product_attention(q, k, v, np.array(lens))
+        np.testing.assert_allclose(backend.to_numpy(got), want, **TOL["float32"])
+        np.testing.assert_allclose(backend.to_numpy(m.attention_weights), weights, **TOL["float32"])
+    if backend.name == "jax":  # (its arrays are immutable)
+        return
+    lens = backend.asarray(np.array([6, 1, 3]))
+    m(*arrays, lens)
+    lens[:] = backend.asarray(np.array([1, 5, 0]))
+    _, before = oracle.dot_product_attention(q, k, v, np.array([6, 1, 3]))
+    np.testing.assert_allclose(backend.to_numpy(m.attention_weights), before, **TOL["float32"])
+    got = m(*arrays, lens)
+    want, _ = oracle.dot_product_attention(q, k, v, np.array([1, 5, 0]))
+    np.testing.assert_allclose(backend.to_numpy(got), want, **TOL["float32"])
+
+
 def test_a_kept_line_then_torch_compile_is_one_graph():
     """An eager small call keeps its line; the same module compiled with
     fullgraph=True afterwards traces the straight line without it."""

@@ -753,6 +753,8 @@ def masked_softmax(
     hidden_finite: bool = False,
     before_product: bool = False,
     lens: Array | None = None,
+    dtype: str | None = None,
+    device: Any = None,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
     float32 for half precision; masked weights and empty rows are exactly 0.
@@ -769,15 +771,18 @@ def masked_softmax(
     reach users only through ``Backend.nan_rows``
     (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
     was made from (``lengths_visible``), for ``Backend.below_lengths``;
-    ``visible`` may then be a function that makes it (``small.py``)."""
-    dtype = B.dtype_name(scores)
+    ``visible`` may then be a function that makes it (``small.py``).
+    ``dtype`` and ``device``: those of ``scores``, where the caller has them."""
+    if dtype is None:
+        dtype = B.dtype_name(scores)
     work = compute_dtype(dtype)
     x = B.astype(scores, work) if work != dtype else scores
     softmax = B.softmax_before_product if before_product else B.softmax
     if visible is None:
         weights = softmax(x, -1)
     else:
-        device = B.device_of(x)
+        if device is None:
+            device = B.device_of(x)
         by_lengths = lens is not None and B.masks_by_lengths
         if not by_lengths and callable(visible):
             visible = visible()

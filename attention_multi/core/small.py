@@ -110,7 +110,8 @@ def signature(
 class Line:
     """What the straight line decides from a call's ``signature``, once:
     a module keeps it and calls with the same signature reuse it (outside
-    traces: ``Backend.is_tracing``). It holds no arrays. ``reusable``: its
+    traces: ``Backend.is_tracing``). Of arrays it holds only the mask of the
+    last lengths it saw (``lengths``, see ``_lengths``). ``reusable``: its
     choice of the straight line did not depend on the call's state (the
     weights being read, the memory budget)."""
 
@@ -126,6 +127,7 @@ class Line:
         "big",
         "dtype",
         "work",
+        "lengths",
     )
 
     def __init__(
@@ -150,6 +152,7 @@ class Line:
         self.big = (_size(keys) + _size(values)) * group >= B.finite_check_min
         self.dtype = B.dtype_name(queries)
         self.work = compute_dtype(self.dtype)
+        self.lengths: tuple[Any, ...] | None = None  # (``_lengths``)
 
 
 def attention(
@@ -172,27 +175,13 @@ def attention(
         line = Line(B, queries, keys, values, valid_lens, "full")
     if line.expand:
         keys, values = expand_kv(B, keys, values, queries.shape[1])
-    visible = used = None
+    visible = used = device = None
     lens: Any = None
     empty_rows, hidden_finite = True, False
     if valid_lens is not None:
-        num_k = line.num_keys
         device = B.device_of(queries)
-        least = None
-        if line.lens_kind is not None:  # (the checks' common case, without a copy)
-            least = least_length(B.to_numpy(valid_lens), line.lens_kind, line.limit)
-            lens = valid_lens
-        if least is None:
-            batch, num_q = queries.shape[0], queries.shape[-2]
-            lens, least = lengths_for_compare(B, valid_lens, batch, num_q, num_k, device)
-        if least is None or least < num_k:  # (else every key is seen)
-            if B.masks_by_lengths:  # (its operator may not need them: made if asked)
-                visible, used = _made_once(
-                    lambda: lengths_visible(B, lens, line.ndim, num_k, device)
-                )
-            else:
-                visible, used = lengths_visible(B, lens, line.ndim, num_k, device)
-            empty_rows = least is None or least == 0
+        lens, least, visible, used = _lengths(B, line, queries, valid_lens, device)
+        empty_rows = least is None or least == 0
     if used is not None:  # NaN in a key or value row nobody sees must not leak
         if line.big and all_finite(B, keys, values):
             keys_clean = True  # (a read instead of two writes)
@@ -209,15 +198,62 @@ def attention(
         queries, keys = B.astype(queries, work), B.astype(keys, work)
     scores = B.matmul(queries * scale, keys, transpose_b=True)
     weights = masked_softmax(
-        B, scores, visible, empty_rows, hidden_finite, before_product=True, lens=lens
+        B,
+        scores,
+        visible,
+        empty_rows,
+        hidden_finite,
+        before_product=True,
+        lens=lens,
+        dtype=work,
+        device=device,
     )
     if work != dtype:
         weights = B.astype(weights, dtype)
-    drop = dropout_fn(B, dropout, key)
+    drop = dropout_fn(B, dropout, key) if dropout else None
     out = B.matmul(weights if drop is None else drop(weights), values)
     if not line.flat:
         return out, lambda: B.nan_rows(weights)
     return out, lambda: B.nan_rows(flat(weights))
+
+
+def _lengths(
+    B: Backend, line: Line, queries: Array, valid_lens: Array, device: Any
+) -> tuple[Array, int | None, Any, Any]:
+    """``(lens, least, visible, used)`` of a call's lengths, checked as
+    everywhere; ``visible`` and ``used`` are None when every key is seen.
+    The line keeps the last of them, keyed by the lengths' host bytes and
+    device: a module called again with equal lengths (a training loop's
+    fixed batch, the seeds' examples) reuses the mask."""
+    kind = line.lens_kind
+    if kind is not None:
+        host = B.to_numpy(valid_lens)
+        tag = (host.tobytes(), device)
+        kept = line.lengths
+        if kept is not None and kept[0] == tag:
+            return (valid_lens,) + kept[1:]
+        least = least_length(host, kind, line.limit)
+        if least is not None:  # (well-formed: no copy)
+            made = (least,) + _visible(B, line, valid_lens, least, device)
+            line.lengths = (tag,) + made
+            return (valid_lens,) + made
+    lens, least = lengths_for_compare(
+        B, valid_lens, queries.shape[0], queries.shape[-2], line.num_keys, device
+    )
+    return (lens, least) + _visible(B, line, lens, least, device)
+
+
+def _visible(
+    B: Backend, line: Line, lens: Array, least: int | None, device: Any
+) -> tuple[Any, Any]:
+    """``lengths_visible``'s pair, or (None, None) when every key is seen;
+    on ``B.masks_by_lengths``, functions that make it if asked."""
+    num_k = line.num_keys
+    if least is not None and least >= num_k:
+        return None, None
+    if B.masks_by_lengths:  # (its operator may not need them)
+        return _made_once(lambda: lengths_visible(B, lens, line.ndim, num_k, device))
+    return lengths_visible(B, lens, line.ndim, num_k, device)
 
 
 def _made_once(make: Any) -> tuple[Any, Any]:

@@ -103,6 +103,8 @@ def _count(low: int, high: int) -> str:
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
+    from backends import Backend
+
     from ..core.masking import Mask
 
 
@@ -506,6 +508,12 @@ class DotProductAttention(_Attention):
         return out
 
 
+def _heads(B: Backend, x: Array, h: int) -> Array:
+    """(b, n, h * s) -> (b, h, n, s), a view where possible."""
+    b, n, hidden = x.shape
+    return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
+
+
 class MultiHeadAttention(_Attention):
     """Multi-head attention over ``num_heads`` scaled dot-product heads.
 
@@ -620,15 +628,9 @@ class MultiHeadAttention(_Attention):
             sizes = (self.query_size, self.key_size, self.value_size)
             self._check_inputs(queries, keys, values, sizes)
         B, h = self._backend, self.num_heads
-
-        def heads(
-            x: Array, h: int
-        ) -> Array:  # (b, n, h * s) -> (b, h, n, s), a view where possible
-            b, n, hidden = x.shape
-            return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
-
-        q = heads(self.W_q(queries), h)
-        k, v = (heads(x, self.num_kv_heads) for x in (self.W_k(keys), self.W_v(values)))
+        q = _heads(B, self.W_q(queries), h)
+        k = _heads(B, self.W_k(keys), self.num_kv_heads)
+        v = _heads(B, self.W_v(values), self.num_kv_heads)
         if cache is None:
             if line is None:
                 line = self.attention._new_line(q, k, v, valid_lens, forms)
