@@ -648,7 +648,7 @@ class Mask:
         return not (self.unmasked or self.per_batch_lens is not None)
 
     def kernel_inputs(
-        self, B: Backend, queries: Array, keys: Array, values: Array
+        self, B: Backend, queries: Array, keys: Array, values: Array, queries_finite: bool = False
     ) -> tuple[Array, Array, Callable[[Array], Array]]:
         """``(keys, values, finish)`` for a framework's kernel: unused key and
         value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
@@ -656,7 +656,9 @@ class Mask:
         around it, on the device (no host read): NaN in a query row comes back
         into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query mask,
         which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
-        are zeroed before it and the rows that may see one are NaN after it."""
+        are zeroed before it and the rows that may see one are NaN after it.
+        ``queries_finite``: the caller checked that no query is NaN or
+        infinite (the tiled path, once for all its tiles)."""
         keys, values = self.guard_unused(B, keys, values)
         if B.fused_keeps_nan:
             return keys, values, lambda out: self.zero_empty_rows(B, out)
@@ -669,7 +671,8 @@ class Mask:
 
         def finish(out: Array) -> Array:
             dtype = B.dtype_name(out)
-            out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
+            if not queries_finite:
+                out = out + B.astype(B.sum(queries * 0.0, -1, keepdims=True), dtype)
             if seen is not None:
                 nan = B.astype(B.asarray(np.float32(np.nan), device=B.device_of(out)), dtype)
                 out = B.where(seen, nan, out)
