@@ -17,10 +17,15 @@ from .core.checks import (
     check_scale,
     valid_lens_array,
 )
+from .core.masking import checked_forms
 from .types import Array, Window
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from backends import Backend
+
+    from .core.masking import MaskForms
 
 
 def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
@@ -63,16 +68,10 @@ def dot_product_attention(
     values: Array,
     valid_lens: Array | None = None,
     *,
-    mask: Array | None = None,
-    bias: Array | None = None,
-    causal: bool = False,
-    window: Window = None,
     scale: float | None = None,
     dropout: float = 0.0,
     key: Any = None,
-    mask_mod: Any = None,
-    score_mod: Any = None,
-    segment_ids: Any = None,
+    **forms: Unpack[MaskForms],
 ) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
@@ -82,6 +81,9 @@ def dot_product_attention(
     consecutive query heads). Returns the output in the layout of ``queries``.
 
     - ``valid_lens``: d2l's, (batch,) or (batch, Q).
+
+    The mask keywords (``MaskForms``; any mix):
+
     - ``mask``: boolean, True = may attend, broadcastable to (batch, [heads,] Q, K).
     - ``bias``: float, added to the scaled scores, broadcastable likewise
       (``-inf`` masks the position).
@@ -90,8 +92,6 @@ def dot_product_attention(
       when Q == K).
     - ``window=w`` or ``(left, right)``: query ``i``, at ``p = i + K - Q``,
       attends keys in ``[p - left, p + right]``.
-    - ``scale``: default ``1 / sqrt(d)``; ``dropout`` on the weights (JAX
-      needs ``key=``).
     - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where a query may
       attend (FlexAttention's signature and sense); the arguments are int32
       arrays of the backend broadcasting over (batch, heads, Q, K). A
@@ -103,10 +103,13 @@ def dot_product_attention(
       are padding. With ``causal=True``: causal within each segment.
 
     Everything combines by AND; a query with no allowed key gets a zero output.
+    ``scale``: default ``1 / sqrt(d)``; ``dropout`` on the weights (JAX needs
+    ``key=``).
     """
+    checked_forms("dot_product_attention", forms)
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
-    if small.takes(B, "auto", q, k, (mask, bias, window, mask_mod, score_mod, segment_ids, causal)):
+    if small.takes(B, "auto", q, k, forms):
         dropout = check_dropout("dropout", dropout)
         scale = check_scale(scale)
         scale = default_scale(q.shape[-1]) if scale is None else scale
@@ -119,16 +122,10 @@ def dot_product_attention(
         num_q,
         k.shape[2],
         valid_lens=valid_lens,
-        mask=mask,
-        bias=bias,
-        causal=causal,
-        window=window,
         dtype=B.dtype_name(q),
         heads_axis=ndim == 4,
         device=B.device_of(q),
-        mask_mod=mask_mod,
-        score_mod=score_mod,
-        segment_ids=segment_ids,
+        **forms,
     )
     dropout = check_dropout("dropout", dropout)
     scale = check_scale(scale)

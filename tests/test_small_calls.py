@@ -126,14 +126,30 @@ def _set_forms(backend):
 NOT_FORMS = {"self", "queries", "keys", "values", "valid_lens", "key", "cache", "scale", "dropout"}
 
 
+def _callers(backend):
+    """``where -> (call, signature)`` of the three entry points with mask keywords."""
+    import inspect
+
+    d = am.DotProductAttention(0.0, backend=backend).eval()
+    m = am.MultiHeadAttention(8, 8, 8, 8, 2, 0.0, backend=backend).eval()
+    return {
+        "functional": (am.dot_product_attention, inspect.signature(am.dot_product_attention)),
+        "DotProductAttention": (d, inspect.signature(type(d).forward)),
+        "MultiHeadAttention": (m, inspect.signature(type(m).forward)),
+    }
+
+
 @pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
 def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
     """A call that sets any mask keyword but valid_lens never takes the
-    straight line (which reads lengths only): a keyword added to the API
-    must be added to the forms it checks, or this test names it."""
+    straight line (which reads lengths only). The keywords are one list
+    (``masking.FORM_DEFAULTS``), taken as ``**forms`` everywhere: a form added
+    there without a value here, or a keyword added to a signature beside
+    them, is named by this test."""
     import inspect
 
     from attention_multi.core import small
+    from attention_multi.core.masking import FORM_DEFAULTS
 
     def refuse(*args, **kwargs):
         raise AssertionError("the straight line took a call with a mask form")
@@ -141,21 +157,29 @@ def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
     monkeypatch.setattr(small, "attention", refuse)
     q = backend.asarray(Q[:, 0, :4], "float32")
     kv = backend.asarray(K[:, 0], "float32")
-    if where == "functional":
-        call, signature = am.dot_product_attention, inspect.signature(am.dot_product_attention)
-    else:
-        module = (
-            am.DotProductAttention(0.0, backend=backend)
-            if where == "DotProductAttention"
-            else am.MultiHeadAttention(8, 8, 8, 8, 2, 0.0, backend=backend)
-        ).eval()
-        call, signature = module, inspect.signature(type(module).forward)
+    call, signature = _callers(backend)[where]
     forms = _set_forms(backend)
-    unknown = set(signature.parameters) - NOT_FORMS - set(forms)
-    assert not unknown, f"new keywords {unknown}: add them to the straight line's forms and here"
-    for name in signature.parameters:
-        if name in forms:
-            call(q, kv, kv, **{name: forms[name]})  # (refuse() would raise)
+    assert set(forms) == set(FORM_DEFAULTS), "give every mask form a value here"
+    kinds = {p.name: p.kind for p in signature.parameters.values()}
+    assert kinds.pop("forms") is inspect.Parameter.VAR_KEYWORD
+    assert not set(kinds) - NOT_FORMS, "a mask keyword belongs in masking.MaskForms"
+    for name, value in forms.items():
+        call(q, kv, kv, **{name: value})  # (refuse() would raise)
+
+
+@pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
+def test_an_unknown_mask_keyword_is_refused_by_name(backend, where):
+    """``**forms`` takes only the mask keywords: a misspelt one is a
+    TypeError that names it and the function, not a silently unmasked call."""
+    call, _ = _callers(backend)[where]
+    q = backend.asarray(Q[:, 0, :4], "float32")
+    kv = backend.asarray(K[:, 0], "float32")
+    name = "dot_product_attention" if where == "functional" else f"{where}.forward"
+    with pytest.raises(
+        TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'casual'"
+    ):
+        call(q, kv, kv, casual=True)
+    call(q, kv, kv, causal=True)  # (the right name passes)
 
 
 @pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention"])

@@ -30,7 +30,8 @@ see entirely.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, TypedDict
 
 import numpy as np
 
@@ -42,7 +43,59 @@ from .checks import check_mask_array, check_window, valid_lens_checked
 if TYPE_CHECKING:
     from backends import Backend
 
-    from ..types import Array
+    from ..types import Array, Window
+
+
+class MaskForms(TypedDict, total=False):
+    """The mask keywords of the API, besides ``valid_lens``: what
+    ``dot_product_attention`` and the modules' ``forward`` take as
+    ``**forms`` and hand, as one dict, to ``make_mask`` (meanings in
+    ``dot_product_attention``'s docstring). A new form is one entry here, one
+    in ``FORM_DEFAULTS`` and a keyword of ``make_mask``: nothing above the
+    core lists them."""
+
+    mask: Array | None
+    bias: Array | None
+    causal: bool
+    window: Window
+    mask_mod: Callable[..., Array] | None
+    score_mod: Callable[..., Array] | None
+    segment_ids: Any
+
+
+# A form's value that sets nothing (compared by identity: ``causal`` is
+# exactly False, the others None).
+FORM_DEFAULTS: dict[str, Any] = {
+    "mask": None,
+    "bias": None,
+    "causal": False,
+    "window": None,
+    "mask_mod": None,
+    "score_mod": None,
+    "segment_ids": None,
+}
+assert set(FORM_DEFAULTS) == set(MaskForms.__annotations__)
+
+
+def checked_forms(function: str, forms: Mapping[str, Any]) -> None:
+    """Raise the TypeError Python gives an unknown keyword, naming
+    ``function`` and the mask keywords, when a name of ``forms`` is not one."""
+    for name in forms:
+        if name not in FORM_DEFAULTS:
+            raise TypeError(
+                f"{function}() got an unexpected keyword argument {name!r} "
+                f"(the mask keywords: valid_lens, {', '.join(FORM_DEFAULTS)})"
+            )
+
+
+def no_forms(forms: Mapping[str, Any]) -> bool:
+    """Whether ``forms`` (checked: ``checked_forms``) set nothing but what
+    ``FORM_DEFAULTS`` gives: a call with lengths or nothing."""
+    for name, value in forms.items():
+        if value is not FORM_DEFAULTS[name]:
+            return False
+    return True
+
 
 # Every field of a Mask that constrains attention. "Is anything set?" asks this
 # list, so a new field can never read as "unmasked"; one that is neither an

@@ -10,6 +10,7 @@ and the path reported (``"full"``) are those of ``attend``'s full path.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import attend
@@ -20,6 +21,7 @@ from .masking import (
     compute_dtype,
     lengths_visible,
     masked_softmax,
+    no_forms,
 )
 from .paths import default_scale, dropout_fn, expand_kv, flat, work_itemsize
 
@@ -29,35 +31,18 @@ if TYPE_CHECKING:
     from ..types import Array
 
 
-def no_forms(forms: tuple[Any, ...]) -> bool:
-    """Whether ``forms`` (a call's ``mask``, ``bias``, ``window``,
-    ``mask_mod``, ``score_mod``, ``segment_ids``, then ``causal``) set
-    nothing but lengths: each None, ``causal`` exactly False."""
-    mask, bias, window, mask_mod, score_mod, segment_ids, causal = forms
-    return (
-        causal is False
-        and mask is None
-        and bias is None
-        and window is None
-        and mask_mod is None
-        and score_mod is None
-        and segment_ids is None
-    )
-
-
 def takes(
     B: Backend,
     path: str,
     queries: Array,
     keys: Array,
-    forms: tuple[Any, ...],
+    forms: Mapping[str, Any],
     want_weights: bool = False,
     memory_budget: int | None = None,
 ) -> bool:
     """The straight line applies: ``path`` "auto" or "full", every mask form
-    but ``valid_lens`` unset (``forms``: the call's ``mask``, ``bias``,
-    ``window``, ``mask_mod``, ``score_mod``, ``segment_ids``, each None, then
-    ``causal`` exactly False), no empty axis, a feature size, and "auto"
+    but ``valid_lens`` unset (``forms``, the call's checked ``MaskForms``:
+    ``masking.no_forms``), no empty axis, a feature size, and "auto"
     would take the full path: at most ``attend.SMALL_SCORES`` scores, or
     ``want_weights`` and the scores fit in ``memory_budget``."""
     if path not in ("auto", "full") or not no_forms(forms):

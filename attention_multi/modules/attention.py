@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,8 +27,9 @@ from ..core.checks import (
     check_kv_heads,
     check_positive_int,
 )
+from ..core.masking import checked_forms, no_forms
 from ..core.paths import work_itemsize
-from ..types import Array, AttentionPath, ModuleOptions, TakenPath, Window
+from ..types import Array, AttentionPath, ModuleOptions, TakenPath
 from .base import Linear, Module
 from .cache import KVCache
 
@@ -105,7 +107,7 @@ if TYPE_CHECKING:
 
     from backends import Backend
 
-    from ..core.masking import Mask
+    from ..core.masking import Mask, MaskForms
 
 
 class _Attention(Module):
@@ -169,12 +171,12 @@ class _Attention(Module):
         raise NotImplementedError
 
     def _kept_line(
-        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: tuple[Any, ...]
+        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: Mapping[str, Any]
     ) -> small.Line | None:
         """The straight line (``core/small.py``) kept from an earlier call
         with this call's signature (``small.signature``), which passed the
         same input checks: they are not repeated. None otherwise."""
-        if not small.no_forms(forms) or self._backend.is_tracing():
+        if not no_forms(forms) or self._backend.is_tracing():
             return None
         kept = self.__dict__.get("_attention_line")
         if kept is None or kept[1] != small.signature(queries, keys, values, valid_lens):
@@ -386,21 +388,16 @@ class DotProductAttention(_Attention):
         values: Array,
         valid_lens: Array | None = None,
         *,
-        mask: Array | None = None,
-        bias: Array | None = None,
-        causal: bool = False,
-        window: Window = None,
-        mask_mod: Any = None,
-        score_mod: Any = None,
-        segment_ids: Any = None,
         key: Any = None,
+        **forms: Unpack[MaskForms],
     ) -> Array:
         """``queries`` (batch, Q, d), ``keys`` (batch, K, d), ``values``
-        (batch, K, v) -> (batch, Q, v). ``valid_lens``, ``mask``, ``bias``,
-        ``causal``, ``window``, ``mask_mod``, ``score_mod`` and
-        ``segment_ids`` are those of ``dot_product_attention``;
-        ``key``: the JAX dropout key in training mode."""
-        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
+        (batch, K, v) -> (batch, Q, v). ``valid_lens`` and the mask keywords
+        (``mask``, ``bias``, ``causal``, ``window``, ``mask_mod``,
+        ``score_mod``, ``segment_ids``: ``MaskForms``) are those of
+        ``dot_product_attention``; ``key``: the JAX dropout key in training
+        mode."""
+        checked_forms("DotProductAttention.forward", forms)
         line = self._kept_line(queries, keys, values, valid_lens, forms)
         if line is None:
             self._check_inputs(queries, keys, values)
@@ -414,18 +411,7 @@ class DotProductAttention(_Attention):
             self._keep_line(line, queries, keys, values, valid_lens)
         if line is not None:
             return self._straight(queries, keys, values, valid_lens, key, line)
-        m = self._mask(
-            queries,
-            keys.shape[1],
-            valid_lens=valid_lens,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            mask_mod=mask_mod,
-            score_mod=score_mod,
-            segment_ids=segment_ids,
-        )
+        m = self._mask(queries, keys.shape[1], valid_lens=valid_lens, **forms)
         q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
         out = self._attend(q, k, v, m, key)
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
@@ -434,7 +420,7 @@ class DotProductAttention(_Attention):
         return (self.path, small.bound())
 
     def _new_line(
-        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: tuple[Any, ...]
+        self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: Mapping[str, Any]
     ) -> small.Line | None:
         """The straight line (``core/small.py``) of a call whose inputs were
         checked; None when the call does not take it."""
@@ -598,15 +584,9 @@ class MultiHeadAttention(_Attention):
         values: Array,
         valid_lens: Array | None = None,
         *,
-        mask: Array | None = None,
-        bias: Array | None = None,
-        causal: bool = False,
-        window: Window = None,
-        mask_mod: Any = None,
-        score_mod: Any = None,
-        segment_ids: Any = None,
         key: Any = None,
         cache: Any = None,
+        **forms: Unpack[MaskForms],
     ) -> Any:
         """Multi-head attention of ``queries`` (batch, Q, query_size) over
         ``keys`` and ``values`` (batch, K, key_size|value_size); the masking
@@ -620,7 +600,7 @@ class MultiHeadAttention(_Attention):
         the cache's (``max_len``), and a ``mask_mod``'s ``q_idx`` is the
         query's position in the cache. Returns ``(output, new cache)``.
         """
-        forms = (mask, bias, window, mask_mod, score_mod, segment_ids, causal)
+        checked_forms("MultiHeadAttention.forward", forms)
         line = (
             None if cache is not None else self._kept_line(queries, keys, values, valid_lens, forms)
         )
@@ -646,27 +626,15 @@ class MultiHeadAttention(_Attention):
             k = B.write_slice(cache.keys, k, start, 2)
             v = B.write_slice(cache.values, v, start, 2)
             end = start + keys.shape[1]  # an int, or traced (jax.jit)
-            num_keys, offset, causal = cache.max_len, end - queries.shape[1], True
+            num_keys, offset = cache.max_len, end - queries.shape[1]
+            forms = {**forms, "causal": True}
             length = (
                 end
                 if B.is_array(end)
                 else B.asarray(np.asarray(end, np.int32), device=B.device_of(cache.keys))
             )
             cache = KVCache(k, v, length)
-        m = self._mask(
-            queries,
-            num_keys,
-            h,
-            valid_lens,
-            mask=mask,
-            bias=bias,
-            causal=causal,
-            window=window,
-            offset=offset,
-            mask_mod=mask_mod,
-            score_mod=score_mod,
-            segment_ids=segment_ids,
-        )
+        m = self._mask(queries, num_keys, h, valid_lens, offset=offset, **forms)
         out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = B.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
