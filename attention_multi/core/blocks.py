@@ -148,14 +148,16 @@ def _evaluate(
     rows = []
     for i in range(nqb):
         q = B.arange(bq, dev).reshape((1, 1, bq, 1)) + i * bq
-        ok = B.logical_and(q < num_queries, col_ok)
-        q = B.where(q < num_queries, q, num_queries - 1) + bases[1]
-        grid = (b, h, q, kv)
+        ok = None  # (only a row with padding needs it: the last one, or every one)
+        if padded or (i + 1) * bq > num_queries:
+            ok = B.logical_and(q < num_queries, col_ok)
+            q = B.where(q < num_queries, q, num_queries - 1)
+        grid = (b, h, q + bases[1], kv)
         if B.dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(B.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
         v = mods._as_bool(B, mask_mod(*grid), dev)
         v = B.broadcast_to(v, (v.shape[0], v.shape[1], bq, width))
-        if padded or (i + 1) * bq > num_queries:
+        if ok is not None:
             v = B.logical_and(v, ok)
         # (a sum of booleans, then exact integers: one pass over the row)
         seen = B.astype(B.sum(v.reshape((v.shape[0], v.shape[1], bq, nkb, bk)), 4), "int32")
