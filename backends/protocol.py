@@ -285,6 +285,12 @@ class Backend:
         (an immutable framework's array is returned as it is)."""
         return x.copy()
 
+    def can_keep(self, x: Array) -> bool:
+        """Whether ``x``, made during a call, may be kept for later calls in
+        any mode (torch: not when made under ``inference_mode``, which
+        autograd refuses afterwards)."""
+        return True
+
     def register_tree(
         self, cls: type, flatten: Callable[..., Any], unflatten: Callable[..., Any]
     ) -> None:

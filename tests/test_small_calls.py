@@ -264,3 +264,21 @@ def test_a_kept_line_then_torch_compile_is_one_graph():
     assert explained.graph_break_count == 0
     got = torch.compile(m, fullgraph=True, backend="eager")(q, k, v, lens)
     torch.testing.assert_close(got, want)
+
+
+def test_a_mask_made_under_inference_mode_is_not_kept():
+    """torch refuses tensors made under ``inference_mode`` in a later
+    autograd graph: a small call there keeps its line but not its mask, so
+    training the same module afterwards works and gives the same gradients."""
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.tensor(x, dtype=torch.float32) for x in (Q[:, 0], K[:, 0], V[:, 0]))
+    lens = torch.tensor([2, 0, 6])
+    m = am.DotProductAttention(0.0, backend="torch")
+    with torch.inference_mode():
+        m(q, k, v, lens)
+    grads = []
+    for module in (m, am.DotProductAttention(0.0, backend="torch")):
+        qg = q.clone().requires_grad_()
+        module(qg, k, v, lens).pow(2).sum().backward()
+        grads.append(qg.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)

@@ -220,7 +220,8 @@ def _lengths(
         least = least_length(host, kind, line.limit)
         if least is not None:  # (well-formed: no copy)
             made = (least,) + _visible(B, line, valid_lens, least, device)
-            line.lengths = (tag,) + made
+            if made[1] is None or callable(made[1]) or B.can_keep(made[1]):
+                line.lengths = (tag,) + made
             return (valid_lens,) + made
     lens, least = lengths_for_compare(
         B, valid_lens, queries.shape[0], queries.shape[-2], line.num_keys, device
