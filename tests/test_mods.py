@@ -407,3 +407,47 @@ def test_traced_segments_torch_compile_once():
             )
             np.testing.assert_allclose(out.numpy(), want[:, 0], rtol=3e-5, atol=3e-5)
     assert counter.frame_count == 1
+
+
+def _count(jaxpr, primitive):
+    """How many ``primitive`` equations ``jaxpr`` holds, nested ones included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == primitive
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _count(inner, primitive)
+    return total
+
+
+def test_traced_blocks_do_not_grow_with_the_batch():
+    """Under ``jax.jit`` with traced segment ids each block is one ``cond``
+    for the whole batch, skipped when empty for every element: the compiled
+    program has as many conds at batch 8 as at batch 1 (it had one per block
+    and element), and the answer is the oracle's."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    T, per_row = 512, [[200, 312], [512], [100, 150, 262], [300, 212]]  # (2 x 2 blocks)
+    ids = np.asarray(am.segments_from_lengths(per_row * 2, T))
+    rng = np.random.default_rng(3)
+
+    def conds(batch):
+        q, k, v = (jnp.asarray(rng.standard_normal((batch, 2, T, 8), np.float32)) for _ in range(3))
+
+        def f(q, k, v, s):
+            return am.dot_product_attention(q, k, v, segment_ids=s, causal=True)
+
+        count = _count(jax.make_jaxpr(f)(q, k, v, jnp.asarray(ids[:batch])).jaxpr, "cond")
+        got = np.asarray(jax.jit(f)(q, k, v, jnp.asarray(ids[:batch])))
+        allowed = (ids[:batch, :, None] == ids[:batch, None, :]) & np.tril(np.ones((T, T), bool))
+        want, _ = oracle.attention(
+            *(np.asarray(x, np.float64) for x in (q, k, v)), mask=allowed[:, None]
+        )
+        np.testing.assert_allclose(got, want, rtol=TOL["float32"], atol=TOL["float32"])
+        return count
+
+    one, eight = conds(1), conds(8)
+    assert one > 0
+    assert eight == one

@@ -4,10 +4,11 @@ of queries, over the blocks of keys that are not empty.
 
 On the host (values concrete) the block states come from
 ``blocks.host_table``: empty blocks are never computed, full ones without a
-mask. While traced (``jax.jit``), each block goes through ``Backend.cond`` on
-a device-side test (intervals, segment ids' least and largest values, the
-mask_mod on the block's grid), so blocks are skipped at run time and nothing
-recompiles when the layout changes. Under autodiff each block is recomputed
+mask. While traced (``jax.jit``), each block of the whole batch goes through
+``Backend.cond`` on a device-side test (intervals, segment ids' least and
+largest values, the mask_mod on the block's grid), so blocks are skipped at
+run time, nothing recompiles when the layout changes, and the program does
+not grow with the batch. Under autodiff each block is recomputed
 in the backward pass.
 """
 
@@ -78,16 +79,17 @@ def _spans(
 
 
 def _seen(
-    B: Backend, mask: Mask, b: int, q0: int, q1: int, k0: int, k1: int, device: Any
+    B: Backend, mask: Mask, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int, device: Any
 ) -> Array | None:
-    """Device bool: whether some query of the block may see some key of it."""
+    """Device bool: whether some query of the block (batch elements b0..b1)
+    may see some key of it."""
     seen = None
     if mask.intervals:
         lo, hi = mask.bounds(B, device)  # (batch|1, 1, Q|1, 1)
         lo = B.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
 
         def rows(x: Array) -> Array:
-            x = x[b : b + 1] if x.shape[0] > 1 else x
+            x = x[b0:b1] if x.shape[0] > 1 else x
             return x[:, :, q0:q1] if x.shape[2] > 1 else x
 
         lo, hi = rows(lo), rows(hi)
@@ -95,10 +97,10 @@ def _seen(
         hi_c = B.minimum(hi, k1)
         seen = B.any(hi_c > lo_c)
     if mask.segments is not None:
-        s = mods.segment_block_seen(B, mask, b, b + 1, q0, q1, k0, k1)
+        s = mods.segment_block_seen(B, mask, b0, b1, q0, q1, k0, k1)
         seen = s if seen is None else B.logical_and(seen, s)
     if mask.mod is not None:
-        sub = blocks._region(mask, b, b + 1, q0, q1, k0, k1)
+        sub = blocks._region(mask, b0, b1, q0, q1, k0, k1)
         v = mods._as_bool(B, mask.mod(*mods.index_grid(B, sub, device)), device)
         s = B.any(v)
         seen = s if seen is None else B.logical_and(seen, s)
@@ -130,7 +132,9 @@ def blocked(
     if traced and table is None and not B.runtime_cond:
         table = None  # every block computed (the test is not decidable here)
     drop = dropout_fn(B, dropout, key)
-    per_element = table is None or table.shape[0] > 1
+    # (while traced the whole batch is one group: each block is one cond,
+    # skipped when empty for every element, and compiling does not grow with it)
+    per_element = table is not None and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
     outs = []
     for b0, b1 in groups:
@@ -180,7 +184,7 @@ def blocked(
                     )
 
                 if traced and B.runtime_cond:
-                    seen = _seen(B, mask, b0, q0, q1, k0, k1, device)
+                    seen = _seen(B, mask, b0, b1, q0, q1, k0, k1, device)
 
                     def run(
                         state: tuple[Array, Array, Array] | None,
