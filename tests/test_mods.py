@@ -10,7 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
-from attention_multi.core import attend, make_mask
+from attention_multi.core import attend, blocks, make_mask
 from attention_multi.core.blocked import computed_fraction
 
 BATCH, HEADS, D = 2, 4, 4
@@ -340,6 +340,32 @@ def test_block_mask_states_and_skipping(backend):
             np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
     # the same blocks from the function, the block mask and the integers
     assert fractions[0] == fractions[1] == fractions[2] < 0.5, fractions
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_interval_block_states_match_the_dense_mask(seed):
+    """``blocks.host_table`` classifies the blocks of interval masks (lengths
+    per query, causal with an offset, windows; rows that see nothing; blocks
+    past Q or K cut short) as the dense mask says."""
+    import backends
+
+    B = backends.load("numpy")
+    rng = np.random.default_rng(seed)
+    batch, nq, nk = 2, int(rng.integers(1, 90)), int(rng.integers(1, 90))
+    bq, bk = int(rng.integers(1, 20)), int(rng.integers(1, 20))
+    lens = rng.integers(0, nk + 1, size=(batch, nq))
+    window = (int(rng.integers(0, 30)), int(rng.integers(0, 30))) if seed % 2 else None
+    form = {"valid_lens": lens, "causal": seed % 3 == 0, "window": window}
+    m = make_mask(B, batch, 1, nq, nk, **form)
+    states = blocks.host_table(m, bq, bk)
+    dense = np.broadcast_to(oracle.allowed_keys(batch, 1, nq, nk, **form), (batch, 1, nq, nk))
+    for b in range(batch):
+        for i in range(-(-nq // bq)):
+            for j in range(-(-nk // bk)):
+                tile = dense[b, 0, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+                want = blocks.FULL if tile.all() else blocks.PARTIAL if tile.any() else blocks.EMPTY
+                got = states[b if states.shape[0] > 1 else 0, i, j]
+                assert got == want, (b, i, j, got, want)
 
 
 def test_traced_segments_compile_once(backend):

@@ -266,14 +266,13 @@ def host_table(mask: Mask, block_q: int, block_k: int) -> np.ndarray | None:
     if mask.intervals:
         lo, hi = mask._bounds_known()
         batch = max(lo.shape[0], hi.shape[0])
-        lo, hi = (np.broadcast_to(x, (batch, nq)) for x in (lo, hi))
-        pad = nqb * block_q - nq
-        lo = np.pad(lo, ((0, 0), (0, pad)), constant_values=0).reshape(batch, nqb, block_q, 1)
-        hi = np.pad(hi, ((0, 0), (0, pad)), constant_values=0).reshape(batch, nqb, block_q, 1)
-        real = (np.arange(nqb * block_q) < nq).reshape(1, nqb, block_q, 1)
-        empty = ((np.maximum(lo, k0) >= np.minimum(hi, k1)) | ~real).all(2)
-        whole = (((lo <= k0) & (hi >= k1)) | ~real).all(2)
-        states = np.minimum(states, np.where(empty, EMPTY, np.where(whole, FULL, PARTIAL)))
+        lo, hi = (np.clip(np.broadcast_to(x, (batch, nq)), 0, nk) for x in (lo, hi))
+        seen = _intervals_seen(lo, hi, block_q, block_k, nkb)
+        pad = ((0, 0), (0, nqb * block_q - nq))  # (rows past Q see every key)
+        most_lo = np.pad(lo, pad).reshape(batch, nqb, block_q).max(2)[:, :, None]
+        least_hi = np.pad(hi, pad, constant_values=nk).reshape(batch, nqb, block_q).min(2)
+        whole = (most_lo <= k0) & (least_hi[:, :, None] >= k1)
+        states = np.minimum(states, np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY))
     if mask.segments is not None:
         qs, ks = mask.segments_known
         qlo, qhi, qall = mods._host_ranges(qs, block_q)
@@ -289,6 +288,24 @@ def host_table(mask: Mask, block_q: int, block_k: int) -> np.ndarray | None:
     if rest:
         states = np.minimum(states, PARTIAL)
     return states.astype(np.int8)
+
+
+def _intervals_seen(
+    lo: np.ndarray, hi: np.ndarray, block_q: int, block_k: int, nkb: int
+) -> np.ndarray:
+    """bool (batch, Q blocks, K blocks): some row of the block of queries sees
+    a key of the block of keys, rows seeing keys ``[lo, hi)`` (batch, Q).
+    Each row adds 1 to its first block of keys and -1 past its last; a
+    running sum then counts the rows on each block: work O(Q + blocks)."""
+    batch, nq = lo.shape
+    nqb, width = -(-nq // block_q), nkb + 1
+    cell = (np.arange(batch)[:, None] * nqb + np.arange(nq) // block_q) * width
+    rows = hi > lo
+    first = cell + np.where(rows, lo // block_k, nkb)  # (an empty row adds and removes at nkb)
+    stop = cell + np.where(rows, (hi - 1) // block_k + 1, nkb)
+    n = batch * nqb * width
+    count = np.bincount(first.ravel(), minlength=n) - np.bincount(stop.ravel(), minlength=n)
+    return count.reshape(batch, nqb, width).cumsum(-1)[:, :, :nkb] > 0
 
 
 def _mod_table(
