@@ -129,7 +129,7 @@ def dot_product_attention(
     )
     dropout = check_dropout("dropout", dropout)
     scale = check_scale(scale)
-    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key)
+    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights_later=False)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
 

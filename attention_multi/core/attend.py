@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import blocked, paths
 from .checks import check_choice, check_positive_int
@@ -70,6 +70,15 @@ one kernel call over all the scores: they skip padding, causal or window
 blocks no query sees, and each tile costs ``Backend.kernel_call_cost`` more."""
 
 
+def _kept_weights(
+    B: Backend, queries: Array, keys: Array, mask: Mask, scale: float, private: bool
+) -> Callable[[], Array]:
+    """The weights of this call as a function, from copies of its inputs."""
+    q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))
+    mask_kept = mask.frozen(B)
+    return lambda: paths.weights(B, q_kept, k_kept, mask_kept, scale)
+
+
 def attend(
     B: Backend,
     queries: Array,
@@ -85,6 +94,7 @@ def attend(
     chunk_size: int | None = None,
     want_weights: bool = False,
     private: bool = False,
+    weights_later: bool = True,
 ) -> tuple[Array, Any, TakenPath]:
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
@@ -140,7 +150,9 @@ def attend(
     copies taken now (``Backend.snapshot``; with ``private``, queries and
     keys that nobody else can write, such as projections made for the
     call, are kept as they are), so that writes into the caller's arrays
-    after the call do not change them.
+    after the call do not change them. With ``weights_later=False`` (the
+    caller never reads them) no copies are taken and the weights are None
+    on those paths.
     """
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)  # raises
@@ -162,11 +174,7 @@ def attend(
     if path == "auto" and scores_bytes <= budget and (scores <= SMALL_SCORES or want_weights):
         out, weights = paths.full(B, queries, keys, values, mask, scale, dropout, key)
         return out, weights, "full"
-    q_kept, k_kept = (queries, keys) if private else (B.snapshot(queries), B.snapshot(keys))
-    mask_kept = mask.frozen(B)
-
-    def kept() -> Array:
-        return paths.weights(B, q_kept, k_kept, mask_kept, scale)
+    kept = _kept_weights(B, queries, keys, mask, scale, private) if weights_later else None
 
     if blocked.takes(B, mask, path, dropout, key):
         block = (chunk_size, chunk_size) if chunk_size else None
