@@ -701,7 +701,13 @@ class Mask:
         return not (self.unmasked or self.per_batch_lens is not None)
 
     def kernel_inputs(
-        self, B: Backend, queries: Array, keys: Array, values: Array, queries_finite: bool = False
+        self,
+        B: Backend,
+        queries: Array,
+        keys: Array,
+        values: Array,
+        queries_finite: bool = False,
+        keys_finite: bool = False,
     ) -> tuple[Array, Array, Callable[[Array], Array]]:
         """``(keys, values, finish)`` for a framework's kernel: unused key and
         value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
@@ -710,14 +716,16 @@ class Mask:
         into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query mask,
         which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
         are zeroed before it and the rows that may see one are NaN after it.
-        ``queries_finite``: the caller checked that no query is NaN or
-        infinite (the tiled path, once for all its tiles)."""
-        keys, values = self.guard_unused(B, keys, values)
+        ``queries_finite``, ``keys_finite``: the caller checked that no query,
+        or no key and value, is NaN or infinite (the tiled paths, once for
+        all their tiles): the passes that guard against them are skipped."""
+        if not keys_finite:
+            keys, values = self.guard_unused(B, keys, values)
         if B.fused_keeps_nan:
             return keys, values, lambda out: self.zero_empty_rows(B, out)
         seen = None
         # (a kernel that skips the hidden half of top-left causal itself never reads it)
-        if self.per_query and not (self.top_left_causal and B.fused_causal):
+        if self.per_query and not keys_finite and not (self.top_left_causal and B.fused_causal):
             seen = self._sees_nan_keys(B, queries, keys)
             if seen is not None:
                 keys = B.where(B.any(keys != keys, -1, keepdims=True), 0.0, keys)

@@ -168,13 +168,14 @@ def fused(
     memory_budget: int | None = None,
     dropout: float = 0.0,
     queries_finite: bool = False,
+    keys_finite: bool = False,
 ) -> Array | None:
     """The backend's kernel (None when it declines), with the core's rules
     around it: unused key/value rows zeroed before, empty rows zeroed after,
     NaN kept where the kernel would not (``Mask.kernel_inputs``)."""
     if not B.has_fused_attention or mask.score_mod is not None:
         return None
-    k, v, finish = mask.kernel_inputs(B, q, k, v, queries_finite)  # (and the NaN rules)
+    k, v, finish = mask.kernel_inputs(B, q, k, v, queries_finite, keys_finite)  # (NaN rules)
     out = B.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else finish(out)
 
@@ -460,8 +461,9 @@ def tiled(
     dv = v.shape[-1]
     device = B.device_of(q)
     drop = dropout_fn(B, dropout, key)
-    # (one read of the queries instead of a NaN pass after each tile's kernel)
+    # (one read of the inputs instead of the NaN passes around each tile's kernel)
     finite = B.has_fused_attention and not B.fused_keeps_nan and all_finite(B, q)
+    keys_finite = B.has_fused_attention and all_finite(B, k, v)
 
     def tile(index: int) -> Array:
         b, q0, q1, start, stop, whole = plan.tasks[index]
@@ -473,7 +475,9 @@ def tiled(
             else mask.sub(b, b + 1, q0, q1, start, stop)
         )
         args = (q[b : b + 1, :, q0:q1], k[b : b + 1, :, start:stop], v[b : b + 1, :, start:stop])
-        out = fused(B, *args, sub, scale, dropout=dropout, queries_finite=finite)
+        out = fused(
+            B, *args, sub, scale, dropout=dropout, queries_finite=finite, keys_finite=keys_finite
+        )
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
             out = softmax_product(B, *args, sub, scale, tile_drop)
