@@ -1,15 +1,18 @@
 """The block-sparse path of the programmable forms (``mask_mod``,
-``score_mod``, ``segment_ids``): online softmax per batch element and block
-of queries, over the blocks of keys that are not empty.
+``score_mod``, ``segment_ids``): per batch element and block of queries,
+over the blocks of keys that are not empty.
 
 On the host (values concrete) the block states come from
 ``blocks.host_table``: empty blocks are never computed, full ones without a
-mask. While traced (``jax.jit``), each block of the whole batch goes through
-``Backend.cond`` on a device-side test (intervals, segment ids' least and
-largest values, the mask_mod on the block's grid), so blocks are skipped at
-run time, nothing recompiles when the layout changes, and the program does
-not grow with the batch. Under autodiff each block is recomputed
-in the backward pass.
+mask. A block of queries goes through the backend's kernel (``paths.fused``)
+over its runs of visible keys, put side by side, with the block's mask;
+where the kernel declines (none, a ``score_mod``, a framework that compiles
+each new shape), each run is an online-softmax step, recomputed in the
+backward pass under autodiff. While traced (``jax.jit``), each block of the
+whole batch goes through ``Backend.cond`` on a device-side test (intervals,
+segment ids' least and largest values, the mask_mod on the block's grid),
+so blocks are skipped at run time, nothing recompiles when the layout
+changes, and the program does not grow with the batch.
 """
 
 from __future__ import annotations
@@ -19,8 +22,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from . import blocks, mods
-from .masking import Mask, compute_dtype, fill
-from .paths import _scaled, dropout_fn, expand_kv, finish_blocks, merge_blocks, softmax_block
+from .masking import Mask, all_finite, compute_dtype, fill
+from .paths import (
+    _scaled,
+    dropout_fn,
+    expand_kv,
+    finish_blocks,
+    fused,
+    merge_blocks,
+    softmax_block,
+)
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -124,7 +135,6 @@ def blocked(
     batch, heads, num_q = q.shape[:3]
     num_k, dv = k.shape[2], v.shape[-1]
     k, v = expand_kv(B, k, v, heads)
-    k, v = mask.guard_unused(B, k, v)
     device = B.device_of(q)
     table = blocks.host_table(mask, *(block or pick_block(mask, False)))
     traced = table is None
@@ -132,6 +142,18 @@ def blocked(
     if traced and table is None and not B.runtime_cond:
         table = None  # every block computed (the test is not decidable here)
     drop = dropout_fn(B, dropout, key)
+    # (a block of queries through the backend's kernel, over its visible keys;
+    # not on a framework that compiles each new shape: the spans vary)
+    kernel = (
+        table is not None
+        and B.has_fused_attention
+        and mask.score_mod is None
+        and not B.compiles_per_shape
+    )
+    # (one read of the inputs instead of the NaN passes around each kernel call)
+    finite = kernel and all_finite(B, q, k, v)
+    if not finite:
+        k, v = mask.guard_unused(B, k, v)
     # (while traced the whole batch is one group: each block is one cond,
     # skipped when empty for every element, and compiling does not grow with it)
     per_element = table is not None and table.shape[0] > 1
@@ -141,6 +163,13 @@ def blocked(
         rows = []
         for qi, q0 in enumerate(range(0, num_q, block_q)):
             q1 = min(num_q, q0 + block_q)
+            if kernel and table is not None:
+                out = _kernel_rows(
+                    B, q, k, v, mask, table, (b0, b1, q0, q1, qi), block_k, scale, dropout, finite
+                )
+                if out is not None:
+                    rows.append(B.astype(out, work) if work != dtype else out)
+                    continue
             qs = _scaled(B, q[b0:b1, :, q0:q1], scale, work)
             if traced:
                 zero = B.zeros((b1 - b0, heads, q1 - q0, 1), work, device)
@@ -203,6 +232,60 @@ def blocked(
         outs.append(rows[0] if len(rows) == 1 else B.concatenate(rows, 2))
     out = outs[0] if len(outs) == 1 else B.concatenate(outs, 0)
     return B.astype(out, dtype) if work != dtype else out
+
+
+def _kernel_rows(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    table: np.ndarray,
+    where: tuple[int, int, int, int, int],
+    block_k: int,
+    scale: float,
+    dropout: float,
+    finite: bool,
+) -> Array | None:
+    """One block of queries (batch ``b0..b1``, queries ``q0..q1``, row ``qi``
+    of ``table``) through ``fused``, over its runs of visible keys (put side
+    by side when there are several); None when the kernel declines or no key
+    is visible."""
+    b0, b1, q0, q1, qi = where
+    spans = _spans(table, b0, qi, mask.num_keys, block_k)
+    if not spans or (len(spans) > 1 and mask.bias is not None):
+        return None
+    subs = [
+        Mask(b1 - b0, mask.heads, q1 - q0, k1 - k0)
+        if st == blocks.FULL
+        else mask.sub(b0, b1, q0, q1, k0, k1, state="some")
+        for k0, k1, st in spans
+    ]
+    kv = [(k[b0:b1, :, k0:k1], v[b0:b1, :, k0:k1]) for k0, k1, _ in spans]
+    if len(spans) == 1:
+        sub, (ks, vs) = subs[0], kv[0]
+    else:
+        device = B.device_of(q)
+        heads = 1
+        parts = []
+        for s in subs:
+            part = s.boolean(B, device)
+            heads = heads if part is None else max(heads, part.shape[1])
+            parts.append(part)
+        shape = (b1 - b0, heads, q1 - q0)
+        allowed = B.concatenate(
+            [
+                B.zeros(shape + (s.num_keys,), "bool", device) == 0
+                if part is None
+                else B.broadcast_to(part, shape + (s.num_keys,))
+                for s, part in zip(subs, parts)
+            ],
+            3,
+        )
+        ks, vs = (B.concatenate([x[i] for x in kv], 2) for i in (0, 1))
+        sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), allowed=allowed)
+    args = (q[b0:b1, :, q0:q1], ks, vs, sub, scale)
+    return fused(B, *args, dropout=dropout, queries_finite=finite, keys_finite=finite)
 
 
 PROGRAMMABLE = frozenset(("mod", "score_mod", "segments"))
