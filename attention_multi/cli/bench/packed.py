@@ -100,11 +100,17 @@ def run_packed(backends_wanted, seconds, shape=None):
             return blocks.host_table(m, *pick_block(m, False))
 
         build_row("torch", "block states of segment_ids=", "one call (forward)", states, ours)
+        lambda_mask = make_mask(am.get_backend("torch"), B, H, T, T, mask_mod=doc_causal)
+        built = pick_block(lambda_mask, False)
+
+        def prebuilt():  # (the blocks a call with the lambda uses)
+            return am.block_mask(doc_causal, B, 1, T, T, block=built, backend="torch")
+
         build_row(
             "torch",
-            "am.block_mask of the lambda (block 128)",
+            f"am.block_mask of the lambda (block {built[0]}x{built[1]})",
             "one call (forward)",
-            lambda: am.block_mask(doc_causal, B, 1, T, T, block=128, backend="torch"),
+            prebuilt,
             ours,
         )
         row(
@@ -112,6 +118,15 @@ def run_packed(backends_wanted, seconds, shape=None):
             "forward, mask_mod lambda",
             "the same with segment_ids=",
             lambda: am.dot_product_attention(q, k, v, mask_mod=doc_causal),
+            ours,
+            lambda x: x.detach().numpy(),
+        )
+        block_mask = prebuilt()
+        row(
+            "torch",
+            "forward, mask_mod lambda as a prebuilt BlockMask",
+            "the same with segment_ids=",
+            lambda: am.dot_product_attention(q, k, v, mask_mod=block_mask),
             ours,
             lambda x: x.detach().numpy(),
         )
