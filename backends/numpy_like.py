@@ -87,6 +87,12 @@ class NumpyLike(Backend):
         """Elementwise AND of two boolean arrays (broadcasting)."""
         return a & b
 
+    def split(self, x: Array, size: int, axis: int) -> list[Array]:
+        """Pieces of ``size`` along ``axis`` (the last one shorter when it
+        does not divide); under autodiff their gradients are gathered by one
+        concatenation, where a slice's is as large as ``x``."""
+        return list(self.xp.split(x, list(range(size, x.shape[axis], size)), axis))
+
     def matmul(self, a: Array, b: Array, transpose_b: bool = False) -> Array:
         """Batched matrix product over the last two axes."""
         return self.xp.matmul(a, self.xp.swapaxes(b, -1, -2) if transpose_b else b)

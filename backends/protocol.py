@@ -5,7 +5,7 @@ what the framework's module base provides):
 
 1. **Required**: ``name``, ``module_base``, and arrays, devices and randomness
    in the framework's terms (11 methods). No defaults here.
-2. **Array math**: 21 functions with NumPy's names and arguments, declared here;
+2. **Array math**: 22 functions with NumPy's names and arguments, declared here;
    ``NumpyLike`` binds them from ``xp``.
 3. **Capability flags**: class attributes the core reads to choose a path;
    the defaults describe a framework without the capability.
@@ -118,6 +118,7 @@ class Backend:
     arange: Callable[..., Array]  # (n, device=None): int32 [0, n)
     zeros: Callable[..., Array]  # (shape, dtype, device=None)
     logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
+    split: Callable[..., Array]  # (x, size, axis): a list of pieces of size along axis
     exp: Callable[..., Array]
     tanh: Callable[..., Array]
     sqrt: Callable[..., Array]

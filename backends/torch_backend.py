@@ -106,6 +106,9 @@ class TorchBackend(NumpyLike):
             x = torch.as_tensor(np.asarray(x))
         return x.to(device=device, dtype=None if dtype is None else getattr(torch, dtype))
 
+    def split(self, x, size, axis):
+        return list(torch.split(x, size, axis))
+
     def matmul(self, a, b, transpose_b=False):
         return torch.matmul(a, b.mT if transpose_b else b)
 

@@ -158,6 +158,9 @@ def blocked(
     # skipped when empty for every element, and compiling does not grow with it)
     per_element = table is not None and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
+    if kernel:
+        autodiff = any(B.may_differentiate(x) for x in (q, k, v))
+        cuts = _Cuts(B, (q, k, v), per_element, (block_q, block_k), autodiff)
     outs = []
     for b0, b1 in groups:
         rows = []
@@ -165,7 +168,7 @@ def blocked(
             q1 = min(num_q, q0 + block_q)
             if kernel and table is not None:
                 out = _kernel_rows(
-                    B, q, k, v, mask, table, (b0, b1, q0, q1, qi), block_k, scale, dropout, finite
+                    B, cuts, mask, table, (b0, b1, q0, q1, qi), block_k, scale, dropout, finite
                 )
                 if out is not None:
                     rows.append(B.astype(out, work) if work != dtype else out)
@@ -234,11 +237,54 @@ def blocked(
     return B.astype(out, dtype) if work != dtype else out
 
 
+class _Cuts:
+    """The queries of a block and the keys and values of a run of key
+    blocks: slices, or under autodiff pieces of ``B.split``, the keys' side
+    by side (a slice's gradient is as large as the array it was cut from,
+    one per block; the pieces' are gathered by one concatenation)."""
+
+    def __init__(
+        self,
+        B: Backend,
+        arrays: tuple[Array, Array, Array],
+        per_element: bool,
+        block: tuple[int, int],
+        autodiff: bool,
+    ) -> None:
+        self.B, self.arrays, self.block = B, arrays, block
+        self.pieces = None
+        if autodiff:
+
+            def cut(x: Array, size: int) -> list[list[Array]]:
+                return [B.split(e, size, 2) for e in (B.split(x, 1, 0) if per_element else [x])]
+
+            q, k, v = arrays
+            self.pieces = (cut(q, block[0]), cut(k, block[1]), cut(v, block[1]))
+
+    def queries(self, b0: int, b1: int, q0: int, q1: int) -> Array:
+        if self.pieces is None:
+            return self.arrays[0][b0:b1, :, q0:q1]
+        return self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // self.block[0]]
+
+    def keys(self, b0: int, b1: int, spans: list[tuple[int, int, int]]) -> tuple[Array, Array]:
+        """Keys and values of the runs ``spans`` ``(k0, k1, state)``
+        (block-aligned), side by side."""
+        B = self.B
+        if self.pieces is None:
+            runs = [[x[b0:b1, :, k0:k1] for k0, k1, _ in spans] for x in self.arrays[1:]]
+        else:
+            g, size = b0 if b1 - b0 == 1 else 0, self.block[1]
+            runs = [
+                [p for k0, k1, _ in spans for p in x[g][k0 // size : -(-k1 // size)]]
+                for x in self.pieces[1:]
+            ]
+        keys, values = (r[0] if len(r) == 1 else B.concatenate(r, 2) for r in runs)
+        return keys, values
+
+
 def _kernel_rows(
     B: Backend,
-    q: Array,
-    k: Array,
-    v: Array,
+    cuts: _Cuts,
     mask: Mask,
     table: np.ndarray,
     where: tuple[int, int, int, int, int],
@@ -261,11 +307,11 @@ def _kernel_rows(
         else mask.sub(b0, b1, q0, q1, k0, k1, state="some")
         for k0, k1, st in spans
     ]
-    kv = [(k[b0:b1, :, k0:k1], v[b0:b1, :, k0:k1]) for k0, k1, _ in spans]
+    ks, vs = cuts.keys(b0, b1, spans)
     if len(spans) == 1:
-        sub, (ks, vs) = subs[0], kv[0]
+        sub = subs[0]
     else:
-        device = B.device_of(q)
+        device = B.device_of(ks)
         heads = 1
         parts = []
         for s in subs:
@@ -282,9 +328,8 @@ def _kernel_rows(
             ],
             3,
         )
-        ks, vs = (B.concatenate([x[i] for x in kv], 2) for i in (0, 1))
         sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), allowed=allowed)
-    args = (q[b0:b1, :, q0:q1], ks, vs, sub, scale)
+    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, scale)
     return fused(B, *args, dropout=dropout, queries_finite=finite, keys_finite=finite)
 
 
