@@ -113,23 +113,15 @@ def run_packed(backends_wanted, seconds, shape=None):
             prebuilt,
             ours,
         )
-        row(
-            "torch",
-            "forward, mask_mod lambda",
-            "the same with segment_ids=",
-            lambda: am.dot_product_attention(q, k, v, mask_mod=doc_causal),
-            ours,
-            lambda x: x.detach().numpy(),
-        )
-        block_mask = prebuilt()
-        row(
-            "torch",
-            "forward, mask_mod lambda as a prebuilt BlockMask",
-            "the same with segment_ids=",
-            lambda: am.dot_product_attention(q, k, v, mask_mod=block_mask),
-            ours,
-            lambda x: x.detach().numpy(),
-        )
+        for what, mod in (("", doc_causal), (" as a prebuilt BlockMask", prebuilt())):
+            row(
+                "torch",
+                "forward, mask_mod lambda" + what,
+                "the same with segment_ids=",
+                lambda mod=mod: am.dot_product_attention(q, k, v, mask_mod=mod),
+                ours,
+                lambda x: x.detach().numpy(),
+            )
         dense = torch.tensor(_dense(ids)[:, None])
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
