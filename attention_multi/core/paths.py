@@ -463,7 +463,8 @@ def tiled(
     drop = dropout_fn(B, dropout, key)
     # (one read of the inputs instead of the NaN passes around each tile's kernel)
     finite = B.has_fused_attention and not B.fused_keeps_nan and all_finite(B, q)
-    keys_finite = B.has_fused_attention and all_finite(B, k, v)
+    # (per-batch lengths leave no key of a tile unseen: nothing to guard there)
+    keys_finite = B.has_fused_attention and mask.per_query and all_finite(B, k, v)
 
     def tile(index: int) -> Array:
         b, q0, q1, start, stop, whole = plan.tasks[index]
