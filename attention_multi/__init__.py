@@ -9,8 +9,12 @@ from backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend
-from .core.blocks import BlockMask, block_mask
-from .core.mods import segments_from_cu_seqlens, segments_from_lengths
+from .core.mask import (
+    BlockMask,
+    block_mask,
+    segments_from_cu_seqlens,
+    segments_from_lengths,
+)
 from .functional import (
     dot_product_attention,
     masked_softmax,

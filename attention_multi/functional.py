@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .core import attend, default_scale, make_mask, small, zeros_for_empty
+from .core import attend, checked_forms, default_scale, make_mask, straight_line, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (
     backend_of,
@@ -17,7 +17,7 @@ from .core.checks import (
     check_scale,
     valid_lens_array,
 )
-from .core.masking import checked_forms
+from .core.paths import small
 from .types import Array, Window
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from backends import Backend
 
-    from .core.masking import MaskForms
+    from .core import MaskForms
 
 
 def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
@@ -109,11 +109,12 @@ def dot_product_attention(
     checked_forms("dot_product_attention", forms)
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
-    if small.takes(B, "auto", q, k, forms):
+    line = straight_line(B, "auto", q, k, v, valid_lens, forms)
+    if line is not None:
         dropout = check_dropout("dropout", dropout)
         scale = check_scale(scale)
         scale = default_scale(q.shape[-1]) if scale is None else scale
-        out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key)
+        out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key, line)
         return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
     m = make_mask(
         B,
@@ -129,7 +130,7 @@ def dot_product_attention(
     )
     dropout = check_dropout("dropout", dropout)
     scale = check_scale(scale)
-    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights_later=False)
+    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
 
 
@@ -267,7 +268,7 @@ def ring_attention(
     step is recomputed in the backward pass.
     """
     from .core import DEFAULT_MEMORY_BUDGET, check_path_options
-    from .core.ring import ring
+    from .core.paths.ring import ring
 
     memory_budget = check_path_options("auto", memory_budget, None)[1]
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)

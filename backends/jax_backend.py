@@ -8,6 +8,7 @@ import numpy as np
 
 from . import jax_module
 from .numpy_like import NumpyLike, np_dtype
+from .protocol import MaskView
 
 try:  # no public spelling of "is anything being traced"
     from jax._src.core import trace_state_clean as _trace_state_clean
@@ -81,7 +82,9 @@ class JaxBackend(NumpyLike):
     def softmax(self, x, axis=-1):
         return jax.nn.softmax(x, axis=axis)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
+    def fused_attention(
+        self, queries, keys, values, mask: MaskView, scale, memory_budget=None, dropout=0.0
+    ):
         """``jax.nn.dot_product_attention``, jitted: per-batch lengths as
         ``key_value_seq_lengths``, top-left causal as ``is_causal``, anything
         else as a boolean ``mask`` (a window too: jax 0.6.2 ignores

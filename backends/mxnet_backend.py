@@ -22,6 +22,7 @@ from mxnet import np as mnp
 
 from .mxnet_module import GluonModule
 from .numpy_like import NumpyLike
+from .protocol import MaskView
 
 npx.set_np()
 
@@ -181,7 +182,9 @@ class MXNetBackend(NumpyLike):
         x, y = (v if isinstance(v, mnp.ndarray) else _scalar(v, like) for v in (x, y))
         return mnp.where(condition, x, y)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
+    def fused_attention(
+        self, queries, keys, values, mask: MaskView, scale, memory_budget=None, dropout=0.0
+    ):
         """``npx.batch_dot`` and plain ``npx.softmax``, the mask added to the
         scores as the core's additive mask. Per-batch lengths on large inputs
         are folded into the first product as an extra feature instead

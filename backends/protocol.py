@@ -44,6 +44,38 @@ FLOAT_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32", "float64")
 HALF_DTYPES: tuple[str, ...] = ("float16", "bfloat16")
 
 
+class MaskView(Protocol):
+    """The surface of the core's normalized mask that a backend may read in
+    ``fused_attention``: what to translate into its framework's own kernel.
+    Everything else about a mask is the core's."""
+
+    @property
+    def unmasked(self) -> bool:
+        """Every query may see every key, and there is no bias."""
+
+    @property
+    def top_left_causal(self) -> bool:
+        """Only causal, query ``i`` seeing keys ``j <= i``, Q == K: a
+        kernel's ``is_causal``."""
+
+    @property
+    def per_batch_lens(self) -> Array | None:
+        """int32 (batch,) key lengths when they are all there is, else None."""
+
+    @property
+    def bias(self) -> Array | None:
+        """The float bias (4-D, broadcastable) added to the scaled scores, or None."""
+
+    def boolean(self, backend: Any, device: Any) -> Array | None:
+        """bool (batch|1, heads|1, Q, K), True where a query may see a key;
+        None when every query sees every key."""
+
+    def additive(self, backend: Any, dtype: str, device: Any) -> Array | None:
+        """float: the bias (or 0) where a query may see a key, the lowest
+        finite value of ``dtype`` where it may not; None when nothing is
+        masked and there is no bias."""
+
+
 class Backend:
     """One framework, as the attention core sees it, in the six groups of
     this module's docstring: required, array math, capability flags,
@@ -167,7 +199,7 @@ class Backend:
         queries: Array,
         keys: Array,
         values: Array,
-        mask: Any,
+        mask: MaskView,
         scale: float,
         memory_budget: int | None = None,
         dropout: float = 0.0,
@@ -177,11 +209,10 @@ class Backend:
 
         ``queries`` (batch, heads, Q, d); ``keys`` and ``values`` (batch,
         kv_heads, K, d|dv), ``heads`` a multiple of ``kv_heads``. ``mask`` is
-        the core's normalized mask; a kernel reads it (``mask.only_lens``,
-        ``mask.lens``, ``mask.top_left_causal``, ``mask.boolean(...)``,
-        ``mask.additive(...)``, ``mask.bias``) and translates what its
-        framework supports. The core has already zeroed key and value rows
-        that no query may see, and zeroes rows with no visible key afterwards.
+        the core's normalized mask, read through ``MaskView`` alone; a
+        kernel translates what its framework supports. The core has already
+        zeroed key and value rows that no query may see, and zeroes rows with
+        no visible key afterwards.
         Return ``dropout(softmax(scale Q K^T + bias, masked)) V`` (batch,
         heads, Q, dv), dropout at rate ``dropout`` with the framework's own
         generator, softmax accumulated in float32 for half precision; or None

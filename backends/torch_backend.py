@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .numpy_like import NumpyLike
+from .protocol import MaskView
 from .torch_module import TorchModule
 
 try:
@@ -177,7 +178,9 @@ class TorchBackend(NumpyLike):
             return fn(*args)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
-    def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
+    def fused_attention(
+        self, queries, keys, values, mask: MaskView, scale, memory_budget=None, dropout=0.0
+    ):
         """``F.scaled_dot_product_attention``: no mask, ``is_causal`` when the
         mask is top-left causal, else the mask as booleans (a bias as a float
         mask); grouped-query attention through ``enable_gqa``; its own

@@ -3,8 +3,6 @@ sequence step by step equals one causal pass (and the float64 oracle), on
 every backend; under jax.jit one compiled step serves every length; errors
 for a cache of another module, backend, batch or past max_len."""
 
-import importlib
-
 import numpy as np
 import pytest
 
@@ -50,17 +48,17 @@ def dtype(request, backend):
     return request.param
 
 
-def test_gqa_projections_and_oracle(backend, dtype, monkeypatch):
-    # "auto"'s choice beyond small calls (which take the full path), at these sizes
-    monkeypatch.setattr(importlib.import_module("attention_multi.core.attend"), "SMALL_SCORES", 0)
+@pytest.mark.parametrize("path", ["auto", "fused", "tiled", "chunked"])
+def test_gqa_projections_and_oracle(backend, dtype, path):
     mha, params = build(backend, dtype)
+    mha.path = path
     assert tuple(mha.W_k.named_arrays()["weight"].shape) == (HIDDEN // 2, SIZE)
     assert sorted(am.get_params(mha)) == sorted(params)  # names unchanged
     x, xb = sequence(backend, dtype)
     for forms in ({}, dict(causal=True), dict(window=(1, 1))):
         want, weights = oracle.multi_head_attention(params, x, x, x, None, HEADS, KV_HEADS, **forms)
         got = mha(xb, xb, xb, **forms)
-        if backend.name == "torch" and not forms:  # SDPA with enable_gqa
+        if backend.name == "torch" and path == "fused":  # SDPA with enable_gqa
             assert mha.last_path == "fused"
         np.testing.assert_allclose(backend.to_numpy(got), want, rtol=TOL[dtype], atol=TOL[dtype])
         np.testing.assert_allclose(

@@ -10,8 +10,8 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
-from attention_multi.core import attend, blocks, make_mask
-from attention_multi.core.blocked import computed_fraction
+from attention_multi.core import attend, make_mask
+from attention_multi.core.mask import EMPTY, FULL, PARTIAL, computed_fraction, host_table
 
 BATCH, HEADS, D = 2, 4, 4
 TOL = {"float16": 3e-3, "bfloat16": 2e-2, "float32": 3e-5, "float64": 1e-10}
@@ -278,7 +278,7 @@ def test_mods_with_the_cache(backend):
 
 
 def test_segments_helper():
-    from attention_multi.core.mods import segments_from_cu_seqlens, segments_from_lengths
+    from attention_multi.core.mask import segments_from_cu_seqlens, segments_from_lengths
 
     np.testing.assert_array_equal(
         segments_from_lengths([[2, 1], [3]], total=4), [[0, 0, 1, -1], [0, 0, 0, -1]]
@@ -333,7 +333,7 @@ def test_block_mask_states_and_skipping(backend):
         {"segment_ids": doc, "causal": True},
     ):
         m = make_mask(backend, BATCH, HEADS, T, T, dtype="float32", **form)
-        fractions.append(computed_fraction(m, 64, 64))
+        fractions.append(computed_fraction(m, host_table(m, 64, 64), 64, 64))
         for path in ("tiled", "chunked"):
             out, _, taken = attend(backend, q, k, v, m, path=path, chunk_size=64)
             assert taken == path
@@ -344,7 +344,7 @@ def test_block_mask_states_and_skipping(backend):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_interval_block_states_match_the_dense_mask(seed):
-    """``blocks.host_table`` classifies the blocks of interval masks (lengths
+    """``mask.host_table`` classifies the blocks of interval masks (lengths
     per query, causal with an offset, windows; rows that see nothing; blocks
     past Q or K cut short) as the dense mask says."""
     import backends
@@ -357,13 +357,13 @@ def test_interval_block_states_match_the_dense_mask(seed):
     window = (int(rng.integers(0, 30)), int(rng.integers(0, 30))) if seed % 2 else None
     form = {"valid_lens": lens, "causal": seed % 3 == 0, "window": window}
     m = make_mask(B, batch, 1, nq, nk, **form)
-    states = blocks.host_table(m, bq, bk)
+    states = host_table(m, bq, bk)
     dense = np.broadcast_to(oracle.allowed_keys(batch, 1, nq, nk, **form), (batch, 1, nq, nk))
     for b in range(batch):
         for i in range(-(-nq // bq)):
             for j in range(-(-nk // bk)):
                 tile = dense[b, 0, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
-                want = blocks.FULL if tile.all() else blocks.PARTIAL if tile.any() else blocks.EMPTY
+                want = FULL if tile.all() else PARTIAL if tile.any() else EMPTY
                 got = states[b if states.shape[0] > 1 else 0, i, j]
                 assert got == want, (b, i, j, got, want)
 

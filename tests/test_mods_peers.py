@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-from attention_multi.core.mods import segments_from_lengths
+from attention_multi import segments_from_lengths
 
 B, H, T, D = 2, 4, 256, 16
 LENGTHS = [[40, 100, 70, 46], [128, 60, 68]]

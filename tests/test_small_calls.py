@@ -1,4 +1,4 @@
-"""The straight line of small calls (``core/small.py``): with lengths or
+"""The straight line of small calls (``core/paths/small.py``): with lengths or
 nothing, the modules and the functional form skip the ``Mask`` and the
 planning; the answers, the weights and the reported path are those of the
 full path, graded by the float64 oracle."""
@@ -139,32 +139,47 @@ def _callers(backend):
     }
 
 
+def _oracle_with_form(backend, where, module, arrays, name, value):
+    """The float64 answer of a small call on ``arrays`` (queries, keys,
+    values) with one mask keyword set."""
+    if backend.is_array(value):
+        value = backend.to_numpy(value)
+    q, k, v = (backend.to_numpy(x).astype(np.float64) for x in arrays)
+    if where == "MultiHeadAttention":
+        params = {n: np.asarray(x, np.float64) for n, x in am.get_params(module).items()}
+        heads = module.num_heads
+        return oracle.multi_head_attention(params, q, k, v, None, heads, **{name: value})[0]
+    if name in ("mask", "bias"):
+        value = value[:, None]
+    out, _ = oracle.attention(q[:, None], k[:, None], v[:, None], **{name: value})
+    return out[:, 0]
+
+
 @pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
-def test_every_mask_form_leaves_the_straight_line(backend, monkeypatch, where):
+def test_every_mask_form_leaves_the_straight_line(backend, where):
     """A call that sets any mask keyword but valid_lens never takes the
-    straight line (which reads lengths only). The keywords are one list
-    (``masking.FORM_DEFAULTS``), taken as ``**forms`` everywhere: a form added
-    there without a value here, or a keyword added to a signature beside
-    them, is named by this test."""
+    straight line (which reads lengths only): each gives the oracle's answer
+    with that keyword. The keywords are one list (``core.mask.KEYWORDS``),
+    taken as ``**forms`` everywhere: a form added there without a value here,
+    or a keyword added to a signature beside them, is named by this test."""
     import inspect
 
-    from attention_multi.core import small
-    from attention_multi.core.masking import FORM_DEFAULTS
+    from attention_multi.core.mask import KEYWORDS
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the straight line took a call with a mask form")
-
-    monkeypatch.setattr(small, "attention", refuse)
     q = backend.asarray(Q[:, 0, :4], "float32")
     kv = backend.asarray(K[:, 0], "float32")
     call, signature = _callers(backend)[where]
     forms = _set_forms(backend)
-    assert set(forms) == set(FORM_DEFAULTS), "give every mask form a value here"
+    assert set(forms) == set(KEYWORDS) - {"valid_lens"}, "give every mask form a value here"
     kinds = {p.name: p.kind for p in signature.parameters.values()}
     assert kinds.pop("forms") is inspect.Parameter.VAR_KEYWORD
-    assert not set(kinds) - NOT_FORMS, "a mask keyword belongs in masking.MaskForms"
+    assert not set(kinds) - NOT_FORMS, "a mask keyword belongs in core.mask.MaskForms"
+    plain = backend.to_numpy(call(q, kv, kv))
     for name, value in forms.items():
-        call(q, kv, kv, **{name: value})  # (refuse() would raise)
+        got = backend.to_numpy(call(q, kv, kv, **{name: value}))
+        want = _oracle_with_form(backend, where, call, (q, kv, kv), name, value)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
+        assert not np.allclose(got, plain), name  # (the keyword changes the answer)
 
 
 @pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention", "functional"])
@@ -183,13 +198,11 @@ def test_an_unknown_mask_keyword_is_refused_by_name(backend, where):
 
 
 @pytest.mark.parametrize("where", ["DotProductAttention", "MultiHeadAttention"])
-def test_a_kept_line_skips_no_check_a_call_needs(backend, monkeypatch, where):
+def test_a_kept_line_skips_no_check_a_call_needs(backend, where):
     """A module keeps the straight line of a small call for the next calls
     with the same signature (types, shapes, dtypes): lengths' values are
     still checked every call, other shapes and every mask form are checked
     in full, and a new ``path`` is honoured."""
-    from attention_multi.core import small
-
     q, k, v = (backend.asarray(x, "float32") for x in (Q[:, 0], K[:, 0], V[:, 0]))
     if where == "DotProductAttention":
         m = am.DotProductAttention(0.0, backend=backend).eval()
@@ -198,7 +211,6 @@ def test_a_kept_line_skips_no_check_a_call_needs(backend, monkeypatch, where):
         v = backend.asarray(V[:, 0], "float32")
     lens = np.array([2, 0, 6])
     first = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
-    assert m.__dict__.get("_attention_line") is not None  # kept
     again = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
     np.testing.assert_array_equal(again, first)
     with pytest.raises(ValueError, match="valid_lens must be >= 0"):
@@ -211,15 +223,10 @@ def test_a_kept_line_skips_no_check_a_call_needs(backend, monkeypatch, where):
         with pytest.raises(TypeError, match="dtypes differ"):
             m(q, backend.asarray(K[:, 0], "float64"), v)
     m(q, k, v, backend.asarray(lens))  # kept again
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the straight line took a call with a mask form")
-
-    monkeypatch.setattr(small, "attention", refuse)
     for name, value in _set_forms(backend).items():
-        if where == "MultiHeadAttention" and name in ("mask", "bias"):
-            value = backend.asarray(backend.to_numpy(value)[:, None])  # (a heads axis)
-        m(q, k, v, **{name: value})
+        got = backend.to_numpy(m(q, k, v, **{name: value}))
+        want = _oracle_with_form(backend, where, m, (q, k, v), name, value)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
     m.path = "chunked"
     got = backend.to_numpy(m(q, k, v, backend.asarray(lens)))
     assert m.last_path == "chunked"
@@ -259,7 +266,6 @@ def test_a_kept_line_then_torch_compile_is_one_graph():
     q, k, v = (torch.tensor(x, dtype=torch.float32) for x in (Q[:, 0], K[:, 0], V[:, 0]))
     lens = torch.tensor([2, 0, 6])
     want = m(q, k, v, lens)
-    assert m.__dict__.get("_attention_line") is not None
     explained = torch._dynamo.explain(m)(q, k, v, lens)
     assert explained.graph_break_count == 0
     got = torch.compile(m, fullgraph=True, backend="eager")(q, k, v, lens)

@@ -10,9 +10,12 @@ from attention_multi import reference as oracle
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 RNG = np.random.default_rng(3)
-Q, K, V = (RNG.standard_normal(s).astype(np.float32) for s in ((2, 3, 4), (2, 7, 4), (2, 7, 5)))
-LENS = np.array([2, 6])
-MASK = RNG.random((2, 3, 7)) > 0.4
+# (large enough that a forced "fused" without a kernel falls back to the tiles)
+Q, K, V = (
+    RNG.standard_normal(s).astype(np.float32) for s in ((2, 64, 4), (2, 256, 4), (2, 256, 5))
+)
+LENS = np.array([2, 200])
+MASK = RNG.random((2, 64, 256)) > 0.4
 MASK[:, :, 0] = True
 
 
@@ -62,8 +65,8 @@ def test_read_weights_are_computed_in_the_same_pass(name):
     pytest.importorskip(name)
     a = ARRAYS[name]
     rng = np.random.default_rng(4)
-    q, k, v = (rng.standard_normal((16, 64, 16)).astype(np.float32) for _ in range(3))
-    lens = rng.integers(16, 65, 16)
+    q, k, v = (rng.standard_normal((16, 128, 16)).astype(np.float32) for _ in range(3))
+    lens = rng.integers(32, 129, 16)
     m = am.DotProductAttention(0.0, backend=name).eval()
     m(a(q), a(k), a(v), a(lens))
     other = m.last_path

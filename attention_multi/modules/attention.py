@@ -12,9 +12,11 @@ from ..core import (
     DEFAULT_MEMORY_BUDGET,
     attend,
     check_path_options,
+    checked_forms,
     make_mask,
     masked_softmax,
-    small,
+    no_forms,
+    straight_line,
     zeros_for_empty,
 )
 from ..core.checks import (
@@ -27,8 +29,9 @@ from ..core.checks import (
     check_kv_heads,
     check_positive_int,
 )
-from ..core.masking import checked_forms, no_forms
-from ..core.paths import work_itemsize
+from ..core.mask.rules import guard_unused
+from ..core.numerics import work_itemsize
+from ..core.paths import small
 from ..types import Array, AttentionPath, ModuleOptions, TakenPath
 from .base import Linear, Module
 from .cache import KVCache
@@ -107,7 +110,7 @@ if TYPE_CHECKING:
 
     from backends import Backend
 
-    from ..core.masking import Mask, MaskForms
+    from ..core import Mask, MaskForms
 
 
 class _Attention(Module):
@@ -173,7 +176,7 @@ class _Attention(Module):
     def _kept_line(
         self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: Mapping[str, Any]
     ) -> small.Line | None:
-        """The straight line (``core/small.py``) kept from an earlier call
+        """The straight line (``core/paths/small.py``) kept from an earlier call
         with this call's signature (``small.signature``), which passed the
         same input checks: they are not repeated. None otherwise."""
         if not no_forms(forms) or self._backend.is_tracing():
@@ -307,7 +310,7 @@ class AdditiveAttention(_Attention):
         scores = self._scores(self.W_q(queries), self.W_k(keys))
         weights = masked_softmax(B, scores, mask.boolean_one_head(B, B.device_of(queries)))
         values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
-        _, values4 = mask.guard_unused(B, values4, values4)
+        _, values4 = guard_unused(B, mask, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
         return B.matmul(
@@ -417,25 +420,24 @@ class DotProductAttention(_Attention):
         return out.reshape((out.shape[0],) + tuple(out.shape[2:]))
 
     def _line_key(self) -> tuple[Any, ...]:
-        return (self.path, small.bound())
+        return (self.path, self.memory_budget)
 
     def _new_line(
         self, queries: Array, keys: Array, values: Array, valid_lens: Any, forms: Mapping[str, Any]
     ) -> small.Line | None:
-        """The straight line (``core/small.py``) of a call whose inputs were
-        checked; None when the call does not take it."""
-        B = self._backend
-        if not small.takes(
-            B,
+        """The straight line (``core/paths/small.py``) of a call whose inputs
+        were checked; None when the call does not take it."""
+        return straight_line(
+            self._backend,
             self.path,
             queries,
             keys,
+            values,
+            valid_lens,
             forms,
             self.__dict__.get("_attention_read", False),
             self.memory_budget,
-        ):
-            return None
-        return small.Line(B, queries, keys, values, valid_lens, self.path)
+        )
 
     def _straight(
         self,
@@ -486,7 +488,7 @@ class DotProductAttention(_Attention):
             path=self.path,
             memory_budget=self.memory_budget,
             chunk_size=self.chunk_size,
-            want_weights=read,
+            weights="now" if read else "later",
             private=private,
         )
         self._keep_attention(kept)
@@ -643,7 +645,7 @@ class MultiHeadAttention(_Attention):
 
     def _line_key(self) -> tuple[Any, ...]:
         # (the parameters' dtype is checked against the inputs')
-        return (self.path, small.bound(), self._dtype_of_params())
+        return (self.path, self.memory_budget, self._dtype_of_params())
 
     def init_cache(self, batch_size: int, max_len: int) -> KVCache:
         """An empty ``KVCache`` for decoding ``batch_size`` sequences of up to

@@ -45,7 +45,8 @@ def run_packed(backends_wanted, seconds, shape=None):
     import attention_multi as am
     import backends
     from attention_multi.core import make_mask
-    from attention_multi.core.blocked import computed_fraction
+    from attention_multi.core.mask import computed_fraction, host_table
+    from attention_multi.core.paths.blocked import pick_block
 
     p = dict(PACKED, **(shape or {}))
     B, T, H, d = p["batch"], p["length"], p["heads"], p["head_size"]
@@ -53,7 +54,9 @@ def run_packed(backends_wanted, seconds, shape=None):
     rng = np.random.default_rng(0)
     qn, kn, vn = (rng.standard_normal((B, H, T, d), dtype=np.float32) for _ in range(3))
     npm = make_mask(backends.load("numpy"), B, H, T, T, segment_ids=ids, causal=True)
-    fraction = computed_fraction(npm)
+    fraction = computed_fraction(
+        npm, host_table(npm, *pick_block(npm, False)), *pick_block(npm, False)
+    )
     rows = []
 
     def row(name, what, against, ours, theirs, sync=lambda x: x):
@@ -92,12 +95,10 @@ def run_packed(backends_wanted, seconds, shape=None):
             lambda: compiled(q, k, v, block_mask=block),
             lambda x: x.detach().numpy(),
         )
-        from attention_multi.core import blocks, make_mask
-        from attention_multi.core.blocked import pick_block
 
         def states():  # what a call with segment_ids= classifies first
             m = make_mask(am.get_backend("torch"), B, H, T, T, segment_ids=seg, causal=True)
-            return blocks.host_table(m, *pick_block(m, False))
+            return host_table(m, *pick_block(m, False))
 
         build_row("torch", "block states of segment_ids=", "one call (forward)", states, ours)
         lambda_mask = make_mask(am.get_backend("torch"), B, H, T, T, mask_mod=doc_causal)

@@ -5,14 +5,13 @@ participants (processes or devices), each holding equal consecutive shards:
 participant ``r`` holds queries ``[r Q, (r+1) Q)`` and keys and values
 ``[r K, (r+1) K)`` of the whole sequence. In ``size`` steps each one attends
 its queries to the block of keys and values it holds, merges the result into
-its running online-softmax state (``softmax_block``/``merge_blocks``/
-``finish_blocks`` of ``paths.py``) and passes the block to its neighbour
-(``r`` to ``r + 1``), receiving the block of ``r - 1``. After the last step it
-has attended every block (also those none of its queries sees: under autodiff
-every exchange must be in every participant's graph, so that the backward
-exchanges pair up; keys and values travel as one message). Memory per
-participant: its shards, one block in flight, the (Q, dv) state, and the
-scores of a block of queries within the memory budget: O(T/P d).
+its running online-softmax state (``online.py``) and passes the block to its
+neighbour (``r`` to ``r + 1``), receiving the block of ``r - 1``. After the
+last step it has attended every block (also those none of its queries sees:
+under autodiff every exchange must be in every participant's graph, so that
+the backward exchanges pair up; keys and values travel as one message).
+Memory per participant: its shards, one block in flight, the (Q, dv) state,
+and the scores of a block of queries within the memory budget: O(T/P d).
 
 The communication is the backend's ``ring_exchange(group)`` capability:
 ``(rank, size, shift)``, ``shift(x)`` sending ``x`` to the next participant
@@ -25,25 +24,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from .masking import compute_dtype
-from .paths import (
-    _scaled,
-    expand_kv,
-    finish_blocks,
-    merge_blocks,
-    queries_per_block,
-    softmax_block,
-)
+from ..mask.rules import guard_unused
+from ..mask.spec import Region
+from ..numerics import compute_dtype, in_dtype, scaled
+from . import online
+from .call import expand_kv
+from .chunked import queries_per_block
 
 if TYPE_CHECKING:
     from backends import Backend
 
-    from ..types import Array
-    from .masking import Mask
+    from ...types import Array
+    from ..mask import Mask
 
 
 def ring(
-    B: Backend,
+    xp: Backend,
     q: Array,
     k: Array,
     v: Array,
@@ -61,36 +57,31 @@ def ring(
     step are computed a block of queries at a time, within ``memory_budget``
     bytes as on the chunked path. Returns (batch, heads, Q, dv) in the dtype
     of ``q``."""
-    dtype = B.dtype_name(q)
-    work = compute_dtype(dtype)
+    work = compute_dtype(xp.dtype_name(q))
     batch, heads, num_q = q.shape[:3]
     block, d = k.shape[2], k.shape[-1]
-    block_q = queries_per_block(B, q, block, memory_budget)
+    block_q = queries_per_block(xp, q, block, memory_budget)
     rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    qs = [_scaled(B, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
-    kv = B.concatenate([k, v], -1)  # one message per step
+    qs = [scaled(xp, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
+    kv = xp.concatenate([k, v], -1)  # one message per step
     states: list[Any] = [None] * len(rows)
     for step in range(size):
         owner = (rank - step) % size  # whose block this participant holds now
         keys_mask = mask.keys_from(owner * block, block)
-
-        kb, vb = expand_kv(B, kv[..., :d], kv[..., d:], heads)
-        kb, vb = keys_mask.guard_unused(B, kb, vb)  # (once per step, as on the chunked path)
+        kb, vb = expand_kv(xp, kv[..., :d], kv[..., d:], heads)
+        kb, vb = guard_unused(xp, keys_mask, kb, vb)  # (once per step, as on the chunked path)
         for i, (q0, q1) in enumerate(rows):
-            sub = keys_mask if len(rows) == 1 else keys_mask.sub(0, batch, q0, q1, 0, block)
-
-            def attend_block(
-                state: Any, q_rows: Array, kb: Array, vb: Array, sub: Mask = sub
-            ) -> Any:
-                return merge_blocks(B, state, softmax_block(B, q_rows, kb, vb, sub, work))
-
+            sub = (
+                keys_mask
+                if len(rows) == 1
+                else keys_mask.region(Region(0, batch, q0, q1, 0, block))
+            )
             # (every block is attended, even one no local query sees: under
             # autodiff each exchange must be part of every participant's graph,
-            # or the backward exchanges would not pair up; each block of
-            # queries is recomputed in the backward pass)
-            states[i] = B.checkpoint(attend_block, states[i], qs[i], kb, vb)
+            # or the backward exchanges would not pair up)
+            states[i] = online.step(xp, states[i], qs[i], kb, vb, sub, work)
         if step + 1 < size:
             kv = shift(kv)
-    outs = [finish_blocks(B, state) for state in states]
-    out = outs[0] if len(outs) == 1 else B.concatenate(outs, 2)
-    return B.astype(out, dtype) if work != dtype else out
+    outs = [online.finish(xp, state) for state in states]
+    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
+    return in_dtype(xp, out, xp.dtype_name(q))

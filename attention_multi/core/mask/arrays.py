@@ -1,0 +1,54 @@
+"""Boolean and bias arrays: ``mask`` (True = may attend) and ``bias`` (added
+to the scaled scores; ``-inf`` masks the position, as in additive masks).
+Both are 4-D, broadcastable to (batch, heads, Q, K); the form can say
+nothing about a block without reading it, so its blocks are partial."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .spec import Form, Mask, Region, _sliced
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+
+@dataclass(frozen=True, eq=False)
+class Arrays(Form):
+    """``mask`` bool and ``bias`` float (either may be None); ``allowed``,
+    what they let a query see: ``mask`` AND ``bias != -inf`` (``arrays``)."""
+
+    mask: Array | None
+    bias: Array | None
+    allowed: Array | None
+    kind: ClassVar[str] = "arrays"
+
+    def visible(self, xp: Backend, mask: Mask, device: Any) -> Array | None:
+        return self.allowed
+
+    def scores(self, xp: Backend, mask: Mask, s: Array, work: str) -> Array:
+        return s if self.bias is None else s + self.bias
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        if not isinstance(r.k0, (int, np.integer)):
+            raise ValueError("mask= and bias= cannot be cut at a traced key position")
+        return Arrays(*(_sliced(x, r) for x in (self.mask, self.bias, self.allowed)))
+
+    def snapshot(self, xp: Backend) -> Form:
+        return Arrays(
+            *(None if x is None else xp.snapshot(x) for x in (self.mask, self.bias, self.allowed))
+        )
+
+
+def arrays(xp: Backend, mask: Array | None, bias: Array | None) -> Arrays:
+    """The form of a boolean ``mask`` and a float ``bias`` (either may be None)."""
+    allowed = mask
+    if bias is not None:
+        finite = bias != float("-inf")
+        allowed = finite if allowed is None else xp.logical_and(allowed, finite)
+    return Arrays(mask, bias, allowed)

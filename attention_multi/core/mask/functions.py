@@ -1,0 +1,237 @@
+"""Programmable forms: ``mask_mod`` and ``score_mod``, functions the core
+evaluates on index grids (FlexAttention's signatures and sense).
+
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where query ``q_idx`` of
+  head ``h`` of batch element ``b`` may see key ``kv_idx``. The arguments are
+  int32 arrays of the backend shaped (batch, 1, 1, 1), (1, heads, 1, 1),
+  (1, 1, Q, 1) and (1, 1, 1, K), so ordinary operators broadcast them; a
+  function may index arrays it closes over (``doc[b, q_idx] == doc[b, kv_idx]``).
+  A ``BlockMask`` (``block_mask``) carries its states: its empty blocks are
+  skipped and its full ones computed without a mask, with no evaluation.
+- ``score_mod(score, b, h, q_idx, kv_idx) -> score``: the new scaled score
+  (after ``bias``); differentiated through.
+
+Indices are positions: ``q_idx`` counts from the query base (the KV cache's
+length when decoding, else 0), ``kv_idx`` from 0. A region of a mask keeps
+the function and shifts the bases, so every path evaluates the same function
+on its own block's grid.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from .blocks import BlockMask
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array, BackendLike, DeviceLike
+
+Bases = tuple[Any, Any, Any]  # where the grid's batch, query and key indices start
+
+
+def index_grid(
+    xp: Backend, shape: tuple[int, int, int, int], bases: Bases, device: Any
+) -> tuple[Array, ...]:
+    """``(b, h, q_idx, kv_idx)`` int32 arrays broadcasting to ``shape``
+    (batch, heads, Q, K), positions counted from ``bases``."""
+    batch, heads, nq, nk = shape
+    b = xp.arange(batch, device).reshape((batch, 1, 1, 1)) + bases[0]
+    h = xp.arange(heads, device).reshape((1, heads, 1, 1))
+    q = xp.arange(nq, device).reshape((1, 1, nq, 1)) + bases[1]
+    kv = xp.arange(nk, device).reshape((1, 1, 1, nk)) + bases[2]
+    if xp.dense_index_grids:  # (boolean operators there do not broadcast)
+        return tuple(xp.broadcast_to(x, shape) for x in (b, h, q, kv))
+    return b, h, q, kv
+
+
+def as_bool(xp: Backend, x: Any, device: Any) -> Array:
+    """A mask_mod's answer as a bool array of rank 4."""
+    if not xp.is_array(x):
+        x = xp.asarray(np.asarray(x, bool), device=device)
+    if xp.dtype_name(x) != "bool":
+        x = xp.astype(x, "bool")
+    while len(x.shape) < 4:
+        x = x.reshape((1,) + tuple(x.shape))
+    return x
+
+
+def _ints(*xs: Any) -> bool:
+    return all(isinstance(x, (int, np.integer)) for x in xs)
+
+
+def _shape(mask: Mask) -> tuple[int, int, int, int]:
+    return (mask.batch, mask.heads, mask.num_queries, mask.num_keys)
+
+
+def _shifted(bases: Bases, r: Region) -> Bases:
+    return (bases[0] + r.b0, bases[1] + r.q0, bases[2] + r.k0)
+
+
+class MaskMod(Form):
+    """``mask_mod`` (a function, or a ``BlockMask``, which is callable) with
+    the ``bases`` of its grid; ``xp`` evaluates it for block states."""
+
+    kind = "mask_mod"
+
+    def __init__(self, mask_mod: Callable[..., Array], bases: Bases, xp: Backend | None) -> None:
+        self.mask_mod, self.bases, self.xp = mask_mod, bases, xp
+        self.block_mask = mask_mod if isinstance(mask_mod, BlockMask) else None
+
+    def _at(self, mask: Mask, r: Region) -> tuple[tuple[int, int, int, int], Bases]:
+        """The shape and bases of a region's grid."""
+        return (r.b1 - r.b0, mask.heads, r.q1 - r.q0, r.k1 - r.k0), _shifted(self.bases, r)
+
+    def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
+        grid = index_grid(xp, _shape(mask), self.bases, device)
+        return as_bool(xp, self.mask_mod(*grid), device)
+
+    def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
+        shape, bases = self._at(mask, r)
+        return xp.any(as_bool(xp, self.mask_mod(*index_grid(xp, shape, bases, device)), device))
+
+    def region_state(self, mask: Mask, r: Region) -> int:
+        bm = self.block_mask
+        if bm is not None:
+            if not _ints(self.bases[1], self.bases[2]):
+                return PARTIAL
+            b, q, k = self.bases
+            return bm.lookup(b + r.b0, b + r.b1, q + r.q0, q + r.q1, k + r.k0, k + r.k1)
+        xp = self.xp
+        if xp is None:
+            return PARTIAL
+        shape, bases = self._at(mask, r)
+        v = as_bool(xp, self.mask_mod(*index_grid(xp, shape, bases, None)), None)
+        if not xp.is_concrete(v):
+            return PARTIAL
+        v = xp.to_numpy(v)
+        return EMPTY if not v.any() else FULL if v.all() else PARTIAL
+
+    def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
+        """(batch|1, Q blocks, K blocks) states, the union over heads."""
+        nqb, nkb = -(-mask.num_queries // block_q), -(-mask.num_keys // block_k)
+        bm = self.block_mask
+        if (
+            bm is not None
+            and (bm.block_q, bm.block_k) == (block_q, block_k)
+            and self.bases == (0, 0, 0)
+        ):
+            s = bm.states
+            s = (s[: mask.batch] if s.shape[0] > 1 else s)[:, :, :nqb]
+        else:
+            xp = self.xp
+            if xp is None or not _ints(*self.bases):
+                return np.full((1, nqb, nkb), PARTIAL, np.int8)
+            probe = self.mask_mod(*index_grid(xp, (1, 1, 1, 1), (0, 0, 0), None))
+            if xp.is_array(probe) and not xp.is_concrete(probe):  # traced closures
+                return np.full((1, nqb, nkb), PARTIAL, np.int8)
+            s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
+        empty = (s == EMPTY).all(1)
+        full = (s == FULL).all(1)
+        return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
+
+
+class ScoreMod(Form):
+    """``score_mod`` with the ``bases`` of its grid: it changes scores, and
+    hides nothing."""
+
+    kind = "score_mod"
+    restricts = False
+
+    def __init__(self, score_mod: Callable[..., Array], bases: Bases) -> None:
+        self.score_mod, self.bases = score_mod, bases
+
+    def scores(self, xp: Backend, mask: Mask, s: Array, work: str) -> Array:
+        grid = index_grid(xp, _shape(mask), self.bases, xp.device_of(s))
+        s = self.score_mod(s, *grid)
+        return xp.astype(s, work) if xp.dtype_name(s) != work else s
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        return ScoreMod(self.score_mod, _shifted(self.bases, r))
+
+
+# -- block states of a mask_mod, evaluated one block row at a time --------------------------
+
+
+def evaluate(
+    xp: Backend,
+    mask_mod: Callable[..., Array],
+    shape: tuple[int, int, int, int],
+    bq: int,
+    bk: int,
+    dev: Any,
+    bases: Bases = (0, 0, 0),
+) -> np.ndarray:
+    """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
+    evaluated one block row (bq x K indices) at a time."""
+    batch, heads, num_queries, num_keys = shape
+    nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
+    width = nkb * bk
+    padded = width > num_keys  # (a last block of keys past K)
+    kv = xp.arange(width, dev).reshape((1, 1, 1, width))
+    col_ok = kv < num_keys
+    kv = xp.where(col_ok, kv, num_keys - 1) + bases[2]  # (padding: a function may index arrays)
+    b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
+    h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
+    rows = []
+    for i in range(nqb):
+        q = xp.arange(bq, dev).reshape((1, 1, bq, 1)) + i * bq
+        ok = None  # (only a row with padding needs it: the last one, or every one)
+        if padded or (i + 1) * bq > num_queries:
+            ok = xp.logical_and(q < num_queries, col_ok)
+            q = xp.where(q < num_queries, q, num_queries - 1)
+        grid = (b, h, q + bases[1], kv)
+        if xp.dense_index_grids:  # (boolean operators there do not broadcast)
+            grid = tuple(xp.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
+        v = as_bool(xp, mask_mod(*grid), dev)
+        v = xp.broadcast_to(v, (v.shape[0], v.shape[1], bq, width))
+        if ok is not None:
+            v = xp.logical_and(v, ok)
+        # (a sum of booleans, then exact integers: one pass over the row)
+        seen = xp.astype(xp.sum(v.reshape((v.shape[0], v.shape[1], bq, nkb, bk)), 4), "int32")
+        rows.append(xp.to_numpy(xp.sum(seen, 2)))
+    counts = np.stack(rows, 2)  # (b|1, h|1, nqb, nkb)
+    qn = np.minimum(bq, num_queries - np.arange(nqb) * bq)
+    kn = np.minimum(bk, num_keys - np.arange(nkb) * bk)
+    size = qn[:, None] * kn[None, :]
+    return np.where(counts == 0, EMPTY, np.where(counts == size, FULL, PARTIAL)).astype(np.int8)
+
+
+def _split(block: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    if isinstance(block, (tuple, list)):
+        return int(block[0]), int(block[1])
+    return int(block), int(block)
+
+
+def block_mask(
+    mask_mod: Callable[..., Array],
+    batch: int,
+    heads: int,
+    num_queries: int,
+    num_keys: int,
+    *,
+    block: int | tuple[int, int] = 128,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> BlockMask:
+    """A reusable ``BlockMask`` of ``mask_mod`` over (batch, heads, Q, K),
+    blocks of ``block`` (an int or (queries, keys)); ``batch`` or ``heads``
+    may be 1 when the function ignores them. The function is evaluated on one
+    block row (block_q x K indices) at a time, on ``backend`` (default: the
+    current one); host memory is the (batch, heads, blocks) states."""
+    from ...config import get_backend, native_device
+
+    xp = get_backend(backend)
+    dev = native_device(xp, device)
+    bq, bk = _split(block)
+    if min(bq, bk) < 1:
+        raise ValueError(f"block must be positive, got {block!r}")
+    states = evaluate(xp, mask_mod, (batch, heads, num_queries, num_keys), bq, bk, dev)
+    return BlockMask(mask_mod, states, (batch, heads, num_queries, num_keys), bq, bk)

@@ -1,0 +1,342 @@
+"""Lengths, causal and window: each query sees one interval of keys.
+
+Query ``i`` sits at key position ``p = i + offset`` (``offset = K - Q`` by
+default: aligned at the bottom right, as decoding needs). It may see key
+``j`` when ``lo <= j < hi``, ``lo = max(0, p - left)`` and ``hi = min(K,
+valid_len, p + 1 if causal, p + right + 1)`` for a ``window = (left,
+right)``. The intervals are kept as integers (lengths, offset, window), not
+as matrices: a block is skipped, or computed without a mask, from them alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ..numerics import positions
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+
+
+@dataclass(frozen=True, eq=False)
+class Intervals(Form):
+    """``valid_lens`` int32 (batch, 1, Q|1, 1) or None, with its int64 host
+    copy ``valid_lens_known`` (None while traced); ``offset`` an int or a 0-d
+    int array (traced), ``offset_known`` its host value or None; ``causal``;
+    ``window`` (left, right) or None."""
+
+    valid_lens: Any = None
+    valid_lens_known: Any = None
+    offset: Any = 0
+    offset_known: int | None = 0
+    causal: bool = False
+    window: tuple[int | None, ...] | None = None
+    kind: ClassVar[str] = "intervals"
+
+    @property
+    def only_lens(self) -> bool:
+        return self.valid_lens is not None and not self.causal and self.window is None
+
+    @property
+    def only_causal(self) -> bool:
+        return self.causal and self.valid_lens is None and self.window is None
+
+    def known(self) -> bool:
+        return not (
+            (self.valid_lens is not None and self.valid_lens_known is None)
+            or ((self.causal or self.window is not None) and self.offset_known is None)
+        )
+
+    def least_length(self, mask: Mask) -> int:
+        """The least known length (host)."""
+        known = self.valid_lens_known
+        return mask._once("least_length", lambda: int(known.min()) if known.size else mask.num_keys)
+
+    # -- on the device ------------------------------------------------------------------
+    def bounds(self, xp: Backend, mask: Mask, device: Any) -> tuple[Array | None, Array]:
+        """``(lo or None, hi)`` int32 arrays broadcastable to (batch, 1, Q, 1)."""
+        lo, hi = None, self.valid_lens
+        if self.causal or self.window is not None:
+            q = mask.num_queries
+            p = xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset
+            ends = []
+            if self.causal:
+                ends.append(p + 1)
+            if self.window is not None:
+                left, right = self.window
+                if left is not None:
+                    lo = xp.where(p > left, p - left, 0)
+                if right is not None:
+                    ends.append(p + (right + 1))
+            for end in ends:
+                hi = end if hi is None else xp.minimum(hi, end)
+        if hi is None:
+            hi = xp.zeros((1, 1, 1, 1), "int32", device) + mask.num_keys
+        return lo, hi
+
+    def visible(self, xp: Backend, mask: Mask, device: Any) -> Array | None:
+        if sees_all(mask):
+            return None
+        lo, hi = self.bounds(xp, mask, device)
+        j = positions(xp, mask.num_keys, device)
+        return j < hi if lo is None else xp.logical_and(j >= lo, j < hi)
+
+    def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
+        lo, hi = self.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
+        lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
+        lo, hi = _sliced(lo, r, False), _sliced(hi, r, False)
+        return xp.any(xp.minimum(hi, r.k1) > xp.where(lo > r.k0, lo, r.k0))
+
+    # -- on the host ---------------------------------------------------------------------
+    def region_state(self, mask: Mask, r: Region) -> int:
+        lo, hi = host_bounds(mask, r.b0, r.b1, r.q0, r.q1)
+        if (np.maximum(lo, r.k0) >= np.minimum(hi, r.k1)).all():
+            return EMPTY
+        return FULL if (lo <= r.k0).all() and (hi >= r.k1).all() else PARTIAL
+
+    def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
+        nq, nk = mask.num_queries, mask.num_keys
+        nqb, nkb = -(-nq // block_q), -(-nk // block_k)
+        lo, hi = host_bounds(mask)
+        batch = max(lo.shape[0], hi.shape[0])
+        lo, hi = (np.clip(np.broadcast_to(x, (batch, nq)), 0, nk) for x in (lo, hi))
+        seen = _intervals_seen(lo, hi, block_q, block_k, nkb)
+        pad = ((0, 0), (0, nqb * block_q - nq))  # (rows past Q see every key)
+        most_lo = np.pad(lo, pad).reshape(batch, nqb, block_q).max(2)[:, :, None]
+        least_hi = np.pad(hi, pad, constant_values=nk).reshape(batch, nqb, block_q).min(2)
+        k0 = np.arange(nkb) * block_k
+        k1 = np.minimum(k0 + block_k, nk)
+        whole = (most_lo <= k0) & (least_hi[:, :, None] >= k1)
+        return np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY).astype(np.int8)
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        host = isinstance(r.k0, (int, np.integer))
+        lens = _sliced(self.valid_lens, r, False)
+        known = _sliced(self.valid_lens_known, r, False)
+        return replace(
+            self,
+            valid_lens=None if lens is None else lens - r.k0,
+            valid_lens_known=None if known is None or not host else known - r.k0,
+            offset=self.offset + (r.q0 - r.k0),
+            offset_known=None
+            if self.offset_known is None or not host
+            else self.offset_known + r.q0 - r.k0,
+        )
+
+    def snapshot(self, xp: Backend) -> Form:
+        lens = self.valid_lens
+        return self if lens is None else replace(self, valid_lens=xp.snapshot(lens))
+
+
+def window_within(
+    window: tuple[int | None, ...] | None,
+    num_queries: int,
+    num_keys: int,
+    offset_known: int | None,
+) -> tuple[int | None, ...] | None:
+    """A window side that reaches past every key for every query means no
+    limit (None): the arithmetic on positions then never meets a side near
+    2**31 (which wraps in int32). While the offset is traced, sides are
+    clamped to 2**30 instead."""
+    if window is None or window == (None, None):
+        return window
+    if offset_known is None:
+        return tuple(None if s is None else min(s, SIDE_MAX) for s in window)
+    left, right = window
+    # query positions p run over [offset, offset + Q): p - left <= 0 and p + right >= K - 1
+    if left is not None and left >= offset_known + num_queries - 1:
+        left = None
+    if right is not None and right >= num_keys - 1 - offset_known:
+        right = None
+    return None if left is None and right is None else (left, right)
+
+
+# -- host planning: the rows' intervals, known on the host --------------------------------
+
+
+def host_bounds(
+    mask: Mask, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
+) -> Any:  # (lo, hi) or None
+    """Host ``(lo, hi)`` int64, broadcastable to (batch block, Q block), of
+    the rows' visible keys by their intervals (all keys without any); None
+    while traced. Computed once per Mask, then sliced."""
+    if not mask.known_on_host():
+        return None
+
+    def compute() -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), mask.num_keys, np.int64)
+        form = mask.intervals
+        if form is None:
+            return lo, hi
+        if form.valid_lens is not None:
+            known = form.valid_lens_known
+            hi = np.minimum(hi, known.reshape(known.shape[0], known.shape[2]))
+        p = np.arange(mask.num_queries)[None, :] + form.offset_known
+        if form.causal:
+            hi = np.minimum(hi, p + 1)
+        if form.window is not None:
+            left, right = form.window
+            if left is not None:
+                lo = np.maximum(lo, p - left)
+            if right is not None:
+                hi = np.minimum(hi, p + right + 1)
+        return lo, hi
+
+    lo, hi = mask._once("host_bounds", compute)
+
+    def block(x: np.ndarray) -> np.ndarray:
+        return x[
+            slice(b0, b1) if x.shape[0] > 1 else slice(None),
+            slice(q0, q1) if x.shape[1] > 1 else slice(None),
+        ]
+
+    return block(lo), block(hi)
+
+
+def sees_all(mask: Mask) -> bool:
+    """Known on the host: every row's interval is all the keys."""
+    form = mask.intervals
+    if form is None:
+        return True
+
+    def compute() -> bool:
+        if form.only_lens:  # (one reduction, not the rows' intervals)
+            return mask.known_on_host() and form.least_length(mask) >= mask.num_keys
+        known = host_bounds(mask)
+        return (
+            known is not None
+            and bool((known[0] <= 0).all())
+            and bool((known[1] >= mask.num_keys).all())
+        )
+
+    return bool(mask._once("sees_all", compute))
+
+
+def rows_nonempty(mask: Mask) -> bool:
+    """Known on the host: every row's interval holds a key."""
+    form = mask.intervals
+
+    def compute() -> bool:
+        if form is not None and form.only_lens and mask.known_on_host():
+            return mask.num_keys > 0 and form.least_length(mask) > 0
+        known = host_bounds(mask)
+        return known is not None and bool((known[1] > known[0]).all())
+
+    return bool(mask._once("rows_nonempty", compute))
+
+
+def keys_all_used(mask: Mask) -> bool:
+    """Known on the host: each batch element's rows together see every key
+    (their intervals overlap or touch: the union is [least lo, last hi))."""
+    form = mask.intervals
+
+    def compute() -> bool:
+        if (
+            form is not None
+            and form.only_lens
+            and form.valid_lens.shape[2] == 1
+            and mask.known_on_host()
+        ):
+            return form.least_length(mask) >= mask.num_keys
+        known = host_bounds(mask)
+        if known is None:
+            return False
+        lo, hi = known
+        rows = hi > lo
+        return bool(
+            rows.any(axis=1).all()
+            and (np.where(rows, lo, 1).min(axis=1) == 0).all()
+            and (np.where(rows, hi, 0).max(axis=1) >= mask.num_keys).all()
+        )
+
+    return bool(mask._once("keys_all_used", compute))
+
+
+def key_range(
+    mask: Mask, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
+) -> tuple[int, int]:
+    """Host ``(start, stop)``: the keys that any query of the block may see
+    lie in ``[start, stop)``; all keys while traced."""
+    known = host_bounds(mask, b0, b1, q0, q1)
+    if known is None:
+        return 0, mask.num_keys
+    lo, hi = np.broadcast_arrays(*known)
+    rows = hi > lo
+    if not rows.any():
+        return 0, 0
+    return int(lo[rows].min()), int(hi[rows].max())
+
+
+def element_ranges(
+    mask: Mask, q0: int = 0, q1: int | None = None
+) -> Any:  # (starts, stops, whole) or None
+    """Host ``(start, stop, whole)`` int64/bool arrays (batch,): the keys
+    that the rows ``[q0, q1)`` of each batch element may see lie in
+    ``[start, stop)`` (``(0, 0)``: none), and ``whole`` tells whether every
+    one of those rows sees all of them (never, past the intervals). None
+    while traced."""
+    known = host_bounds(mask, 0, None, q0, q1)
+    if known is None:
+        return None
+    q1 = q1 or mask.num_queries
+    lo, hi = (np.broadcast_to(x, (mask.batch, q1 - q0)) for x in known)
+    rows = hi > lo
+    start = np.where(rows, lo, mask.num_keys).min(axis=1)
+    stop = np.where(rows, hi, 0).max(axis=1)
+    empty = stop <= start
+    start[empty], stop[empty] = 0, 0
+    whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
+    if any(f.narrows for f in mask.forms):
+        for b in range(mask.batch):
+            start[b], stop[b] = mask.key_span(b, q0, q1, int(start[b]), int(stop[b]))
+    return start, stop, whole & (not mask.dense)
+
+
+def _intervals_seen(
+    lo: np.ndarray, hi: np.ndarray, block_q: int, block_k: int, nkb: int
+) -> np.ndarray:
+    """bool (batch, Q blocks, K blocks): some row of the block of queries sees
+    a key of the block of keys, rows seeing keys ``[lo, hi)`` (batch, Q).
+    Each row adds 1 to its first block of keys and -1 past its last; a
+    running sum then counts the rows on each block: work O(Q + blocks)."""
+    batch, nq = lo.shape
+    nqb, width = -(-nq // block_q), nkb + 1
+    cell = (np.arange(batch)[:, None] * nqb + np.arange(nq) // block_q) * width
+    rows = hi > lo
+    first = cell + np.where(rows, lo // block_k, nkb)  # (an empty row adds and removes at nkb)
+    stop = cell + np.where(rows, (hi - 1) // block_k + 1, nkb)
+    n = batch * nqb * width
+    count = np.bincount(first.ravel(), minlength=n) - np.bincount(stop.ravel(), minlength=n)
+    return count.reshape(batch, nqb, width).cumsum(-1)[:, :, :nkb] > 0
+
+
+# -- the lengths rule without a Mask (the straight line of small calls) ---------------------
+
+
+def lengths_visible(
+    xp: Backend, lens: Array, ndim: int, num_keys: int, device: Any
+) -> tuple[Array, Array]:
+    """Key ``j`` is visible to a query when ``j`` is below its length.
+    ``lens`` (batch,) or (batch, Q), integer or float32/float64 with whole
+    values; ``ndim`` that of the inputs, 3 or 4. Returns ``(visible, used)``:
+    bool (batch, [1,] Q|1, K), and bool (batch, [1,] K, 1) where some query
+    of the batch element sees the key."""
+    dtype = xp.dtype_name(lens)
+    if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
+        lens, dtype = xp.astype(lens, "int32"), "int32"
+    j = positions(xp, num_keys, device, dtype, ndim=1)
+    batch, lead = lens.shape[0], (1,) * (ndim - 3)
+    if len(lens.shape) == 1:
+        visible = j < lens.reshape((batch,) + lead + (1, 1))
+        return visible, visible.reshape((batch,) + lead + (num_keys, 1))
+    lens = lens.reshape((batch,) + lead + (lens.shape[1], 1))
+    visible = j < lens
+    return visible, j.reshape((num_keys, 1)) < xp.max(lens, -2, keepdims=True)

@@ -1,0 +1,231 @@
+"""What every path must do about what a query may not see.
+
+- **Masked weights** are exactly 0 (``masked_softmax``).
+- **Empty rows**: a query that may see no key gets zero weights and a zero
+  output, with finite gradients (``zero_empty_rows``).
+- **NaN**: NaN in the inputs propagates, except from key and value rows that
+  no query of that batch element may see; those are zeroed before any kernel
+  reads them (``guard_unused``). A framework's kernel that adds the mask to
+  the scores is guarded around (``kernel_inputs``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ..numerics import all_finite, compute_dtype, fill, fill_against, fill_value, size, zero
+from .intervals import keys_all_used, rows_nonempty
+from .spec import Mask
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+
+def rows_with_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
+    """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
+    None when every query is known to see one."""
+    form = mask.intervals
+    if not mask.restricted:
+        if form is None:
+            return None if mask.num_keys else xp.zeros((1, 1, 1, 1), "bool", device)
+        if rows_nonempty(mask):
+            return None
+        lo, hi = form.bounds(xp, mask, device)
+        return hi > (0 if lo is None else lo)
+    return xp.any(mask.boolean(xp, device), -1, keepdims=True)
+
+
+def zero_empty_rows(xp: Backend, mask: Mask, out: Array) -> Array:
+    """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
+    rows = rows_with_keys(xp, mask, xp.device_of(out))
+    return out if rows is None else xp.where(rows, out, 0.0)
+
+
+def _one_row(mask: Mask) -> bool:
+    """Every query of a batch element sees the same keys."""
+    form, arrays = mask.intervals, mask.form("arrays")
+    return (
+        (form is None or (not form.causal and form.window is None and _per_batch(form)))
+        and (arrays is None or tuple(arrays.allowed.shape[1:3]) == (1, 1))
+        and all(f.kind in ("intervals", "arrays", "score_mod") for f in mask.forms)
+    )
+
+
+def _per_batch(form: Any) -> bool:
+    return form.valid_lens is None or form.valid_lens.shape[2] == 1
+
+
+def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
+    """bool (batch|1, 1, K, 1): True where some query of that batch
+    element may see the key; None when every key is known to be seen."""
+    form = mask.intervals
+    if not mask.restricted and form is None:
+        return None
+    by_bounds = not mask.restricted and (form.window is None or _per_batch(form))
+    if by_bounds and keys_all_used(mask):
+        return None
+    if _one_row(mask):  # (batch|1, 1, 1, K) -> (batch|1, 1, K, 1)
+        visible = mask.boolean(xp, device)
+        if visible is None:
+            return None
+        return visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
+    if by_bounds:
+        lo, hi = form.bounds(xp, mask, device)
+        nonempty = hi > (0 if lo is None else lo)
+        last = xp.max(xp.where(nonempty, hi, 0), 2, keepdims=True)
+        j = xp.arange(mask.num_keys, device).reshape((1, 1, mask.num_keys, 1))
+        if lo is None:
+            return j < last
+        first = -xp.max(xp.where(nonempty, -lo, -mask.num_keys), 2, keepdims=True)
+        return xp.logical_and(j >= first, j < last)
+    visible = mask.boolean(xp, device)  # (..., Q, K): any over heads and queries
+    used = xp.any(xp.any(visible, 2, keepdims=True), 1, keepdims=True)
+    # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
+    return used.reshape((used.shape[0], 1, used.shape[3], 1))
+
+
+def guard_unused(
+    xp: Backend, mask: Mask, keys: Array, values: Array, guard_keys: bool = True
+) -> tuple[Array, Array]:
+    """Zero key and value rows that no query may see (NaN there must not
+    leak into the product); ``keys``/``values`` (batch, heads, K, d).
+    ``guard_keys=False``: the values only (for a caller that masks the
+    scores by ``where`` and computes no gradient through the keys)."""
+    big = size(keys) + size(values) >= xp.finite_check_min
+    if mask.restricted and big and all_finite(xp, keys, values):  # (no dense mask to build)
+        return keys, values
+    used = used_keys(xp, mask, xp.device_of(keys))
+    if used is None or (big and all_finite(xp, keys, values)):
+        return keys, values
+    return xp.where(used, keys, 0.0) if guard_keys else keys, xp.where(used, values, 0.0)
+
+
+def kernel_inputs(
+    xp: Backend,
+    mask: Mask,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    queries_finite: bool = False,
+    keys_finite: bool = False,
+) -> tuple[Array, Array, Callable[[Array], Array]]:
+    """``(keys, values, finish)`` for a framework's kernel: unused key and
+    value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
+    For a kernel without ``Backend.fused_keeps_nan`` the NaN rules are
+    enforced around it, on the device (no host read): NaN in a query row comes
+    back into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query
+    mask, which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
+    are zeroed before it and the rows that may see one are NaN after it.
+    ``queries_finite``, ``keys_finite``: the caller checked that no query,
+    or no key and value, is NaN or infinite: the passes that guard against
+    them are skipped."""
+    if not keys_finite:
+        keys, values = guard_unused(xp, mask, keys, values)
+    if xp.fused_keeps_nan:
+        return keys, values, lambda out: zero_empty_rows(xp, mask, out)
+    seen = None
+    # (a kernel that skips the hidden half of top-left causal itself never reads it)
+    if mask.per_query and not keys_finite and not (mask.top_left_causal and xp.fused_causal):
+        seen = _sees_nan_keys(xp, mask, queries, keys)
+        if seen is not None:
+            keys = xp.where(xp.any(keys != keys, -1, keepdims=True), 0.0, keys)
+
+    def finish(out: Array) -> Array:
+        dtype = xp.dtype_name(out)
+        if not queries_finite:
+            out = out + xp.astype(xp.sum(queries * 0.0, -1, keepdims=True), dtype)
+        if seen is not None:
+            nan = xp.astype(xp.asarray(np.float32(np.nan), device=xp.device_of(out)), dtype)
+            out = xp.where(seen, nan, out)
+        return zero_empty_rows(xp, mask, out)
+
+    return keys, values, finish
+
+
+def _sees_nan_keys(xp: Backend, mask: Mask, queries: Array, keys: Array) -> Array | None:
+    """bool (batch, heads, Q, 1): the query may see a key with a NaN;
+    None when every query sees every key. One product of the visible keys
+    (as 0/1, heads of a one-head mask in its columns, batch broadcast) with
+    each key's NaN flag."""
+    batch, heads, num_q = queries.shape[:3]
+    work = compute_dtype(xp.dtype_name(queries))
+    bad = xp.astype(xp.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
+    if heads != bad.shape[1]:
+        bad = xp.repeat(bad, heads // bad.shape[1], 1)
+    visible = mask.boolean(xp, xp.device_of(keys))
+    if visible is None:  # every query sees every key after all
+        return None
+    visible = xp.astype(visible, work)
+    columns = visible.shape[1] == 1
+    if columns:  # (b, 1, Q, K) @ (b, 1, K, heads) -> (b, 1, Q, heads)
+        bad = xp.transpose(bad, (0, 3, 2, 1))
+    else:
+        visible = xp.broadcast_to(visible, (visible.shape[0], heads, num_q, mask.num_keys))
+    if visible.shape[0] != batch:
+        visible = xp.broadcast_to(visible, (batch,) + tuple(visible.shape[1:]))
+    count = xp.matmul(visible, bad)
+    if columns:
+        count = xp.transpose(count, (0, 3, 2, 1))
+    return count > 0
+
+
+def masked_softmax(
+    xp: Backend,
+    scores: Array,
+    visible: Array | None,
+    empty_rows: bool = True,
+    hidden_finite: bool = False,
+    before_product: bool = False,
+    lens: Array | None = None,
+    dtype: str | None = None,
+    device: Any = None,
+) -> Array:
+    """Softmax over the last axis restricted to ``visible`` (None: all), in
+    float32 for half precision; masked weights and empty rows are exactly 0.
+    Returns the dtype of ``scores``.
+
+    What the caller knows makes it cheaper, never different:
+    ``empty_rows=False``, every row sees a key (masked weights are then 0
+    without a second ``where``: exp of the fill against a visible score
+    underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
+    nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
+    broadcast mask of 0 and the fill is added instead of a ``where`` over
+    every score (fill + score rounds to the fill, or to -inf: weight 0).
+    ``before_product``: the weights are multiplied by the values next and
+    reach users only through ``Backend.nan_rows``
+    (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
+    was made from (``intervals.lengths_visible``), for
+    ``Backend.below_lengths``; ``visible`` may then be a function that makes
+    it (the straight line). ``dtype`` and ``device``: those of ``scores``,
+    where the caller has them."""
+    if dtype is None:
+        dtype = xp.dtype_name(scores)
+    work = compute_dtype(dtype)
+    x = xp.astype(scores, work) if work != dtype else scores
+    softmax = xp.softmax_before_product if before_product else xp.softmax
+    if visible is None:
+        weights = softmax(x, -1)
+    else:
+        if device is None:
+            device = xp.device_of(x)
+        by_lengths = lens is not None and xp.masks_by_lengths
+        if not by_lengths and callable(visible):
+            visible = visible()
+        if by_lengths:
+            x = xp.below_lengths(x, visible, lens, fill_value(work), -1)
+        elif hidden_finite and xp.masks_by_adding and size(visible) * 8 <= size(x):
+            x = x + xp.where(visible, zero(xp, work, device), fill(xp, work, device))
+        else:
+            x = xp.where(visible, x, fill_against(xp, work, device))
+        weights = softmax(x, -1)
+        if empty_rows:
+            weights = (
+                xp.below_lengths(weights, visible, lens, 0.0, -1)
+                if by_lengths
+                else xp.where(visible, weights, 0.0)
+            )
+    return weights if work == dtype else xp.astype(weights, dtype)

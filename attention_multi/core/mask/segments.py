@@ -1,0 +1,207 @@
+"""Packed sequences: ``segment_ids``, (batch, K) ints or a pair ((batch, Q),
+(batch, K)). A query sees the keys of its own segment; a negative id is
+padding (such a query sees nothing, such a key is seen by nobody). A block is
+classified from the least and largest id of its queries and keys: work
+proportional to Q + K, then to the number of blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..checks import check_array
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array, BackendLike, DeviceLike
+
+_BIG = np.iinfo(np.int32).max
+
+
+class Segments(Form):
+    """``query_ids`` (batch|1, Q) and ``key_ids`` (batch|1, K) int32, with
+    their int64 host copies ``known`` (None while traced)."""
+
+    kind = "segment_ids"
+    narrows = True
+
+    def __init__(self, query_ids: Array, key_ids: Array, known: Any) -> None:
+        self.query_ids, self.key_ids, self.known_ids = query_ids, key_ids, known
+
+    def known(self) -> bool:
+        return self.known_ids is not None
+
+    def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
+        qs, ks = self.query_ids, self.key_ids
+        nq, nk = qs.shape[1], ks.shape[1]
+        qs4 = qs.reshape((qs.shape[0], 1, nq, 1))
+        return xp.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
+
+    @staticmethod
+    def _rows(ids: tuple[Any, Any], r: Region) -> tuple[Any, Any]:
+        """The query and key ids of the region ``r``."""
+        qs, ks = (x[r.b0 : r.b1] if x.shape[0] > 1 else x for x in ids)
+        return qs[:, r.q0 : r.q1], ks[:, r.k0 : r.k1]
+
+    def region_state(self, mask: Mask, r: Region) -> int:
+        q, k = self._rows(self.known_ids, r)
+        qlo, qhi, qall = (a[:, 0] for a in _host_ranges(q, max(1, q.shape[1])))
+        klo, khi, kall = (a[:, 0] for a in _host_ranges(k, max(1, k.shape[1])))
+        if ((qhi < klo) | (khi < qlo) | (qhi < 0) | (khi < 0)).all():
+            return EMPTY
+        one = (qlo == qhi) & (klo == khi) & (qlo == klo) & qall & kall
+        return FULL if one.all() else PARTIAL
+
+    def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
+        qs, ks = self.known_ids
+        qlo, qhi, qall = (x[:, :, None] for x in _host_ranges(qs, block_q))
+        klo, khi, kall = (x[:, None, :] for x in _host_ranges(ks, block_k))
+        empty = (qhi < klo) | (khi < qlo) | (qhi < 0) | (khi < 0)
+        one = (qlo == qhi) & (klo == khi) & (qlo == klo) & qall & kall
+        return np.where(empty, EMPTY, np.where(one, FULL, PARTIAL)).astype(np.int8)
+
+    def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
+        """Whether a query of the region may share a segment with a key of it
+        (min/max of the ids, so work O(block size))."""
+        q, k = self._rows((self.query_ids, self.key_ids), r)
+
+        def lo(x: Array) -> Array:
+            return -xp.max(xp.where(x >= 0, -x, -_BIG), 1)
+
+        def hi(x: Array) -> Array:
+            return xp.max(x, 1)
+
+        ok = xp.logical_and(xp.logical_and(hi(q) >= lo(k), hi(k) >= lo(q)), hi(q) >= 0)
+        return xp.any(xp.logical_and(ok, hi(k) >= 0))
+
+    def key_span(
+        self, mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
+    ) -> tuple[int, int]:
+        """The keys narrowed to those whose segment one of the queries has
+        (sorted or not)."""
+        if self.known_ids is None:
+            return start, stop
+        qs, ks = self.known_ids
+        q = qs[b if qs.shape[0] > 1 else 0, q0:q1]
+        k = ks[b if ks.shape[0] > 1 else 0, start:stop]
+        ids = np.unique(q[q >= 0])
+        hit = np.nonzero(np.isin(k, ids))[0] if ids.size else np.zeros(0, np.int64)
+        if hit.size == 0:
+            return 0, 0
+        return start + int(hit[0]), start + int(hit[-1]) + 1
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        if not isinstance(r.k0, (int, np.integer)):
+            raise ValueError("segment_ids cannot be cut at a traced key position")
+        ids = self._rows((self.query_ids, self.key_ids), r)
+        known = None if self.known_ids is None else self._rows(self.known_ids, r)
+        return Segments(ids[0], ids[1], known)
+
+    def snapshot(self, xp: Backend) -> Form:
+        return Segments(xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids)
+
+
+def _host_ranges(ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row and block of ``block`` positions: (least id >= 0, largest id,
+    all ids >= 0); a block with no id >= 0 gets (big, -1)."""
+    n = ids.shape[1]
+    nb = -(-n // block)
+    pad = np.full((ids.shape[0], nb * block - n), -1, ids.dtype)
+    x = np.concatenate([ids, pad], 1).reshape(ids.shape[0], nb, block)
+    lo = np.where(x >= 0, x, _BIG).min(-1)
+    hi = x.max(-1)
+    whole = (x >= 0).all(-1)
+    if pad.shape[1]:  # the padded tail does not count against "all >= 0"
+        whole[:, -1] = (ids[:, (nb - 1) * block :] >= 0).all(-1)
+    return lo, hi, whole
+
+
+def make_segments(
+    xp: Backend,
+    segment_ids: Any,
+    batch: int,
+    num_queries: int,
+    num_keys: int,
+    offset: int | Array,
+    device: Any,
+) -> Segments:
+    """The checked form of ``segment_ids``: one (batch, K) array (queries take
+    the ids of their positions, ``i + offset``) or a pair."""
+    pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
+    parts = segment_ids if pair else (None, segment_ids)
+    out: list[Any] = []
+    for name, x, n in (
+        ("segment_ids[0] (queries)", parts[0], num_queries),
+        ("segment_ids" + ("[1] (keys)" if pair else ""), parts[1], num_keys),
+    ):
+        if x is None:
+            out.append(None)
+            continue
+        if not xp.is_array(x):
+            x = xp.asarray(np.asarray(x), device=device)
+        check_array(xp, name, x, 2, f"(batch, {n})")
+        if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
+            raise ValueError(
+                f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
+                f" = ({batch}, {n}), got {tuple(x.shape)}"
+            )
+        if not xp.dtype_name(x).startswith(("int", "uint")):
+            raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
+        out.append(xp.astype(x, "int32") if xp.dtype_name(x) != "int32" else x)
+    qs, ks = out
+    if qs is None:
+        if isinstance(offset, (int, np.integer)):
+            qs = ks[:, offset : offset + num_queries]
+        else:
+            qs = xp.take(ks, xp.arange(num_queries, device) + offset, 1)
+    known = None
+    if xp.is_concrete(qs) and xp.is_concrete(ks):
+        known = (xp.to_numpy(qs).astype(np.int64), xp.to_numpy(ks).astype(np.int64))
+    return Segments(qs, ks, known)
+
+
+def segments_from_lengths(
+    lengths: Sequence[Any],
+    total: int | None = None,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> Array:
+    """``segment_ids`` (batch, total) from document lengths: ``lengths`` a
+    list (one packed row) or a list of lists (one per row), or FlashAttention's
+    ``cu_seqlens`` form via ``segments_from_cu_seqlens``. Positions past the
+    last document are padding (-1). ``total`` defaults to the longest row."""
+    rows = [lengths] if lengths and np.ndim(lengths[0]) == 0 else list(lengths)
+    rows = [[int(n) for n in row] for row in rows]
+    if any(n < 0 for row in rows for n in row):
+        raise ValueError(f"lengths must be >= 0, got {lengths!r}")
+    longest = max((sum(row) for row in rows), default=0)
+    total = longest if total is None else int(total)
+    if longest > total:
+        raise ValueError(f"the documents fill {longest} positions, more than total={total}")
+    ids = np.full((len(rows), total), -1, np.int32)
+    for r, row in enumerate(rows):
+        ids[r, : sum(row)] = np.repeat(np.arange(len(row), dtype=np.int32), row)
+    if backend is None:
+        return ids
+    from ...config import get_backend, native_device
+
+    xp = get_backend(backend)
+    return xp.asarray(ids, "int32", native_device(xp, device))
+
+
+def segments_from_cu_seqlens(
+    cu_seqlens: Any,
+    total: int | None = None,
+    backend: BackendLike | None = None,
+    device: DeviceLike | None = None,
+) -> Array:
+    """``segment_ids`` (1, total) from FlashAttention's cumulative lengths
+    ``[0, n0, n0 + n1, ...]`` of documents packed into one row."""
+    cu = np.asarray(cu_seqlens, np.int64).reshape(-1)
+    if cu.size == 0 or cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(f"cu_seqlens must start at 0 and not decrease, got {cu.tolist()}")
+    return segments_from_lengths(np.diff(cu).tolist(), total, backend, device)

@@ -1,0 +1,336 @@
+"""``Mask``: which keys each query may see, for (batch, heads, Q, K) attention,
+as immutable data: a shape and the forms the caller set.
+
+A form (``Form``) is one family of mask keywords (``intervals.py``: lengths,
+causal, window; ``arrays.py``: ``mask``, ``bias``; ``functions.py``:
+``mask_mod``, ``score_mod``; ``segments.py``: ``segment_ids``), and answers
+the same few questions: which positions of the index grid it lets a query see
+(``visible``), what it does to the scores (``scores``), the state of a block
+of queries x keys on the host (``region_state``, ``states``), a device test
+of whether a block is seen (``seen``), and the form over a region (``region``).
+A mask holds only the forms that are set: "is anything set?" is asked of one
+list.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""Block states, the one encoding: no query of the block may see a key of it
+(skipped), some may (computed with the mask), each may see all (computed
+without a mask)."""
+
+
+class Region(NamedTuple):
+    """A block of a mask: batch elements ``[b0, b1)``, queries ``[q0, q1)``,
+    keys ``[k0, k1)`` (``k0`` and ``k1`` may be traced where a form allows)."""
+
+    b0: int
+    b1: int
+    q0: int
+    q1: int
+    k0: Any
+    k1: Any
+
+
+class Form:
+    """One family of mask keywords over a mask's region. Subclasses set
+    ``kind`` and override what their family answers; the defaults are those
+    of a form that cannot tell anything about a block on the host."""
+
+    kind: ClassVar[str] = ""
+    restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
+    narrows: ClassVar[bool] = False  # its key_span narrows the keys of a row on the host
+
+    def known(self) -> bool:
+        """Whether its host copies exist (values not traced)."""
+        return True
+
+    def visible(self, xp: Backend, mask: Mask, device: Any) -> Array | None:
+        """bool broadcastable to (batch, heads, Q, K); None: every key."""
+        return None
+
+    def scores(self, xp: Backend, mask: Mask, s: Array, work: str) -> Array:
+        """The scaled scores ``s`` (batch, heads, Q, K) after this form."""
+        return s
+
+    def region_state(self, mask: Mask, r: Region) -> int:
+        """The state of a region on the host (PARTIAL when it cannot tell)."""
+        return PARTIAL
+
+    def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray | None:
+        """int8 (batch|1, Q blocks, K blocks) states on the host; None: PARTIAL."""
+        return None
+
+    def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
+        """Device bool (0-d): some query of the region may see a key of it
+        by this form (None: it does not say)."""
+        return None
+
+    def key_span(
+        self, mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
+    ) -> tuple[int, int]:
+        """Host: the keys ``[start, stop)`` that element ``b``'s rows
+        ``[q0, q1)`` may see, narrowed by this form (``narrows``)."""
+        return start, stop
+
+    def region(self, mask: Mask, r: Region) -> Form:
+        """This form over the region ``r``, positions counted from its start."""
+        raise NotImplementedError
+
+    def snapshot(self, xp: Backend) -> Form:
+        """This form over copies of its arrays (``Backend.snapshot``)."""
+        return self
+
+
+def _sliced(x: Any, r: Region, keys: bool = True) -> Any:
+    """``x`` (4-D, size-1 axes broadcast) cut to the region ``r`` (its keys
+    too, unless ``keys`` is False)."""
+    if x is None:
+        return None
+    index = [slice(None)] * 4
+    if x.shape[0] > 1:
+        index[0] = slice(r.b0, r.b1)
+    if x.shape[2] > 1:
+        index[2] = slice(r.q0, r.q1)
+    if keys and x.shape[3] > 1:
+        index[3] = slice(r.k0, r.k1)
+    return x[tuple(index)]
+
+
+class Mask:
+    """Which keys each query may see, for (batch, heads, Q, K) attention.
+
+    ``forms``: the forms set, in the keyword list's order (``build.py``).
+    ``host``: False while host NumPy code is itself traced
+    (``Backend.host_code_traced``), when nothing is decided on the host.
+    ``xp``: the backend (a ``mask_mod`` is evaluated on it for block states).
+    Nothing writes into a Mask: a block of it is a new Mask (``region``).
+    """
+
+    __slots__ = (
+        "batch",
+        "heads",
+        "num_queries",
+        "num_keys",
+        "forms",
+        "host",
+        "xp",
+        "_kinds",
+        "_cache",
+    )
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        num_queries: int,
+        num_keys: int,
+        forms: tuple[Form, ...] = (),
+        host: bool = True,
+        xp: Backend | None = None,
+    ) -> None:
+        self.batch, self.heads = batch, heads
+        self.num_queries, self.num_keys = num_queries, num_keys
+        self.forms, self.host, self.xp = forms, host, xp
+        self._kinds = {f.kind: f for f in forms}
+        self._cache: dict[Any, Any] = {}
+
+    def _once(self, name: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, kept for this Mask while host code runs eagerly
+        (a traced host, ``torch.compile``, must see no mutation)."""
+        if not self.host:
+            return compute()
+        if name not in self._cache:
+            self._cache[name] = compute()
+        return self._cache[name]
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(self._kinds) or "nothing"
+        shape = (self.batch, self.heads, self.num_queries, self.num_keys)
+        return f"Mask({shape}, {kinds})"
+
+    # -- the forms ---------------------------------------------------------------------
+    @property
+    def intervals(self) -> Any:
+        """The lengths, causal and window form (``intervals.Intervals``) or None."""
+        return self._kinds.get("intervals")
+
+    @property
+    def bias(self) -> Array | None:
+        """The float bias added to the scaled scores (4-D) or None."""
+        arrays = self.form("arrays")
+        return None if arrays is None else arrays.bias
+
+    @property
+    def score_mod(self) -> Callable[..., Array] | None:
+        """The ``score_mod`` function or None."""
+        form = self.form("score_mod")
+        return None if form is None else form.score_mod
+
+    def form(self, kind: str) -> Any:
+        """The form ``kind`` (a ``Form.kind``) when it is set, else None."""
+        return self._kinds.get(kind)
+
+    # -- predicates ------------------------------------------------------------------
+    @property
+    def unmasked(self) -> bool:
+        """Every query may see every key, and there is no bias."""
+        return len(self.forms) == 0
+
+    @property
+    def dense(self) -> bool:
+        """Something beyond the row intervals is set (a block then needs the
+        mask's value, not only its intervals)."""
+        return any(f.kind != "intervals" for f in self.forms)
+
+    @property
+    def restricted(self) -> bool:
+        """Something beyond the row intervals restricts which keys are seen."""
+        return any(f.restricts and f.kind != "intervals" for f in self.forms)
+
+    @property
+    def only_lens(self) -> bool:
+        """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
+        intervals = self.intervals
+        return len(self.forms) == 1 and intervals is not None and intervals.only_lens
+
+    @property
+    def per_batch_lens(self) -> Array | None:
+        """int32 (batch,) lengths when they are all there is (1-D valid_lens)."""
+        if self.only_lens and self.intervals.valid_lens.shape[2] == 1:
+            return self.intervals.valid_lens.reshape((self.batch,))
+        return None
+
+    @property
+    def per_query(self) -> bool:
+        """Some key is visible to some queries of a batch element and hidden
+        from others (not: no mask, per-batch lengths)."""
+        return not (self.unmasked or self.per_batch_lens is not None)
+
+    @property
+    def top_left_causal(self) -> bool:
+        """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
+        over as many keys as queries: what a kernel's ``is_causal`` means."""
+        intervals = self.intervals
+        return (
+            len(self.forms) == 1
+            and intervals is not None
+            and intervals.only_causal
+            and self.num_queries == self.num_keys
+            and intervals.offset_known == 0
+        )
+
+    def known_on_host(self) -> bool:
+        """Whether every form is known on the host (not traced)."""
+        return self.host and all(f.known() for f in self.forms)
+
+    @property
+    def every_row_sees_a_key(self) -> bool:
+        """Known on the host: no query is left with no visible key."""
+        if self.unmasked:
+            return True
+        return self.only_lens and self.known_on_host() and self.intervals.least_length(self) > 0
+
+    # -- the dense rendering: the AND of the forms ------------------------------------
+    def boolean(self, xp: Backend, device: Any) -> Array | None:
+        """bool (batch|1, heads|1, Q, K): True where a query may see a key;
+        None when every query is known to see every key. Made once per Mask."""
+
+        def make() -> Array | None:
+            visible = None
+            for form in self.forms:
+                part = form.visible(xp, self, device)
+                if part is not None:
+                    visible = part if visible is None else xp.logical_and(visible, part)
+            if visible is not None and visible.shape[-1] != self.num_keys:  # (q_idx alone)
+                visible = xp.broadcast_to(visible, tuple(visible.shape[:-1]) + (self.num_keys,))
+            return visible
+
+        return self._once(("boolean", device), make)
+
+    def boolean_one_head(self, xp: Backend, device: Any) -> Array | None:
+        """``boolean`` of a one-head mask without its heads axis: (batch|1, Q, K)."""
+        visible = self.boolean(xp, device)
+        if visible is None:
+            return None
+        return visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
+
+    def additive(self, xp: Backend, dtype: str, device: Any) -> Array | None:
+        """float: ``bias`` (or 0) where a query may see a key, ``fill_value``
+        where it may not; None when nothing is masked and there is no bias."""
+        from ..numerics import fill
+
+        visible = self.boolean(xp, device)
+        if visible is None:
+            return self.bias
+        return xp.where(visible, 0.0 if self.bias is None else self.bias, fill(xp, dtype, device))
+
+    def scores(self, xp: Backend, s: Array, work: str) -> Array:
+        """The scaled scores ``s`` after every form that changes them (bias,
+        then ``score_mod``), in the compute dtype ``work``."""
+        for form in self.forms:
+            s = form.scores(xp, self, s, work)
+        return s
+
+    # -- blocks -----------------------------------------------------------------------
+    def whole(self) -> Region:
+        """The region of every batch element, query and key."""
+        return Region(0, self.batch, 0, self.num_queries, 0, self.num_keys)
+
+    def block_state(self, r: Region) -> int:
+        """The state of a region on the host, every form together (traced: PARTIAL)."""
+        if not self.known_on_host():
+            return PARTIAL
+        state = FULL
+        for form in self.forms:
+            state = min(state, form.region_state(self, r))
+            if state == EMPTY:
+                break
+        return state
+
+    def region(self, r: Region, state: int | None = None) -> Mask:
+        """The Mask of the block ``r``, positions counted from its start. A
+        block every query sees whole gets a Mask without forms."""
+        if state is None:
+            state = self.block_state(r)
+        forms = () if state == FULL else tuple(f.region(self, r) for f in self.forms)
+        return Mask(r.b1 - r.b0, self.heads, r.q1 - r.q0, r.k1 - r.k0, forms, self.host, self.xp)
+
+    def keys_from(self, k0: Any, size: int) -> Mask:
+        """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
+        an int or traced (ring attention under ``shard_map``, scans). Only
+        for interval masks (lengths, causal, window)."""
+        if self.dense:
+            raise ValueError(
+                "a block of keys at a traced position takes only valid_lens, "
+                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
+            )
+        r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
+        forms = tuple(f.region(self, r) for f in self.forms)
+        return Mask(self.batch, self.heads, self.num_queries, size, forms, self.host, self.xp)
+
+    def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
+        """Host: the keys ``[start, stop)`` narrowed by every form for the
+        rows ``[q0, q1)`` of element ``b``."""
+        for form in self.forms:
+            if stop <= start:
+                return 0, 0
+            start, stop = form.key_span(self, b, q0, q1, start, stop)
+        return start, stop
+
+    def snapshot(self, xp: Backend) -> Mask:
+        """This Mask over copies of its arrays, which the caller's later
+        in-place writes do not reach."""
+        forms = tuple(f.snapshot(xp) for f in self.forms)
+        return Mask(
+            self.batch, self.heads, self.num_queries, self.num_keys, forms, self.host, self.xp
+        )

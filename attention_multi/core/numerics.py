@@ -1,0 +1,181 @@
+"""Numerics every path shares: the compute dtype, the fill value of masked
+scores, constants made once, and the arithmetic of empty rows.
+
+- Half precision (float16, bfloat16) is computed in float32.
+- A masked score becomes ``fill_value``, the lowest finite number of the
+  compute dtype (never ``-inf``, so nothing becomes NaN).
+- A row that sees no key gives zeros, in the autodiff graph with exact zero
+  gradients (``empty_rows``, ``zeros_for_empty``, ``normalize``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from backends.protocol import HALF_DTYPES
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array
+
+DEFAULT_MEMORY_BUDGET = 512 * 2**20
+"""Default extra memory (bytes) one attention call may use for its score-sized
+intermediates; modules take ``memory_budget=`` to change it per module."""
+
+
+def compute_dtype(dtype: str) -> str:
+    """The dtype scores are computed in: float32 for half precision."""
+    return "float32" if dtype in HALF_DTYPES else dtype
+
+
+# Filled at import: a dict that grows under torch.compile fails its guard on
+# the next call (one recompile for nothing).
+_FILL: dict[str, float] = {
+    d: float(np.finfo(np.dtype(compute_dtype(d))).min)
+    for d in ("float16", "bfloat16", "float32", "float64")
+}
+
+
+def fill_value(dtype: str) -> float:
+    """What a masked score becomes: the lowest finite value of ``dtype``."""
+    value = _FILL.get(dtype)
+    if value is None:
+        value = _FILL[dtype] = float(np.finfo(np.dtype(compute_dtype(dtype))).min)
+    return value
+
+
+_CONSTANTS: dict = {}  # (backend, what, device) -> array, made outside traces
+_CONSTANTS_MAX = 64
+
+
+def constant(xp: Backend, what: tuple[Any, ...], device: Any, make: Callable[[], Array]) -> Array:
+    """``make()``, kept for the next call outside traces (small calls pay
+    for every operator: constants are made once)."""
+    if xp.is_tracing():
+        return make()
+    cache_key = (xp.name, what, device)
+    value = _CONSTANTS.get(cache_key)
+    if value is None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        value = _CONSTANTS[cache_key] = make()
+    return value
+
+
+def fill(xp: Backend, dtype: str, device: Any) -> Array:
+    """``fill_value`` as a 0-d array of the compute dtype (a Python float
+    would promote float32 to float64 in NumPy 1.x)."""
+    work = compute_dtype(dtype)
+    return constant(
+        xp,
+        ("fill", work),
+        device,
+        lambda: xp.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device),
+    )
+
+
+def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
+    """``fill_value`` to pass to ``where`` beside an array of the compute
+    dtype: a Python float where the backend keeps that array's dtype
+    (``Backend.weak_scalars``; torch's ``where`` is faster so), else ``fill``."""
+    return fill_value(dtype) if xp.weak_scalars else fill(xp, dtype, device)
+
+
+def zero(xp: Backend, dtype: str, device: Any) -> Array:
+    """0 as a 0-d array of ``dtype``."""
+    return constant(
+        xp,
+        ("zero", dtype),
+        device,
+        lambda: xp.asarray(np.zeros((), np.dtype(dtype)), device=device),
+    )
+
+
+def positions(
+    xp: Backend, num_keys: int, device: Any, dtype: str = "int32", ndim: int = 4
+) -> Array:
+    """Key positions 0..K-1 of ``dtype``, shaped (1, ..., 1, K) with ``ndim`` axes."""
+    return constant(
+        xp,
+        ("positions", num_keys, dtype, ndim),
+        device,
+        lambda: (
+            xp.astype(xp.arange(num_keys, device), dtype)
+            if dtype != "int32"
+            else xp.arange(num_keys, device)
+        ).reshape((1,) * (ndim - 1) + (num_keys,)),
+    )
+
+
+def size(x: Array) -> int:
+    """The number of elements of ``x``."""
+    return math.prod(x.shape)
+
+
+def work_itemsize(xp: Backend, x: Array) -> int:
+    """Bytes per element of score-sized work on ``x`` (half runs in float32)."""
+    return 8 if xp.dtype_name(x) == "float64" else 4
+
+
+def default_scale(features: int) -> float:
+    """The default ``scale``: 1/sqrt(d) (d = 0 counts as 1: the scores are 0)."""
+    return 1.0 / max(features, 1) ** 0.5
+
+
+def scaled(xp: Backend, x: Array, scale: float, work: str) -> Array:
+    """``x * scale`` in the compute dtype ``work``."""
+    return (xp.astype(x, work) if xp.dtype_name(x) != work else x) * scale
+
+
+def in_dtype(xp: Backend, x: Array, dtype: str) -> Array:
+    """``x`` cast to ``dtype`` when it is not of it already."""
+    return xp.astype(x, dtype) if xp.dtype_name(x) != dtype else x
+
+
+def all_finite(xp: Backend, *arrays: Array) -> bool:
+    """Whether every entry of ``arrays`` is known to be finite: one sum each,
+    read on the host (False while traced, or when a sum overflows). A pass
+    over the keys and values to zero their unused rows then costs a read
+    instead of a write (torch's ``where`` broadcast over the last axis is slow)."""
+    if not all(xp.is_concrete(x) for x in arrays):
+        return False
+    return all(np.isfinite(float(xp.to_numpy(xp.sum(x.reshape((-1,)), 0)))) for x in arrays)
+
+
+def normalize(xp: Backend, acc: Array, total: Array) -> Array:
+    """``acc / total`` per row, 0 where the row saw no key. A row's softmax
+    total is at least 1 when it saw a key (its largest term is exp(0)), and
+    exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
+    propagates (``total > 0`` would turn it into zeros)."""
+    has_keys = total != 0
+    return xp.where(has_keys, acc / xp.where(has_keys, total, 1.0), 0.0)
+
+
+def empty_rows(
+    xp: Backend, shape: tuple[int, ...], dtype: str, device: Any, *inputs: Array
+) -> Array:
+    """Zeros of ``shape`` for rows that see no key, computed by no kernel but
+    kept in the autodiff graph of ``inputs``: their gradients are exact zeros
+    (a select of one element of each, never taken, so NaN there stays out)."""
+    out = xp.zeros(shape, dtype, device)
+    never = xp.zeros((1,), "bool", device)
+    for x in inputs:
+        out = out + xp.astype(xp.sum(xp.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
+    return out
+
+
+def zeros_for_empty(xp: Backend, shape: tuple[int, ...], like: Array, *inputs: Array) -> Array:
+    """The answer when an axis is empty: zeros of ``shape`` in the dtype and
+    on the device of ``like``. No framework kernel sees a zero-size array (MXNet
+    1.9.1 crashes on some); the zeros stay in the autodiff graph through the
+    empty ones among ``like`` and ``inputs`` (whose sums are exactly 0), so
+    gradients are zero or empty, never NaN."""
+    out = xp.zeros(shape, xp.dtype_name(like), xp.device_of(like))
+    for x in (like, *inputs):
+        if 0 in tuple(x.shape):
+            out = out + xp.sum(x.reshape((0,)), 0)
+    return out

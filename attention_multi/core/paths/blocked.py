@@ -1,0 +1,270 @@
+"""The block-sparse path of the programmable forms (``mask_mod``,
+``score_mod``, ``segment_ids``): per batch element and block of queries,
+over the blocks of keys that are not empty.
+
+On the host (values concrete) the block states come from
+``mask.host_table``: empty blocks are never computed, full ones without a
+mask. A block of queries goes through the backend's kernel
+(``fused.kernel``) over its runs of visible keys, put side by side, with the
+block's mask; where the kernel declines (none, a ``score_mod``, a framework
+that compiles each new shape), each run is an online-softmax step. While
+traced (``jax.jit``), each block of the whole batch goes through
+``Backend.cond`` on a device-side test of every form, so blocks are skipped
+at run time, nothing recompiles when the layout changes, and the program does
+not grow with the batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..mask import EMPTY, FULL, PARTIAL, Mask, computed_fraction, host_table
+from ..mask.arrays import arrays
+from ..mask.rules import guard_unused
+from ..mask.spec import Region
+from ..numerics import all_finite, in_dtype, scaled
+from . import fused, online
+from .call import Call, Plan, dropout_fn, expand_kv
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+NAME = "tiled"
+DEFAULT_BLOCK = 128
+KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
+TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
+MIN_SCORES = 4 * DEFAULT_BLOCK * DEFAULT_BLOCK  # fewer (Q x K) scores: one dense call is cheaper
+PROGRAMMABLE = ("mask_mod", "score_mod", "segment_ids")
+TRACED_SHARE = 0.5
+"""The share of the scores a traced call is expected to compute: its blocks
+are skipped at run time, by values the plan cannot see."""
+
+
+def pick_block(mask: Mask, traced: bool) -> tuple[int, int]:
+    """Blocks of queries x keys: a BlockMask's own, else square blocks."""
+    form = mask.form("mask_mod")
+    if form is not None and form.block_mask is not None:
+        return form.block_mask.block_q, form.block_mask.block_k
+    if traced:
+        return min(TRACED_BLOCK, mask.num_queries), min(TRACED_BLOCK, mask.num_keys)
+    return min(DEFAULT_BLOCK, mask.num_queries), min(KEY_BLOCK, mask.num_keys)
+
+
+def plan(call: Call) -> Plan | None:
+    """A programmable form is set and the call is large enough (or traced on
+    a framework that skips blocks at run time), or the path is asked for by
+    name. The cost: the scores of the blocks that are not empty and one
+    kernel call per block of queries (while traced, half the scores)."""
+    xp, mask = call.xp, call.mask
+    if not call.asks("tiled") or not any(mask.form(n) for n in PROGRAMMABLE):
+        return None
+    traced = not mask.known_on_host()
+    if call.path != "tiled":
+        if call.keyed_dropout:  # (jit and eager must draw alike)
+            return None
+        if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
+            return None
+    block = (call.chunk_size, call.chunk_size) if call.chunk_size else None
+    table = None if traced else host_table(mask, *(block or pick_block(mask, False)))
+    block_q, block_k = block or pick_block(mask, table is None)
+    if table is None:  # (conds compiled into one program: no kernel calls)
+        return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
+    calls = call.batch * -(-call.num_queries // block_q)
+    share = computed_fraction(mask, table, block_q, block_k)
+    return Plan(share * call.scores + xp.kernel_call_cost * calls, (block_q, block_k, table))
+
+
+def _spans(
+    table: np.ndarray | None, b: int, qi: int, num_k: int, block_k: int
+) -> list[tuple[int, int, int]]:
+    """``(k0, k1, state)`` of one row of blocks: every block while traced
+    (``table`` None), else the runs of blocks that are not empty, each
+    computed as one (full when all its blocks are)."""
+    starts = range(0, num_k, block_k)
+    if table is None:
+        return [(k0, min(num_k, k0 + block_k), PARTIAL) for k0 in starts]
+    row = table[b if table.shape[0] > 1 else 0, qi]
+    on = row != EMPTY
+    edges = np.flatnonzero(np.diff(np.concatenate([[False], on, [False]]).astype(np.int8)))
+    spans = []
+    for j0, j1 in zip(edges[::2], edges[1::2]):
+        st = FULL if (row[j0:j1] == FULL).all() else PARTIAL
+        spans.append((int(j0) * block_k, min(num_k, int(j1) * block_k), st))
+    return spans
+
+
+def _seen(xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
+    """Device bool: whether some query of the region may see some key of it."""
+    seen = None
+    for form in mask.forms:
+        s = form.seen(xp, mask, r, device)
+        if s is not None:
+            seen = s if seen is None else xp.logical_and(seen, s)
+    return seen
+
+
+def run(call: Call, plan: Plan) -> tuple[Array, None]:
+    """Attention over the non-empty blocks; ``plan.detail``: the block size
+    (queries, keys) and the host table of states (None while traced)."""
+    xp, q, mask, scale, work, device = (
+        call.xp,
+        call.queries,
+        call.mask,
+        call.scale,
+        call.work,
+        call.device,
+    )
+    batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    dv = v.shape[-1]
+    block_q, block_k, table = plan.detail
+    traced = table is None
+    drop = dropout_fn(xp, call.dropout, call.key)
+    # (a block of queries through the backend's kernel, over its visible keys;
+    # not on a framework that compiles each new shape: the spans vary)
+    kernel = (
+        table is not None
+        and xp.has_fused_attention
+        and mask.score_mod is None
+        and not xp.compiles_per_shape
+    )
+    # (one read of the inputs instead of the NaN passes around each kernel call)
+    finite = kernel and all_finite(xp, q, k, v)
+    if not finite:
+        k, v = guard_unused(xp, mask, k, v)
+    # (while traced the whole batch is one group: each block is one cond,
+    # skipped when empty for every element, and compiling does not grow with it)
+    per_element = table is not None and table.shape[0] > 1
+    groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
+    if kernel:
+        autodiff = any(xp.may_differentiate(x) for x in (q, k, v))
+        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k), autodiff)
+    outs = []
+    for b0, b1 in groups:
+        rows = []
+        for qi, q0 in enumerate(range(0, num_q, block_q)):
+            q1 = min(num_q, q0 + block_q)
+            if kernel and table is not None:
+                out = _kernel_rows(
+                    xp,
+                    cuts,
+                    mask,
+                    table,
+                    (b0, b1, q0, q1, qi),
+                    block_k,
+                    scale,
+                    call.dropout,
+                    finite,
+                )
+                if out is not None:
+                    rows.append(in_dtype(xp, out, work))
+                    continue
+            qs = scaled(xp, q[b0:b1, :, q0:q1], scale, work)
+            state = online.start(xp, tuple(qs.shape[:3]), dv, work, device) if traced else None
+            for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
+                r = Region(b0, b1, q0, q1, k0, k1)
+                index = (b0 * num_q + q0) * num_k + k0
+                block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
+                seen = _seen(xp, mask, r, device) if traced and xp.runtime_cond else None
+                cut = (slice(b0, b1), slice(None), slice(k0, k1))
+                sub = mask.region(r, PARTIAL if traced else st)
+                state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)
+            if state is None:
+                rows.append(xp.zeros((b1 - b0, heads, q1 - q0, dv), work, device))
+            else:
+                rows.append(online.finish(xp, state))
+        outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
+    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
+    return in_dtype(xp, out, call.dtype), None
+
+
+class _Cuts:
+    """The queries of a block and the keys and values of a run of key
+    blocks: slices, or under autodiff pieces of ``Backend.split``, the keys'
+    side by side (a slice's gradient is as large as the array it was cut
+    from, one per block; the pieces' are gathered by one concatenation)."""
+
+    def __init__(
+        self,
+        xp: Backend,
+        arrays: tuple[Array, Array, Array],
+        per_element: bool,
+        block: tuple[int, int],
+        autodiff: bool,
+    ) -> None:
+        self.xp, self.arrays, self.block = xp, arrays, block
+        self.pieces = None
+        if autodiff:
+
+            def cut(x: Array, size: int) -> list[list[Array]]:
+                return [xp.split(e, size, 2) for e in (xp.split(x, 1, 0) if per_element else [x])]
+
+            q, k, v = arrays
+            self.pieces = (cut(q, block[0]), cut(k, block[1]), cut(v, block[1]))
+
+    def queries(self, b0: int, b1: int, q0: int, q1: int) -> Array:
+        if self.pieces is None:
+            return self.arrays[0][b0:b1, :, q0:q1]
+        return self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // self.block[0]]
+
+    def keys(self, b0: int, b1: int, spans: list[tuple[int, int, int]]) -> tuple[Array, Array]:
+        """Keys and values of the runs ``spans`` ``(k0, k1, state)``
+        (block-aligned), side by side."""
+        xp = self.xp
+        if self.pieces is None:
+            runs = [[x[b0:b1, :, k0:k1] for k0, k1, _ in spans] for x in self.arrays[1:]]
+        else:
+            g, size = b0 if b1 - b0 == 1 else 0, self.block[1]
+            runs = [
+                [p for k0, k1, _ in spans for p in x[g][k0 // size : -(-k1 // size)]]
+                for x in self.pieces[1:]
+            ]
+        keys, values = (r[0] if len(r) == 1 else xp.concatenate(r, 2) for r in runs)
+        return keys, values
+
+
+def _kernel_rows(
+    xp: Backend,
+    cuts: _Cuts,
+    mask: Mask,
+    table: np.ndarray,
+    where: tuple[int, int, int, int, int],
+    block_k: int,
+    scale: float,
+    dropout: float,
+    finite: bool,
+) -> Array | None:
+    """One block of queries (batch ``b0..b1``, queries ``q0..q1``, row ``qi``
+    of ``table``) through ``fused.kernel``, over its runs of visible keys (put
+    side by side when there are several); None when the kernel declines or no
+    key is visible."""
+    b0, b1, q0, q1, qi = where
+    spans = _spans(table, b0, qi, mask.num_keys, block_k)
+    if not spans or (len(spans) > 1 and mask.bias is not None):
+        return None
+    subs = [mask.region(Region(b0, b1, q0, q1, k0, k1), st) for k0, k1, st in spans]
+    ks, vs = cuts.keys(b0, b1, spans)
+    if len(spans) == 1:
+        sub = subs[0]
+    else:
+        device = xp.device_of(ks)
+        parts = [s.boolean(xp, device) for s in subs]
+        heads = max([1] + [p.shape[1] for p in parts if p is not None])
+        shape = (b1 - b0, heads, q1 - q0)
+        allowed = xp.concatenate(
+            [
+                xp.zeros(shape + (s.num_keys,), "bool", device) == 0
+                if part is None
+                else xp.broadcast_to(part, shape + (s.num_keys,))
+                for s, part in zip(subs, parts)
+            ],
+            3,
+        )
+        forms = (arrays(xp, allowed, None),)
+        sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), forms, True, xp)
+    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, scale)
+    return fused.kernel(xp, *args, dropout=dropout, queries_finite=finite, keys_finite=finite)

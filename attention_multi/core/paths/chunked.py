@@ -1,0 +1,158 @@
+"""The chunked path: online softmax over blocks of queries and keys. Extra
+memory is O(Q d) plus one block of scores, whose size follows ``chunk_size``
+or else the memory budget; blocks no query may see are skipped; under
+autodiff each block is recomputed in the backward pass."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..mask import EMPTY
+from ..mask.intervals import key_range
+from ..mask.rules import guard_unused
+from ..mask.spec import Region
+from ..numerics import empty_rows, in_dtype, scaled
+from . import online
+from .call import Call, Plan, dropout_fn, expand_kv
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+NAME = "chunked"
+DEFAULT_BLOCK_KEYS = 1024
+DIAGONAL_BLOCK = 256  # blocks under causal or window masks
+PASSES = 3
+"""Score-sized passes of online softmax, per score: it is the path for calls
+whose scores do not fit the budget, or that ask for it."""
+
+
+def queries_per_block(xp: Backend, q: Array, block_k: int, memory_budget: int) -> int:
+    """Queries per block of online softmax over ``block_k`` keys: the block's
+    scores fill at most a sixteenth of ``memory_budget`` (the backward pass
+    holds about eight such arrays)."""
+    batch, heads = q.shape[:2]
+    itemsize = 8 if xp.dtype_name(q) == "float64" else 4
+    return max(1, memory_budget // 16 // (batch * heads * block_k * itemsize))
+
+
+def plan(call: Call) -> Plan | None:
+    """When asked for, or when the scores do not fit the budget."""
+    if call.path == "chunked" or (call.path == "auto" and call.scores_bytes > call.budget):
+        return Plan(PASSES * call.scores)
+    return None
+
+
+def run(call: Call, plan: Plan) -> tuple[Array, None]:
+    """Blocks of ``chunk_size`` queries and keys, or up to 1024 keys and the
+    queries that fill a sixteenth of the budget (square blocks of up to 256
+    under causal or window masks: those past the diagonal are skipped)."""
+    xp, q, mask, work = call.xp, call.queries, call.mask, call.work
+    batch, heads, num_q = call.batch, call.heads, call.num_queries
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    k, v = guard_unused(xp, mask, k, v)
+    start, stop = key_range(mask)
+    intervals = mask.intervals
+    diagonal = intervals is not None and (intervals.causal or intervals.window is not None)
+    if call.chunk_size:
+        block_q = block_k = call.chunk_size
+    else:
+        block_k = max(1, min(stop - start, DEFAULT_BLOCK_KEYS))
+        if diagonal:
+            block_k = min(block_k, DIAGONAL_BLOCK)
+        block_q = queries_per_block(xp, q, block_k, call.budget)
+        if diagonal:
+            block_q = min(block_q, block_k)
+    drop = dropout_fn(xp, call.dropout, call.key)
+    # (a framework whose scan is one compiled loop scans the full blocks of
+    # keys: unrolled, its compiler may keep every block's scores alive at once)
+    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    grid = None  # (the full blocks of keys and values, made once)
+    outs = []
+    for q0 in range(0, num_q, block_q):
+        q1 = min(num_q, q0 + block_q)
+        qs = scaled(xp, q[:, :, q0:q1], scale=call.scale, work=work)
+        blocks = []
+        for k0 in range(start, stop, block_k):
+            r = Region(0, batch, q0, q1, k0, min(stop, k0 + block_k))
+            seen = mask.block_state(r)
+            if seen != EMPTY:
+                blocks.append((r, seen))
+        state = None
+        i = 0
+        while i < len(blocks):
+            # the full blocks from the second on, up to the next skipped one
+            run = 0
+            if scan and i > 0:
+                while (
+                    i + run < len(blocks)
+                    and blocks[i + run][0].k0 == blocks[i][0].k0 + run * block_k
+                    and blocks[i + run][0].k1 == blocks[i + run][0].k0 + block_k
+                ):
+                    run += 1
+            if run >= 2:
+                if grid is None:
+                    full = (stop - start) // block_k
+                    grid = (*(key_blocks(xp, x, start, block_k, full) for x in (k, v)), start)
+                first = (blocks[i][0].k0 - start) // block_k
+                state = _scan(call, state, qs, grid, (q0, q1), first, block_k, run, drop)
+                i += run
+                continue
+            r, st = blocks[i]
+            i += 1
+            index = q0 * mask.num_keys + r.k0
+            block_drop = None if drop is None else (lambda p, index=index: drop(p, index))
+            cut = (slice(None), slice(None), slice(r.k0, r.k1))
+            state = online.step(xp, state, qs, k, v, mask.region(r, st), work, block_drop, cut)
+        if state is None:  # no query of this block may see any key
+            shape = (batch, heads, q1 - q0, v.shape[-1])
+            outs.append(empty_rows(xp, shape, work, call.device, qs, k, v))
+        else:
+            outs.append(online.finish(xp, state))
+    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
+    return in_dtype(xp, out, call.dtype), None
+
+
+def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> Array:
+    """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
+    block_k, d): the full blocks of keys from ``start``, to scan over."""
+    x = x[:, :, start : start + count * block_k]
+    x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
+    return xp.transpose(x, (2, 0, 1, 3, 4))
+
+
+def _scan(
+    call: Call,
+    state: Any,
+    qs: Array,
+    grid: tuple[Array, Array, int],
+    rows: tuple[int, int],
+    first: int,
+    block_k: int,
+    count: int,
+    drop: Any,
+) -> Any:
+    """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
+    ``first, ...`` of ``grid`` (keys and values by ``key_blocks``, from key
+    ``start``), for the queries ``rows``: an interval mask, whose block Mask
+    comes from ``Mask.keys_from`` at a traced start. One ``Backend.scan``."""
+    xp, mask = call.xp, call.mask
+    q0, q1 = rows
+    kb, vb, start = grid
+    rows_mask = mask.region(Region(0, mask.batch, q0, q1, 0, mask.num_keys))
+    starts = np.arange(first, first + count) * block_k + start
+    xs = [kb[first : first + count], vb[first : first + count]]
+    xs.append(xp.asarray(starts.astype(np.int32), device=call.device))
+    if drop is not None:  # (the index each block's dropout draws from, as unrolled)
+        xs.append(xp.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=call.device))
+
+    def block(state: Any, x: Any) -> Any:
+        kb, vb, k0, *index = x
+        block_drop = None if drop is None else (lambda p: drop(p, index[0]))
+        sub = rows_mask.keys_from(k0, block_k)
+        return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop)
+
+    return xp.scan(block, state, xs)

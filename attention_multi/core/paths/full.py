@@ -1,0 +1,89 @@
+"""The full path: materializes the (batch, heads, Q, K) scores and keeps the
+weights. The smallest calls take it (planning would cost more than it could
+save), calls whose weights will be read take it, and it is the last resort
+within the memory budget."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from ..mask.rules import guard_unused, masked_softmax
+from ..numerics import compute_dtype, scaled
+from .call import Call, Plan, dropout_fn, expand_kv
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+    from ..mask import Mask
+
+NAME = "full"
+PASSES = 4
+"""Its cost per score: it writes the scores and the weights out and reads
+them back, four passes where a kernel makes one."""
+
+
+def weights4(
+    xp: Backend,
+    q: Array,
+    k: Array,
+    mask: Mask,
+    scale: float,
+    keys_guarded: bool = False,
+    before_product: bool = False,
+) -> Array:
+    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded;
+    ``keys_guarded``: key rows nobody sees were zeroed; ``before_product``:
+    as ``masked_softmax``'s."""
+    dtype = xp.dtype_name(q)
+    work = compute_dtype(dtype)
+    qs = scaled(xp, q, scale, work)
+    s = xp.matmul(qs, xp.astype(k, work) if xp.dtype_name(k) != work else k, transpose_b=True)
+    w = masked_softmax(
+        xp,
+        mask.scores(xp, s, work),
+        mask.boolean(xp, xp.device_of(q)),
+        empty_rows=not mask.every_row_sees_a_key,
+        # (a per-batch mask hides only key rows nobody sees: zeroed, their scores are finite)
+        hidden_finite=keys_guarded and mask.per_batch_lens is not None,
+        before_product=before_product,
+    )
+    return xp.astype(w, dtype) if work != dtype else w
+
+
+def flat(w: Array) -> Array:
+    """(batch, heads, Q, K) -> (batch * heads, Q, K)."""
+    return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
+
+
+def weights(xp: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
+    """The (batch * heads, Q, K) attention weights, as the full path computes them."""
+    k, _ = expand_kv(xp, k, k, q.shape[1])
+    return flat(weights4(xp, q, k, mask, scale))
+
+
+def fits(call: Call) -> bool:
+    """Its scores (held for the backward pass under autodiff) fit the budget."""
+    return call.scores_bytes <= call.budget
+
+
+def plan(call: Call) -> Plan | None:
+    """Within the memory budget (or asked for by name), ``PASSES`` per score."""
+    if call.path == "full" or (call.path == "auto" and fits(call)):
+        return Plan(PASSES * call.scores)
+    return None
+
+
+def run(call: Call, plan: Plan | None = None) -> tuple[Array, Callable[[], Array]]:
+    """``(output, weights)``, weights (batch * heads, Q, K) before dropout,
+    as a function that reshapes them when they are read (a reshape is an
+    operator call: MXNet's cost about as much as a small product)."""
+    xp, q, mask = call.xp, call.queries, call.mask
+    k, v = expand_kv(xp, call.keys, call.values, call.heads)
+    # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
+    guard = xp.may_differentiate(q) or (xp.masks_by_adding and mask.per_batch_lens is not None)
+    k, v = guard_unused(xp, mask, k, v, guard_keys=guard)
+    w4 = weights4(xp, q, k, mask, call.scale, keys_guarded=guard, before_product=True)
+    drop = dropout_fn(xp, call.dropout, call.key)
+    out = xp.matmul(w4 if drop is None else drop(w4), v)
+    return out, lambda: xp.nan_rows(flat(w4))

@@ -1,0 +1,100 @@
+"""The online-softmax step, written once: the state ``(row max, row sum,
+accumulator)`` of a block of queries over one block of keys, merged into a
+running state, recomputed in the backward pass under autodiff
+(``Backend.checkpoint``) and skipped at run time when the block is not seen
+(``Backend.cond``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..numerics import fill, fill_against, in_dtype, normalize
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+    from ..mask import Mask
+
+State = tuple[Any, Any, Any]  # (row max, row sum, accumulator), each (batch, heads, Q, 1|dv)
+EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed after
+
+
+def softmax_block(
+    xp: Backend,
+    qs: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    work: str,
+    dropout: Callable[..., Array] | None = None,
+) -> State:
+    """The state of scaled queries ``qs`` over one block of keys and values,
+    whose Mask is ``mask``. A row with no visible key in the block has sum 0
+    and accumulator 0. ``dropout`` (a function of the probabilities) applies
+    to the product only."""
+    device = xp.device_of(qs)
+    s = mask.scores(xp, xp.matmul(qs, in_dtype(xp, k, work), transpose_b=True), work)
+    visible = mask.boolean(xp, device)
+    if visible is not None:
+        s = xp.where(visible, s, fill_against(xp, work, device))
+    row_max = xp.max(s, -1, keepdims=True)
+    x = s - row_max
+    if visible is not None:  # (exp of the lowest finite float is ~10x slower on CPUs)
+        x = xp.where(visible, x, EXP_FLOOR)
+    p = xp.exp(x)
+    if visible is not None:  # a row with no visible key has s == row_max
+        p = xp.where(visible, p, 0.0)
+    row_sum = xp.sum(p, -1, keepdims=True)
+    if dropout is not None:
+        p = dropout(p)
+    return row_max, row_sum, xp.matmul(p, in_dtype(xp, v, work))
+
+
+def merge(xp: Backend, a: State | None, b: State | None) -> State | None:
+    """The state of two blocks of keys together (either may be None)."""
+    if a is None or b is None:
+        return a if b is None else b
+    row_max = xp.where(a[0] > b[0], a[0], b[0])
+    ca, cb = xp.exp(a[0] - row_max), xp.exp(b[0] - row_max)
+    return row_max, a[1] * ca + b[1] * cb, a[2] * ca + b[2] * cb
+
+
+def start(xp: Backend, shape: tuple[int, ...], dv: int, work: str, device: Any) -> State:
+    """The state of rows (batch, heads, Q) that have seen no key yet, for a
+    loop whose steps may be skipped at run time (a traced ``cond``)."""
+    zero = xp.zeros(tuple(shape) + (1,), work, device)
+    return zero + fill(xp, work, device), zero, xp.zeros(tuple(shape) + (dv,), work, device)
+
+
+def finish(xp: Backend, state: State) -> Array:
+    """``accumulator / row sum``; rows with no visible key give zeros."""
+    _, row_sum, acc = state
+    return normalize(xp, acc, row_sum)
+
+
+def step(
+    xp: Backend,
+    state: State | None,
+    qs: Array,
+    k: Array,
+    v: Array,
+    mask: Mask,
+    work: str,
+    drop: Callable[..., Array] | None = None,
+    cut: tuple[slice, ...] | None = None,
+    seen: Any = None,
+) -> State | None:
+    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (whole when
+    ``cut`` is None), whose Mask is ``mask``. Recomputed in the backward pass,
+    which keeps only the running state, not the block's scores nor the cut
+    keys; with ``seen`` (a device bool), skipped at run time when False."""
+
+    def block(state: State | None, qs: Array, k: Array, v: Array) -> State | None:
+        if cut is not None:
+            k, v = k[cut], v[cut]
+        return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop))
+
+    if seen is None:
+        return xp.checkpoint(block, state, qs, k, v)
+    return xp.cond(seen, lambda s: xp.checkpoint(block, s, qs, k, v), lambda s: s, state)

@@ -1,0 +1,93 @@
+"""Tiles while the mask's intervals are traced (``jax.jit`` with lengths as
+arguments): per batch element, blocks of keys that ``Backend.cond`` skips at
+run time when no query of that element may see them (static shapes, so it
+compiles once). Blocks are recomputed in the backward pass."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..mask.rules import guard_unused
+from ..mask.spec import Region
+from ..numerics import in_dtype, scaled
+from . import online
+from .call import Call, Plan, expand_kv
+from .chunked import key_blocks
+
+if TYPE_CHECKING:
+    from ...types import Array
+
+NAME = "tiled"
+DEFAULT_BLOCK_KEYS = 64
+SKIPPED_SHARE = 0.5
+"""The share of the scores a traced call is expected to compute: its blocks
+are skipped at run time, by values the plan cannot see."""
+
+
+def plan(call: Call) -> Plan | None:
+    """Traced intervals on a framework that branches at run time, without
+    dropout; its conds are compiled into one program, no kernel calls."""
+    xp, mask = call.xp, call.mask
+    if not call.asks("tiled") or call.dropout or not xp.runtime_cond:
+        return None
+    if mask.intervals is None or mask.known_on_host():
+        return None
+    return Plan(SKIPPED_SHARE * call.scores)
+
+
+def run(call: Call, plan: Plan) -> tuple[Array, None]:
+    """Per batch element, its blocks of keys (at most 16, within the budget;
+    ``chunk_size`` keys each when given), each skipped when no query of the
+    element sees it."""
+    xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
+    batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    k, v = guard_unused(xp, mask, k, v)
+    dv = v.shape[-1]
+    block_k = call.chunk_size
+    if not block_k:  # small blocks skip more; at most 16 of them, within the budget
+        fits = call.budget // (3 * heads * num_q * call.itemsize)
+        block_k = min(max(DEFAULT_BLOCK_KEYS, -(-num_k // 16)), max(1, fits))
+    block_k = max(1, min(num_k, block_k))
+    lo, hi = mask.intervals.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
+    lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
+    rows = hi > lo
+    # (a framework whose scan is one compiled loop scans the full blocks:
+    # unrolled, its compiler may keep every block's scores alive at once)
+    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    full_blocks = num_k // block_k if scan else 0
+    outs = []
+    for b in range(batch):
+        lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
+
+        def seen(
+            k0: Any, k1: Any, lo_b: Array = lo_b, hi_b: Array = hi_b, rows_b: Array = rows_b
+        ) -> Array:
+            return xp.any(xp.logical_and(xp.logical_and(rows_b, hi_b > k0), lo_b < k1))
+
+        qs = scaled(xp, q[b : b + 1], call.scale, work)
+        state: Any = online.start(xp, (1, heads, num_q), dv, work, device)
+        if full_blocks:
+            element = mask.region(Region(b, b + 1, 0, num_q, 0, num_k))
+
+            def scanned(
+                state: Any, x: Any, qs: Array = qs, element: Any = element, seen: Any = seen
+            ) -> Any:
+                kb, vb, k0 = x
+                sub = element.keys_from(k0, block_k)
+                return online.step(xp, state, qs, kb, vb, sub, work, seen=seen(k0, k0 + block_k))
+
+            starts = (np.arange(full_blocks) * block_k).astype(np.int32)
+            xs = [key_blocks(xp, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)]
+            xs.append(xp.asarray(starts, device=device))
+            state = xp.scan(scanned, state, xs)
+        for k0 in range(full_blocks * block_k, num_k, block_k):
+            k1 = min(num_k, k0 + block_k)
+            sub = mask.region(Region(b, b + 1, 0, num_q, k0, k1))
+            cut = (slice(b, b + 1), slice(None), slice(k0, k1))
+            state = online.step(xp, state, qs, k, v, sub, work, cut=cut, seen=seen(k0, k1))
+        outs.append(online.finish(xp, state))
+    out = outs[0] if batch == 1 else xp.concatenate(outs, 0)
+    return in_dtype(xp, out, call.dtype), None

@@ -1,0 +1,183 @@
+"""The one chooser: which path computes a call.
+
+- The straight line (``paths/small.py``) for small calls with lengths or
+  nothing, decided before any ``Mask`` is built (``straight_line``).
+- Else ``attend``: the full path at once for calls with at most
+  ``SMALL_SCORES`` scores or whose weights will be read, within the memory
+  budget; otherwise every path of ``paths.REGISTRY`` is asked for its plan,
+  and the cheapest runs (a plan's cost counts the scores it computes and
+  ``Backend.kernel_call_cost`` per kernel call: on a busy machine each call
+  waits for descheduled threads). A kernel that declines at run time hands
+  the call to the next plan. A path asked for by name is tried alone first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import paths
+from .checks import check_choice, check_positive_int
+from .mask import no_forms
+from .numerics import DEFAULT_MEMORY_BUDGET, default_scale, work_itemsize, zeros_for_empty
+from .paths import PATHS, full, small
+from .paths.call import AUTODIFF_HELD, Call, Weights
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ..types import Array, TakenPath
+    from .mask import Mask
+
+SMALL_SCORES = 1 << 15
+"""``"auto"`` takes the full path at once for calls with at most this many
+(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
+kernel cost more host time than the arithmetic they could save (the d2l
+examples and chapter-11 training batches are far below it), and the full
+path keeps the weights. Those with lengths or nothing take it as a straight
+line (``paths/small.py``)."""
+
+
+def check_path_options(
+    path: str, memory_budget: int | None, chunk_size: int | None
+) -> tuple[str, int | None, int | None]:
+    """Validated ``(path, memory_budget, chunk_size)`` of an attention module."""
+    return (
+        check_choice("path", path, PATHS),
+        check_positive_int("memory_budget", memory_budget, allow_none=True),
+        check_positive_int("chunk_size", chunk_size, allow_none=True),
+    )
+
+
+def straight_line(
+    xp: Backend,
+    path: str,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Any,
+    forms: Mapping[str, Any],
+    weights_read: bool = False,
+    memory_budget: int | None = None,
+) -> small.Line | None:
+    """The straight line's ``Line`` when it applies, else None: ``path``
+    "auto" or "full", every mask form but ``valid_lens`` unset (``forms``,
+    the call's checked ``MaskForms``), no empty axis, a feature size, and
+    "auto" would take the full path: the scores fit in ``memory_budget``,
+    and there are at most ``SMALL_SCORES`` of them or the weights are read.
+    A module keeps a ``reusable`` line (whose choice depended on none of the
+    call's state but its budget) for the next calls of the same signature."""
+    if path not in ("auto", "full") or not no_forms(forms):
+        return None
+    qs, ks = queries.shape, keys.shape
+    scores = qs[-2] * ks[-2]
+    for n in qs[:-2]:
+        scores *= n
+    if scores == 0 or qs[-1] == 0:
+        return None
+    if path == "auto":
+        budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+        held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
+        if scores * work_itemsize(xp, queries) * held > budget:
+            return None
+        if scores > SMALL_SCORES and not weights_read:
+            return None
+    reusable = path == "full" or scores <= SMALL_SCORES
+    return small.Line(xp, queries, keys, values, valid_lens, reusable)
+
+
+def attend(
+    xp: Backend,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    mask: Mask,
+    *,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+    path: str = "auto",
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    weights: Weights = "later",
+    private: bool = False,
+) -> tuple[Array, Any, TakenPath]:
+    """Scaled dot-product attention on checked arrays, on the path it picks.
+
+    ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
+    K, d|dv); ``mask`` the normalized ``Mask``; ``scale`` default
+    ``1/sqrt(d)``; ``dropout`` the rate on the weights (0: none), ``key`` the
+    PRNG key where the framework needs one (JAX). ``path``: ``"auto"``, or a
+    path's name (tried first; when it cannot run, ``"auto"`` chooses: no
+    kernel for the case, traced lengths, too small a budget, keyed dropout on
+    the tiles). ``weights``: ``"now"`` (the caller will read them: the full
+    path is worth it within the budget), ``"later"`` (kept as a function of
+    copies of the inputs; with ``private``, queries and keys only this call
+    holds are kept as they are), ``"never"``.
+
+    Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
+    a function computing them or None, path taken)``. When an axis is empty
+    no kernel is called: the path is ``"empty"`` and the output is zeros. A
+    feature size d of 0 gives scores of 0: uniform weights over the visible
+    keys. The weights are those before dropout.
+    """
+    if path not in PATHS:
+        check_path_options(path, memory_budget, chunk_size)  # raises
+    if queries.shape[-1] == 0:  # no features: every score is 0 (no kernel sees d = 0)
+        queries, keys = (
+            zeros_for_empty(xp, tuple(x.shape[:-1]) + (1,), x) for x in (queries, keys)
+        )
+    scale = default_scale(queries.shape[-1]) if scale is None else scale
+    batch, heads, num_q = queries.shape[:3]
+    num_k = keys.shape[2]
+    if 0 in (batch, heads, num_q, num_k):  # nothing to attend: no kernel is called
+        out = zeros_for_empty(xp, (batch, heads, num_q, values.shape[-1]), queries, keys, values)
+        return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
+    call = Call(
+        xp,
+        queries,
+        keys,
+        values,
+        mask,
+        scale,
+        dropout,
+        key,
+        path,
+        memory_budget,
+        chunk_size,
+        weights,
+        private,
+    )
+    if path == "auto" and full.fits(call) and (call.scores <= SMALL_SCORES or weights == "now"):
+        out, kept = full.run(call)
+        return out, kept, "full"
+    done = _cheapest(call) or _cheapest(call.auto())
+    assert done is not None  # (the full or chunked path always has a plan under "auto")
+    out, kept, taken = done
+    if kept is None and weights != "never":
+        kept = _kept_weights(call)
+    return out, kept, taken
+
+
+def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
+    """The cheapest plan that runs: ``(output, weights or None, its NAME)``."""
+    plans = []
+    for order, module in enumerate(paths.REGISTRY):
+        plan = module.plan(call)
+        if plan is not None:
+            plans.append((plan.cost, order, module, plan))
+    for _, _, module, plan in sorted(plans, key=lambda p: p[:2]):
+        done = module.run(call, plan)
+        if done is not None:
+            return done[0], done[1], module.NAME
+    return None
+
+
+def _kept_weights(call: Call) -> Callable[[], Array]:
+    """The weights of this call as a function, from copies of its inputs."""
+    xp = call.xp
+    q, k = call.queries, call.keys
+    if not call.private:
+        q, k = xp.snapshot(q), xp.snapshot(k)
+    mask = call.mask.snapshot(xp)
+    return lambda: full.weights(xp, q, k, mask, call.scale)
