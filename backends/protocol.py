@@ -317,6 +317,10 @@ class Backend:
         (an immutable framework's array is returned as it is)."""
         return x.copy()
 
+    def snapshots(self, *arrays: Array) -> tuple[Array, ...]:
+        """``snapshot`` of each array, in as few framework calls as it can."""
+        return tuple(self.snapshot(x) for x in arrays)
+
     def can_keep(self, x: Array) -> bool:
         """Whether ``x``, made during a call, may be kept for later calls in
         any mode (torch: not when made under ``inference_mode``, which

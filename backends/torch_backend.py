@@ -158,6 +158,15 @@ class TorchBackend(NumpyLike):
     def snapshot(self, x):
         return x.clone()
 
+    def snapshots(self, *arrays):
+        """One copy for arrays of one dtype and device (a call each costs a
+        parallel region, which waits for descheduled threads on a busy CPU)."""
+        if len({(x.dtype, x.device) for x in arrays}) != 1:
+            return tuple(x.clone() for x in arrays)
+        flat = torch.cat([x.reshape(-1) for x in arrays])
+        parts = torch.split(flat, [x.numel() for x in arrays])
+        return tuple(p.view(x.shape) for p, x in zip(parts, arrays))
+
     def can_keep(self, x):
         return not x.is_inference()
 

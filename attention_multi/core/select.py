@@ -178,6 +178,6 @@ def _kept_weights(call: Call) -> Callable[[], Array]:
     xp = call.xp
     q, k = call.queries, call.keys
     if not call.private:
-        q, k = xp.snapshot(q), xp.snapshot(k)
+        q, k = xp.snapshots(q, k)
     mask = call.mask.snapshot(xp)
     return lambda: full.weights(xp, q, k, mask, call.scale)

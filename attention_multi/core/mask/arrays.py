@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from .spec import Form, Mask, Region, _sliced
+from .spec import Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -27,6 +27,7 @@ class Arrays(Form):
     bias: Array | None
     allowed: Array | None
     kind: ClassVar[str] = "arrays"
+    gathers: ClassVar[bool] = True
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array | None:
         return self.allowed
@@ -38,6 +39,9 @@ class Arrays(Form):
         if not isinstance(r.k0, (int, np.integer)):
             raise ValueError("mask= and bias= cannot be cut at a traced key position")
         return Arrays(*(_sliced(x, r) for x in (self.mask, self.bias, self.allowed)))
+
+    def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
+        return Arrays(*(_taken(xp, x, rows) for x in (self.mask, self.bias, self.allowed)))
 
     def snapshot(self, xp: Backend) -> Form:
         return Arrays(

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from ..numerics import positions
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -40,6 +40,7 @@ class Intervals(Form):
     causal: bool = False
     window: tuple[int | None, ...] | None = None
     kind: ClassVar[str] = "intervals"
+    gathers: ClassVar[bool] = True
 
     @property
     def only_lens(self) -> bool:
@@ -131,9 +132,21 @@ class Intervals(Form):
             else self.offset_known + r.q0 - r.k0,
         )
 
+    def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
+        lens, known = self.valid_lens, self.valid_lens_known
+        return replace(
+            self, valid_lens=_taken(xp, lens, rows), valid_lens_known=_taken(xp, known, rows)
+        )
+
     def snapshot(self, xp: Backend) -> Form:
-        lens = self.valid_lens
-        return self if lens is None else replace(self, valid_lens=xp.snapshot(lens))
+        lens, known = self.valid_lens, self.valid_lens_known
+        if lens is None:
+            return self
+        if known is not None:  # (the host copy is the mask's own: no framework call)
+            lens = xp.asarray(known.astype(np.int32), device=xp.device_of(lens))
+        else:
+            lens = xp.snapshot(lens)
+        return replace(self, valid_lens=lens)
 
 
 def window_within(

@@ -146,6 +146,20 @@ def kernel_inputs(
     return keys, values, finish
 
 
+def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out: Array) -> bool:
+    """Whether the output of a kernel run without the NaN guards (empty rows
+    zeroed) is the contract's: read on the host, False while traced. It is
+    when the output and the queries are finite (no NaN reached an output, no
+    query's NaN was dropped) and, under autodiff, the keys and values too (a
+    NaN the mask hides from the output would still reach the gradients).
+    Otherwise the caller runs the guarded way; the guards cost several passes
+    over the inputs, this check one read of the output and of the queries."""
+    if not all_finite(xp, out, queries):
+        return False
+    differentiated = any(xp.may_differentiate(x) for x in (queries, keys, values))
+    return not differentiated or all_finite(xp, keys, values)
+
+
 def _sees_nan_keys(xp: Backend, mask: Mask, queries: Array, keys: Array) -> Array | None:
     """bool (batch, heads, Q, 1): the query may see a key with a NaN;
     None when every query sees every key. One product of the visible keys

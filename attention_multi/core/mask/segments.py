@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checks import check_array
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _taken
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -27,7 +27,7 @@ class Segments(Form):
     their int64 host copies ``known`` (None while traced)."""
 
     kind = "segment_ids"
-    narrows = True
+    narrows = gathers = True
 
     def __init__(self, query_ids: Array, key_ids: Array, known: Any) -> None:
         self.query_ids, self.key_ids, self.known_ids = query_ids, key_ids, known
@@ -100,6 +100,10 @@ class Segments(Form):
         ids = self._rows((self.query_ids, self.key_ids), r)
         known = None if self.known_ids is None else self._rows(self.known_ids, r)
         return Segments(ids[0], ids[1], known)
+
+    def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
+        known = self.known_ids and tuple(_taken(xp, x, rows) for x in self.known_ids)
+        return Segments(_taken(xp, self.query_ids, rows), _taken(xp, self.key_ids, rows), known)
 
     def snapshot(self, xp: Backend) -> Form:
         return Segments(xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids)

@@ -49,6 +49,7 @@ class Form:
     kind: ClassVar[str] = ""
     restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
     narrows: ClassVar[bool] = False  # its key_span narrows the keys of a row on the host
+    gathers: ClassVar[bool] = False  # it takes batch elements in any order (``rows``)
 
     def known(self) -> bool:
         """Whether its host copies exist (values not traced)."""
@@ -86,9 +87,23 @@ class Form:
         """This form over the region ``r``, positions counted from its start."""
         raise NotImplementedError
 
+    def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
+        """This form over the batch elements ``rows`` (host ints), in that
+        order (only where ``gathers``)."""
+        raise NotImplementedError
+
     def snapshot(self, xp: Backend) -> Form:
         """This form over copies of its arrays (``Backend.snapshot``)."""
         return self
+
+
+def _taken(xp: Backend, x: Any, rows: np.ndarray) -> Any:
+    """``x`` (batch first, size 1 broadcast) at the batch elements ``rows``."""
+    if x is None or x.shape[0] == 1:
+        return x
+    if isinstance(x, np.ndarray):
+        return x[rows]
+    return xp.take(x, xp.asarray(rows, "int32", xp.device_of(x)), 0)
 
 
 def _sliced(x: Any, r: Region, keys: bool = True) -> Any:
@@ -304,6 +319,13 @@ class Mask:
             state = self.block_state(r)
         forms = () if state == FULL else tuple(f.region(self, r) for f in self.forms)
         return Mask(r.b1 - r.b0, self.heads, r.q1 - r.q0, r.k1 - r.k0, forms, self.host, self.xp)
+
+    def rows(self, rows: np.ndarray) -> Mask:
+        """The Mask of the batch elements ``rows`` (host ints), in that order;
+        every form must gather (``Form.gathers``)."""
+        xp = self.xp
+        forms = tuple(f.rows(xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
+        return Mask(len(rows), self.heads, self.num_queries, self.num_keys, forms, self.host, xp)
 
     def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..mask import Mask
 from ..mask.intervals import element_ranges
-from ..mask.rules import guard_unused, zero_empty_rows
+from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Region
 from ..numerics import (
     all_finite,
@@ -37,12 +37,24 @@ TILED_WORK_MAX = 0.9
 is at most 0.9 of it: their cost is divided by this."""
 
 
-class Tiles(NamedTuple):
-    """``tasks`` ``(b, q0, q1, key start, key stop, whole)``, one per batch
-    element and block of queries ``blocks``, element by element (``whole``:
-    every row sees all of its keys); ``scores`` the scores they compute."""
+class Group(NamedTuple):
+    """One kernel call: the batch elements ``rows`` (a range is sliced, other
+    rows gathered), queries ``[q0, q1)`` over keys ``[k0, k1)``; ``whole``:
+    every row sees all of those keys (no mask)."""
 
-    tasks: list[tuple[int, int, int, int, int, bool]]
+    rows: np.ndarray
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    whole: bool
+
+
+class Tiles(NamedTuple):
+    """The groups of each block of queries ``blocks`` (their rows, in group
+    order, are a permutation of the batch); ``scores`` the scores computed."""
+
+    groups: list[list[Group]]
     blocks: list[tuple[int, int]]
     scores: int
 
@@ -53,28 +65,77 @@ def plan_tiles(
     mask: Mask,
     memory_budget: int | None = None,
     chunk_size: int | None = None,
+    call_cost: float = 0.0,
 ) -> Tiles | None:
     """The tiles of a call, or None when they cannot run (the mask's
-    intervals traced, or not even one query's scores within the budget)."""
+    intervals traced, or not even one query's scores within the budget).
+    Per block of queries, the batch elements are grouped by the keys they
+    see (sorted, when every form of the mask can be gathered by rows) into
+    the groups that cost least, each group's keys counted in full and each
+    call ``call_cost`` more."""
     if not mask.known_on_host():
         return None
     batch, heads, num_q = q.shape[:3]
     block_q = max(1, min(num_q, chunk_size or DEFAULT_BLOCK_QUERIES))
-    if memory_budget is not None:
-        # scores and their exponentials, for each tile running at once
-        per_query = 2 * heads * mask.num_keys * work_itemsize(xp, q)
-        block_q = min(block_q, memory_budget // (per_query * xp.concurrency()))
+    per_query = 2 * heads * mask.num_keys * work_itemsize(xp, q) * xp.concurrency()
+    if memory_budget is not None:  # (scores and their exponentials, each tile at once)
+        block_q = min(block_q, memory_budget // per_query)
         if block_q < 1:
             return None
+    gather = all(f.gathers for f in mask.forms)
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    per_block = [element_ranges(mask, q0, q1) for q0, q1 in blocks]
-    tasks, work = [], 0
-    for b in range(batch):
-        for (q0, q1), (starts, stops, whole) in zip(blocks, per_block):
-            begin, end = int(starts[b]), int(stops[b])
-            tasks.append((b, q0, q1, begin, end, bool(whole[b])))
-            work += heads * (q1 - q0) * max(0, end - begin)
-    return Tiles(tasks, blocks, work)
+    groups, work = [], 0
+    for q0, q1 in blocks:
+        starts, stops, whole = element_ranges(mask, q0, q1)
+        rows = heads * (q1 - q0)
+        most = batch if memory_budget is None else max(1, memory_budget // (per_query * (q1 - q0)))
+        block = _grouped(starts, stops, whole, rows, call_cost, most, gather)
+        groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
+        work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
+    return Tiles(groups, blocks, work)
+
+
+def _grouped(
+    starts: np.ndarray,
+    stops: np.ndarray,
+    whole: np.ndarray,
+    rows: int,
+    call_cost: float,
+    most: int,
+    gather: bool,
+) -> list[tuple[np.ndarray, int, int, bool]]:
+    """``(elements, k0, k1, whole)`` groups that minimize the scores computed
+    (``rows`` per element and key) plus ``call_cost`` per group, at most
+    ``most`` elements each: consecutive elements of the batch, or of the
+    batch sorted by the keys they see when ``gather``. Elements that see no
+    key form one group of their own (no kernel call)."""
+    empty = stops <= starts
+    order = np.arange(len(starts))[~empty]
+    if gather:
+        order = order[np.lexsort((starts[order], stops[order]))]
+    n = len(order)
+    per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
+    best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
+    for j in range(1, n + 1):  # best[j]: the first j elements, grouped
+        i = np.arange(max(0, j - most), j)
+        span = (
+            np.maximum.accumulate(stops[order[i]][::-1])[::-1]
+            - np.minimum.accumulate(starts[order[i]][::-1])[::-1]
+        )
+        cost = best[i] + (j - i) * rows * span + per_group
+        cut[j] = i[np.argmin(cost)]
+        best[j] = cost.min()
+    out = []
+    j = n
+    while j > 0:
+        members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
+        k0, k1 = int(starts[members].min()), int(stops[members].max())
+        same = (starts[members] == k0).all() and (stops[members] == k1).all()
+        out.append((members, k0, k1, bool(same and whole[members].all())))
+        j = int(cut[j])
+    if empty.any():
+        out.append((np.flatnonzero(empty), 0, 0, False))
+    return out[::-1]
 
 
 def plan(call: Call) -> Plan | None:
@@ -87,41 +148,76 @@ def plan(call: Call) -> Plan | None:
         return None
     if call.path != "tiled" and xp.compiles_per_shape:
         return None
-    tiles = plan_tiles(
-        xp, call.queries, call.mask, max(1, call.budget // call.held), call.chunk_size
-    )
+    budget = max(1, call.budget // call.held)
+    cost = xp.kernel_call_cost
+    tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
     if tiles is None:
         return None
     if call.held > 1 and call.path != "tiled":
         if tiles.scores * call.itemsize * call.held > call.budget:
             return None
-    calls = xp.kernel_call_cost * len(tiles.tasks)
-    return Plan((tiles.scores + calls) / TILED_WORK_MAX, tiles)
+    return Plan((tiles.scores + cost * calls(tiles)) / TILED_WORK_MAX, tiles)
+
+
+def calls(tiles: Tiles) -> int:
+    """The framework calls the tiles make beside what every path makes: a
+    kernel call per group, three gathers more per group of rows that are not
+    a range, and one to put a block's rows back in batch order."""
+    count = 0
+    for block in tiles.groups:
+        order = np.concatenate([g.rows for g in block])
+        count += (order != np.arange(len(order))).any()
+        for g in block:
+            ranged = (np.diff(g.rows) == 1).all()
+            count += (g.k1 > g.k0) * (1 if ranged else 4)
+    return int(count)
 
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
-    """The tiles of ``plan``: each batch element and block of queries over
-    the keys its rows may see, through the backend's kernel or
-    ``softmax_product``, on ``Backend.parallel_map``."""
+    """The groups of ``plan``: each through the backend's kernel or
+    ``softmax_product``, on ``Backend.parallel_map``; each block of queries'
+    rows put back in batch order. Eager, the kernels run without the NaN
+    guards first and one check of the output decides (``fused.trusting``)."""
+    xp, q, k, v = call.xp, call.queries, call.keys, call.values
+    if xp.has_fused_attention and fused.trusting(xp, q, k, v):
+        out = _groups(call, plan.detail, guarded=False)
+        if unguarded_holds(xp, q, k, v, out):
+            return out, None
+    return _groups(call, plan.detail, guarded=True), None
+
+
+def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     xp, q, k, v, mask, scale = call.xp, call.queries, call.keys, call.values, call.mask, call.scale
-    tiles: Tiles = plan.detail
     heads, dv, dtype, device = call.heads, v.shape[-1], call.dtype, call.device
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (one read of the inputs instead of the NaN passes around each tile's kernel)
-    finite = xp.has_fused_attention and not xp.fused_keeps_nan and all_finite(xp, q)
-    # (per-batch lengths leave no key of a tile unseen: nothing to guard there)
-    keys_finite = xp.has_fused_attention and mask.per_query and all_finite(xp, k, v)
+    groups = [g for block in tiles.groups for g in block]
+    finite = keys_finite = False
+    if guarded:
+        # (one read of the inputs instead of the NaN passes around each tile's kernel)
+        finite = xp.has_fused_attention and not xp.fused_keeps_nan and all_finite(xp, q)
+        # (keys a group holds that some of its rows do not see: read once, not zeroed per group)
+        unseen = mask.per_query or any(not g.whole and len(g.rows) > 1 for g in groups)
+        keys_finite = xp.has_fused_attention and unseen and all_finite(xp, k, v)
 
     def tile(index: int) -> Array:
-        b, q0, q1, start, stop, whole = tiles.tasks[index]
-        if stop <= start:  # (still in the autodiff graph)
-            return empty_rows(xp, (1, heads, q1 - q0, dv), dtype, device, q, k, v)
-        sub = (
-            Mask(1, heads, q1 - q0, stop - start)
-            if whole
-            else mask.region(Region(b, b + 1, q0, q1, start, stop))
-        )
-        args = (q[b : b + 1, :, q0:q1], k[b : b + 1, :, start:stop], v[b : b + 1, :, start:stop])
+        g = groups[index]
+        n = len(g.rows)
+        if g.k1 <= g.k0:  # (still in the autodiff graph)
+            return empty_rows(xp, (n, heads, g.q1 - g.q0, dv), dtype, device, q, k, v)
+        b0 = int(g.rows[0])
+        if (g.rows == np.arange(b0, b0 + n)).all():  # (a range: slices, no copies)
+            part, region = slice(b0, b0 + n), Region(b0, b0 + n, *g[1:5])
+            args = (q[part, :, g.q0 : g.q1], k[part, :, g.k0 : g.k1], v[part, :, g.k0 : g.k1])
+            sub = None if g.whole else mask.region(region)
+        else:
+            rows = xp.asarray(g.rows, "int32", device)
+            args = (
+                xp.take(q, rows, 0)[:, :, g.q0 : g.q1],
+                *(xp.take(x, rows, 0)[:, :, g.k0 : g.k1] for x in (k, v)),
+            )
+            sub = None if g.whole else mask.rows(g.rows).region(Region(0, n, *g[1:5]))
+        if sub is None:
+            sub = Mask(n, heads, g.q1 - g.q0, g.k1 - g.k0)
         out = fused.kernel(
             xp,
             *args,
@@ -130,23 +226,29 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
             dropout=call.dropout,
             queries_finite=finite,
             keys_finite=keys_finite,
+            guarded=guarded,
         )
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
             out = softmax_product(xp, *args, sub, scale, tile_drop)
         return out
 
-    indices = range(len(tiles.tasks))
+    indices = range(len(groups))
     outs = (
         xp.parallel_map(tile, indices)
         if call.scores >= PARALLEL_MIN_SCORES
         else [tile(i) for i in indices]
     )
-    n = len(tiles.blocks)  # tasks: per element, its blocks of queries in order
-    rows = [
-        outs[i] if n == 1 else xp.concatenate(outs[i : i + n], 2) for i in range(0, len(outs), n)
-    ]
-    return (rows[0] if len(rows) == 1 else xp.concatenate(rows, 0)), None
+    parts, i = [], 0
+    for block in tiles.groups:
+        done = outs[i : i + len(block)]
+        i += len(block)
+        out = done[0] if len(done) == 1 else xp.concatenate(done, 0)
+        order = np.concatenate([g.rows for g in block])
+        if (order != np.arange(len(order))).any():  # back to batch order
+            out = xp.take(out, xp.asarray(np.argsort(order), "int32", device), 0)
+        parts.append(out)
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, 2)
 
 
 def softmax_product(
