@@ -7,9 +7,9 @@ import sys
 import time
 from collections import Counter
 
-from ...testing.conformance import Case, NotSupported, Result, grade
+from ...testing.conformance import Case, Result
 from . import expected as expected_differences
-from .adapters import Adapter, UserFunction
+from .adapters import Adapter
 
 # Final statuses, in the tables' order; the first two and "not supported" count as agreeing.
 STATUSES = ("agrees", "expected difference", "differs", "unexpectedly agrees", "not supported")
@@ -18,24 +18,7 @@ FAILING = ("differs", "unexpectedly agrees")
 
 def run_one(adapter: Adapter, case: Case) -> Result:
     """The raw result of one case: agrees, differs, not supported or error."""
-    if isinstance(adapter, UserFunction):
-        return adapter.result(case)
-    if case.grad and not adapter.grads:
-        return Result("not supported", None, "no gradients")
-    try:
-        out, grads = adapter.run(case)
-    except NotSupported as exc:
-        return Result("not supported", None, str(exc))
-    except Exception as exc:  # a case it should express: a difference
-        return Result("error", None, f"raises {type(exc).__name__}: {_first_line(exc)}")
-    return grade(case, out, grads)
-
-
-def _first_line(exc):
-    """The message's first informative line (MXNet's start with a traceback)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    useful = [ln for ln in lines if "Error" in ln and not ln.startswith(("Traceback", "File "))]
-    return ((useful or lines or [""])[0])[:160]
+    return adapter.result(case)
 
 
 def run_grid(adapter, cases, entries, progress=True):
