@@ -108,7 +108,7 @@ def markdown(adapter, rows, command):
                     case.id,
                     status,
                     _error(result.error) or "-",
-                    f"{atol:g}+{rtol:g}|ref|",
+                    f"{atol:g}+{rtol:g}\\|ref\\|",  # (escaped: a cell of a Markdown table)
                     (reason or result.detail).replace("|", "/"),
                 ]
             )
@@ -116,6 +116,22 @@ def markdown(adapter, rows, command):
             "## Differences",
             "",
             *table(["case", "status", "max error", "tolerance", "why"], body),
+            "",
+        ]
+    named = [r for r in rows if r[0].reports]
+    if named:
+        lines += [
+            "## Named regression cases",
+            "",
+            "The peers' public bugs as cases: does this implementation have them?",
+            "",
+            *table(
+                ["case", "status", "max error", "upstream reports"],
+                [
+                    [case.id, status, _error(result.error) or "-", " ".join(case.reports)]
+                    for case, result, status, _ in named
+                ],
+            ),
             "",
         ]
     unsupported = Counter(r[1].detail for r in rows if r[2] == "not supported")
@@ -134,6 +150,9 @@ def as_json(adapter, rows, command):
         "versions": versions(adapter),
         "counts": counts(rows),
         "exit_status": exit_status(rows),
+        # cases per family, and per keyword they pass (a form in any combination)
+        "families": dict(Counter(case.family for case, _, _, _ in rows)),
+        "forms": dict(Counter(n for case, _, _, _ in rows for n in case.forms())),
         "cases": [
             {
                 "id": case.id,
@@ -146,6 +165,7 @@ def as_json(adapter, rows, command):
                 "tolerance": list(case.tolerance(case.grad)),
                 "detail": result.detail,
                 "expected_reason": reason,
+                **({"reports": list(case.reports)} if case.reports else {}),
             }
             for case, result, status, reason in rows
         ],
