@@ -233,7 +233,9 @@ def torch_attention(
         allowed = allowed & (j <= (i + K - Q if causal == "bottom-right" else i))
     if segment_ids is not None:
         q_ids, k_ids = (
-            segment_ids if isinstance(segment_ids, tuple) else (segment_ids[:, K - Q :], segment_ids)
+            segment_ids
+            if isinstance(segment_ids, tuple)
+            else (segment_ids[:, K - Q :], segment_ids)
         )
         same = (q_ids[:, :, None] == k_ids[:, None]) & (q_ids[:, :, None] >= 0)
         allowed = allowed & same[:, None]
@@ -404,7 +406,9 @@ def test_flex_adapter_one_compile(grid):
         pytest.skip("torch is not installed")
     adapter = ADAPTERS["flex"]()
     cases = select(conformance_cases(quick=True), ["*/q<k/float32"])
-    cases += select(grid, ["segment_ids/pair/q<k/float32", "score_mod/bias-table+document/q=k/float32"])
+    cases += select(
+        grid, ["segment_ids/pair/q<k/float32", "score_mod/bias-table+document/q=k/float32"]
+    )
     rows, by_id = run_adapter(adapter, cases)
     assert exit_status(rows) == 0, [(c.id, s, r.detail) for c, r, s, _ in rows]
     assert len({shape for shape, _ in adapter.shapes}) == 2
@@ -418,6 +422,49 @@ def test_flex_adapter_one_compile(grid):
         "score_mod/bias-table+document",
     ):
         assert any(i.startswith(family) and st == "agrees" for i, (_, st) in by_id.items())
+
+
+ONNX_CASES = [
+    "plain/q<k/float32",
+    "mask/empty-row/q<k/float16",
+    "segment_ids/padding/q=k/float32",
+    "regression/empty-row-nan/float32",
+    "regression/gqa-kv-head-order/float32",
+]
+
+
+def _onnx_runtime_required():
+    """The [onnx] extra is on the modern stack (requirements/modern.txt): there the
+    ONNX Runtime adapters must run; the legacy stack does not have it."""
+    missing = [m for m in ("onnxscript", "onnxruntime") if importlib.util.find_spec(m) is None]
+    if missing and np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+        pytest.fail(f"the modern stack requires {missing} (requirements/modern.txt)")
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: the onnx extra is not on this stack")
+
+
+@pytest.mark.parametrize("name", ONNX)
+def test_onnx_runtime_adapters(name, grid):
+    """Exported to ONNX and run in ONNX Runtime: a few forward cases, one
+    export each, graded with each adapter's expected differences."""
+    _onnx_runtime_required()
+    adapter = ADAPTERS[name]()
+    cases = select(grid, ONNX_CASES + ["plain/q<k/float32/grad"])
+    rows, by_id = run_adapter(adapter, cases)
+    surprises = [
+        (c.id, s, r.detail) for c, r, s, _ in rows if s in ("differs", "unexpectedly agrees")
+    ]
+    assert exit_status(rows) == 0 and not surprises, surprises
+    assert by_id["plain/q<k/float32"][1] == "agrees"
+    assert by_id["plain/q<k/float32/grad"][0].detail == "forward only (an exported graph)"
+    assert adapter.exports == len(ONNX_CASES) - (name == "onnx-torch-mha")  # (no grouped heads)
+    empty_row = by_id["regression/empty-row-nan/float32"]
+    if name in ("onnx-am", "onnx-torch-sdpa-opset23"):  # zeros for the row nobody may see
+        assert empty_row[1] == "agrees" and by_id["segment_ids/padding/q=k/float32"][1] == "agrees"
+    else:  # the default opset's SDPA: the mean of the values; the module: NaN
+        assert empty_row[1] == "expected difference" and empty_row[0].error > 0.5
+    if name != "onnx-torch-mha":
+        assert by_id["regression/gqa-kv-head-order/float32"][1] == "agrees"
 
 
 @pytest.mark.parametrize("name", [available("keras"), available("flax")])

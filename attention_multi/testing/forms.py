@@ -199,7 +199,8 @@ def bias_table(table: np.ndarray, queries: int) -> Mod:
 
 def materialized(shape: tuple, mask_mod: Mod | None = None, segment_ids: Any = None) -> np.ndarray:
     """(B, H, Q, K) boolean of a ``mask_mod`` and ``segment_ids`` (True = may
-    attend), as a user of an API that takes a mask builds it: the function
+    attend; (B, 1, Q, K) when it is the same for every head), as a user of an
+    API that takes a mask builds it: the function
     evaluated on the index grid; segment ids (B, K), queries taking the id at
     their position ``i + K - Q``, or a pair ((B, Q), (B, K)): same id, not negative."""
     B, H, _, Q, K, _ = shape
@@ -215,4 +216,4 @@ def materialized(shape: tuple, mask_mod: Mod | None = None, segment_ids: Any = N
             q_ids = k_ids[:, np.arange(Q) + K - Q]
         same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0)
         allowed &= same[:, None]
-    return allowed
+    return allowed[:, :1] if (allowed == allowed[:, :1]).all() else allowed

@@ -210,6 +210,9 @@ class TorchMHA(_Torch):
     name = "torch-mha"
     title = "torch.nn.MultiheadAttention (identity projections)"
 
+    def __init__(self) -> None:
+        self.modules: dict[tuple, Any] = {}
+
     def translate(self, case, shape, forms, dtype):
         torch = self.torch
         B, H, Hkv, Q, K, d = shape
@@ -254,20 +257,28 @@ class TorchMHA(_Torch):
         B, H, Q, d = q.shape
         if v.shape[-1] != d:
             raise NotSupported("values of another size than the keys (one embed_dim)")
-        E = H * d
-        mha = torch.nn.MultiheadAttention(
-            E, kw.pop("heads"), dropout=kw.pop("dropout"), bias=False, batch_first=True
-        )
-        with torch.no_grad():
-            mha.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
-            mha.out_proj.weight.copy_(torch.eye(E))
-        mha = mha.to(q.dtype).eval()
+        mha = self.module(H * d, kw.pop("heads"), kw.pop("dropout"), q.dtype)
 
         def tokens(x):  # (B, H, n, d) -> (B, n, H * d)
             return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
 
         out, _ = mha(tokens(q), tokens(k), tokens(v), **kw)
         return out.reshape(B, Q, H, d).transpose(1, 2)
+
+    def module(self, E, heads, dropout, dtype):
+        """The module, identity projections, in eval mode: one per size, built
+        outside any call (an exported call must not build it)."""
+        torch = self.torch
+        key = (E, heads, dropout, dtype)
+        if key not in self.modules:
+            mha = torch.nn.MultiheadAttention(
+                E, heads, dropout=dropout, bias=False, batch_first=True
+            )
+            with torch.no_grad():
+                mha.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
+                mha.out_proj.weight.copy_(torch.eye(E))
+            self.modules[key] = mha.to(dtype).eval()
+        return self.modules[key]
 
 
 class Flex(_Torch):
@@ -841,7 +852,10 @@ class OnnxRuntime(Adapter):
         names = [i.name for i in session.get_inputs()]
         if len(names) != len(feeds):
             raise RuntimeError(f"the exported graph takes {len(names)} inputs, not {len(feeds)}")
-        out = session.run(None, dict(zip(names, feeds)))[0]
+        try:
+            out = session.run(None, dict(zip(names, feeds)))[0]
+        except Exception as exc:  # ONNX Runtime's message: the kernel's check, after its C++ frame
+            raise RuntimeError(f"ONNX Runtime: {_runtime_reason(exc)}") from None
         return torch.from_numpy(np.asarray(out, np.float64)).to(q.dtype)
 
     def _session(self, torch, call, inputs, kw, layout):
@@ -858,6 +872,7 @@ class OnnxRuntime(Adapter):
                 return call(q, k, v, given)
 
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        onnxruntime.set_default_logger_severity(4)  # its errors come back as exceptions
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
@@ -879,6 +894,15 @@ def _tensors(x: Any) -> list:
     graph's inputs. (torch's CausalBias, a tensor subclass, stays in the graph.)"""
     items = x if isinstance(x, tuple) else (x,)
     return [t for t in items if type(t).__name__ == "Tensor" and hasattr(t, "shape")]
+
+
+def _runtime_reason(exc: Exception) -> str:
+    """'running <op> node: <why>' of an ONNX Runtime failure (its message
+    carries a C++ signature between the two)."""
+    text = " ".join(str(exc).split())
+    node = text.split("while running ", 1)[-1].split(" node", 1)[0] if "running " in text else ""
+    why = text.rsplit(" was false. ", 1)[-1] if " was false. " in text else text.rsplit(": ", 1)[-1]
+    return f"{node}: {why}"[:200] if node else why[:200]
 
 
 def _feed(torch: Any, t: Any) -> np.ndarray:
