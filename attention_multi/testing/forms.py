@@ -61,7 +61,9 @@ class Mod:
     def __repr__(self) -> str:
         return f"{self.kind} {self.name}"
 
-    def function(self, framework: Framework, dtype: str = "float64", learned: Any = None):
+    def function(
+        self, framework: Framework, dtype: str = "float64", learned: Any = None
+    ) -> Callable:
         """The function on ``framework``'s arrays; float arrays in the compute
         dtype of ``dtype`` (float64 for float64, else float32); ``learned``:
         the learnable arrays already on the framework, in ``learnable``'s order."""
@@ -86,8 +88,10 @@ class Mod:
 # -- mask_mods: True where the query may see the key ---------------------------------------------
 
 
-def _document(framework, doc):
-    def document(b, h, q_idx, kv_idx):  # same document; negative ids are padding
+def _document(framework: Framework, doc: Any) -> Callable:
+    def document(
+        b: Any, h: Any, q_idx: Any, kv_idx: Any
+    ) -> Any:  # same document; negative ids are padding
         return (doc[b, q_idx] == doc[b, kv_idx]) & (doc[b, q_idx] >= 0)
 
     return document
@@ -98,8 +102,8 @@ def document(ids: np.ndarray) -> Mod:
     return Mod("mask_mod", "document", _document, {"doc": np.asarray(ids, np.int32)})
 
 
-def _sliding_window_with_sinks(framework, width, sinks):
-    def sliding_window_with_sinks(b, h, q_idx, kv_idx):
+def _sliding_window_with_sinks(framework: Framework, width: int, sinks: int) -> Callable:
+    def sliding_window_with_sinks(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         near = (kv_idx <= q_idx) & (q_idx - kv_idx <= width)
         return near | (kv_idx < sinks)
 
@@ -109,14 +113,16 @@ def _sliding_window_with_sinks(framework, width, sinks):
 def sliding_window_with_sinks(width: int, sinks: int) -> Mod:
     """Causal, ``width`` keys back, and the first ``sinks`` keys for everyone."""
 
-    def make(framework):
+    def make(framework: Framework) -> Callable:
         return _sliding_window_with_sinks(framework, width, sinks)
 
     return Mod("mask_mod", f"sliding window {width} + {sinks} sinks", make)
 
 
-def _prefix_lm(framework, prefix):
-    def prefix_lm(b, h, q_idx, kv_idx):  # bidirectional over each row's prefix
+def _prefix_lm(framework: Framework, prefix: Any) -> Callable:
+    def prefix_lm(
+        b: Any, h: Any, q_idx: Any, kv_idx: Any
+    ) -> Any:  # bidirectional over each row's prefix
         return (kv_idx <= q_idx) | (kv_idx < prefix[b])
 
     return prefix_lm
@@ -130,14 +136,14 @@ def prefix_lm(prefix: np.ndarray) -> Mod:
 # -- score_mods: what is done to the scaled score -------------------------------------------------
 
 
-def _alibi(framework, slopes):
-    def alibi(score, b, h, q_idx, kv_idx):
+def _alibi(framework: Framework, slopes: Any) -> Callable:
+    def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return score + slopes[h] * (kv_idx - q_idx)
 
     return alibi
 
 
-def _one(score, b, h, q_idx, kv_idx):
+def _one(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
     return np.ones_like(score)
 
 
@@ -146,8 +152,8 @@ def alibi(slopes: np.ndarray) -> Mod:
     return Mod("score_mod", "ALiBi", _alibi, {"slopes": np.asarray(slopes, np.float64)}, (), _one)
 
 
-def _softcap(framework, cap):
-    def softcap(score, b, h, q_idx, kv_idx):
+def _softcap(framework: Framework, cap: float) -> Callable:
+    def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return cap * framework.tanh(score / cap)
 
     return softcap
@@ -156,17 +162,19 @@ def _softcap(framework, cap):
 def softcap(cap: float) -> Mod:
     """Soft-capping (Gemma 2): ``cap * tanh(score / cap)``."""
 
-    def make(framework):
+    def make(framework: Framework) -> Callable:
         return _softcap(framework, cap)
 
-    def derivative(score, b, h, q_idx, kv_idx):
+    def derivative(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return 1.0 - np.tanh(score / cap) ** 2
 
     return Mod("score_mod", f"soft-capping {cap:g}", make, {}, (), derivative)
 
 
-def _bias_table(framework, table, offset):
-    def relative_bias(score, b, h, q_idx, kv_idx):  # one learnable bias per head and distance
+def _bias_table(framework: Framework, table: Any, offset: int) -> Callable:
+    def relative_bias(
+        score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any
+    ) -> Any:  # one learnable bias per head and distance
         return score + table[h, kv_idx - q_idx + offset]
 
     return relative_bias
@@ -178,10 +186,10 @@ def bias_table(table: np.ndarray, queries: int) -> Mod:
     table = np.asarray(table, np.float64)
     offset = queries - 1
 
-    def make(framework, table):
+    def make(framework: Framework, table: Any) -> Callable:
         return _bias_table(framework, table, offset)
 
-    def param_grads(dscore):
+    def param_grads(dscore: np.ndarray) -> dict[str, np.ndarray]:
         B, H, Q, K = dscore.shape
         grad = np.zeros_like(table)
         rel = np.arange(K)[None, :] - np.arange(Q)[:, None] + offset

@@ -78,22 +78,22 @@ class Torch(Framework):
 
         self.torch = torch
 
-    def array(self, x, dtype):
+    def array(self, x: Any, dtype: str) -> Any:
         return self.torch.tensor(np.asarray(x, np.float64), dtype=getattr(self.torch, dtype))
 
-    def ints(self, x):
+    def ints(self, x: Any) -> Any:
         return self.torch.tensor(np.asarray(x, np.int32))
 
-    def bools(self, x):
+    def bools(self, x: Any) -> Any:
         return self.torch.tensor(np.asarray(x, bool))
 
-    def numpy(self, x):
+    def numpy(self, x: Any) -> np.ndarray:
         return x.detach().cpu().to(self.torch.float64).numpy()
 
-    def tanh(self, x):
+    def tanh(self, x: Any) -> Any:
         return self.torch.tanh(x)
 
-    def gradients(self, f, inputs, grad_out):
+    def gradients(self, f: Callable, inputs: Sequence[Any], grad_out: Any) -> tuple:
         torch = self.torch
         inputs = [x.detach().requires_grad_(True) for x in inputs]
         out = f(*inputs)
@@ -115,25 +115,25 @@ class Jax(Framework):
         jax.config.update("jax_enable_x64", True)
         self.jax, self.jnp = jax, jnp
 
-    def array(self, x, dtype):
+    def array(self, x: Any, dtype: str) -> Any:
         return self.jnp.asarray(np.asarray(x, numpy_dtype(dtype)))
 
-    def ints(self, x):
+    def ints(self, x: Any) -> Any:
         return self.jnp.asarray(np.asarray(x, np.int32))
 
-    def bools(self, x):
+    def bools(self, x: Any) -> Any:
         return self.jnp.asarray(np.asarray(x, bool))
 
-    def numpy(self, x):
+    def numpy(self, x: Any) -> np.ndarray:
         return np.asarray(x.astype(self.jnp.float64))
 
-    def tanh(self, x):
+    def tanh(self, x: Any) -> Any:
         return self.jnp.tanh(x)
 
-    def gradients(self, f, inputs, grad_out):
+    def gradients(self, f: Callable, inputs: Sequence[Any], grad_out: Any) -> tuple:
         jnp = self.jnp
 
-        def loss(*xs):
+        def loss(*xs: Any) -> tuple:
             out = f(*xs)
             return jnp.sum(out.astype(jnp.float64) * grad_out.astype(jnp.float64)), out
 
@@ -150,30 +150,30 @@ class MXNet(Framework):
 
     def __init__(self) -> None:
         if not hasattr(np, "bool"):  # MXNet 1.9 reads numpy.bool, gone since numpy 1.24
-            np.bool = bool  # type: ignore[attr-defined]
+            setattr(np, "bool", bool)  # noqa: B010 (numpy 2 has it; mypy knows numpy 2)
         import mxnet
 
         mxnet.npx.set_np()
         self.mx = mxnet
 
-    def array(self, x, dtype):
+    def array(self, x: Any, dtype: str) -> Any:
         if dtype == "bfloat16":
             raise NotSupported("MXNet has no bfloat16")
         return self.mx.np.array(np.asarray(x, np.float64), dtype=dtype)
 
-    def ints(self, x):
+    def ints(self, x: Any) -> Any:
         return self.mx.np.array(np.asarray(x, np.int32), dtype="int32")
 
-    def bools(self, x):
+    def bools(self, x: Any) -> Any:
         return self.mx.np.array(np.asarray(x, bool), dtype=bool)
 
-    def numpy(self, x):
+    def numpy(self, x: Any) -> np.ndarray:
         return x.asnumpy().astype(np.float64)
 
-    def tanh(self, x):
+    def tanh(self, x: Any) -> Any:
         return self.mx.np.tanh(x)
 
-    def gradients(self, f, inputs, grad_out):
+    def gradients(self, f: Callable, inputs: Sequence[Any], grad_out: Any) -> tuple:
         autograd = self.mx.autograd
         for x in inputs:
             x.attach_grad()

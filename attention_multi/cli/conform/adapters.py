@@ -12,6 +12,7 @@ ours and a user's function are graded through ``run_case`` (``Function``);
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -37,6 +38,10 @@ from ...testing.forms import materialized
 from ...testing.frameworks import numpy_dtype
 
 
+def _eagerly(call: Callable, q: Any, k: Any, v: Any, kw: dict) -> Any:
+    return call(q, k, v, kw)
+
+
 class Adapter:
     """``result(case) -> Result``; most adapters implement ``run(case) ->
     (output, gradients or None)`` as float64 NumPy, graded here."""
@@ -56,6 +61,9 @@ class Adapter:
 
     def run(self, case: Case) -> tuple[np.ndarray, Any]:
         raise NotImplementedError
+
+    # How the last call, ``call(q, k, v, kw)``, runs: eagerly (OnnxRuntime sets an exported run).
+    through: Callable[..., Any] = staticmethod(_eagerly)
 
     def result(self, case: Case) -> Result:
         """The raw result of one case: agrees, differs, not supported or error."""
@@ -124,7 +132,7 @@ class Native(Adapter):
             B, H, Q, d = q.shape
             shape = (B, H, k.shape[1], Q, k.shape[2], d)
             kw = self.translate(case, shape, self.plain(shape, forms), dtype)
-            return self.call(*(self.array(x, dtype) for x in (q, k, v)), kw)
+            return self.through(self.call, *(self.array(x, dtype) for x in (q, k, v)), kw)
 
         if case.decode:
             return decode_steps(case, lambda q, k, v, **f: self.numpy(once(q, k, v, **f))), None
@@ -252,7 +260,6 @@ class TorchMHA(_Torch):
         return kw
 
     def call(self, q, k, v, kw):
-        torch = self.torch
         kw = dict(kw)
         B, H, Q, d = q.shape
         if v.shape[-1] != d:
@@ -465,7 +472,16 @@ class Function(Adapter):
     def result(self, case):
         if case.grad and not self.grads:
             return Result("not supported", None, "no gradients")
-        return run_case(case, self.attention(), self.framework)
+        attention = self.attention()
+
+        def call(q: Any, k: Any, v: Any, kw: dict) -> Any:
+            return attention(q, k, v, **kw)
+
+        @functools.wraps(attention)  # (its signature: the keywords it takes)
+        def through(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+            return self.through(call, q, k, v, kw)
+
+        return run_case(case, through, self.framework)
 
 
 class Ours(Function):
@@ -811,16 +827,7 @@ class OnnxRuntime(Adapter):
         self.title = f"{self.eager.title}, exported to ONNX{at} and run in ONNX Runtime (CPU)"
         self.graphs: dict[Any, Any] = {}  # cached sessions
         self.exports = 0
-        eager_call = self.eager.call if isinstance(self.eager, Native) else None
-        if isinstance(self.eager, Native):
-            self.eager.call = lambda q, k, v, kw: self.exported(eager_call, q, k, v, kw)
-        elif isinstance(self.eager, Function):
-            function = self.eager.attention
-
-            def attention(q, k, v, **kw):
-                return self.exported(lambda q, k, v, kw: function()(q, k, v, **kw), q, k, v, kw)
-
-            self.eager.attention = lambda: attention
+        self.eager.through = self.exported
 
     def missing(self):
         return Adapter.missing(self) or self.eager.missing()
@@ -861,7 +868,7 @@ class OnnxRuntime(Adapter):
     def _session(self, torch, call, inputs, kw, layout):
         import logging
 
-        import onnxruntime
+        import onnxruntime  # type: ignore[import-not-found]
 
         class Graph(torch.nn.Module):
             def forward(self, q, k, v, *tensors):
@@ -871,7 +878,8 @@ class OnnxRuntime(Adapter):
                     given[name] = tuple(taken) if pair else taken[0]
                 return call(q, k, v, given)
 
-        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        for logger in ("torch.onnx", "onnxscript"):
+            logging.getLogger(logger).setLevel(logging.ERROR)
         onnxruntime.set_default_logger_severity(4)  # its errors come back as exceptions
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
