@@ -701,7 +701,8 @@ class Flax(Native):
     grads = True
 
     def setup(self):
-        Jax.setup(self)
+        super().setup()
+        self.jax, self.jnp = self.fw.jax, self.fw.jnp
         from flax import nnx  # type: ignore[import-not-found]
 
         self.nnx = nnx
