@@ -767,48 +767,6 @@ class UserFunction(Function):
         super().__init__(spec, f"{spec} (a user's function, {framework})", function, framework)
 
 
-ADAPTERS: dict[str, Callable[[], Adapter]] = {
-    "torch-sdpa": TorchSDPA,
-    "torch-mha": TorchMHA,
-    "flex": Flex,
-    "jax": Jax,
-    "am-numpy": lambda: Ours("numpy"),
-    "am-torch": lambda: Ours("torch"),
-    "am-jax": lambda: Ours("jax"),
-    "am-mxnet": lambda: Ours("mxnet"),
-    "mxnet-softmax": MXNetSoftmax,
-    "d2l": D2L,
-    "keras": Keras,
-    "flax": Flax,
-    "onnx-am": lambda: OnnxRuntime("onnx-am", lambda: Ours("torch")),
-    "onnx-torch-sdpa": lambda: OnnxRuntime("onnx-torch-sdpa", TorchSDPA),
-    "onnx-torch-sdpa-opset23": lambda: OnnxRuntime("onnx-torch-sdpa-opset23", TorchSDPA, 23),
-    "onnx-torch-mha": lambda: OnnxRuntime("onnx-torch-mha", TorchMHA),
-}
-
-
-def load_function(spec: str) -> Callable:
-    """``module:function`` imported (ValueError naming what is wrong); the
-    current directory is searched first, as ``python -m`` does."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"--impl {spec!r}: expected NAME or module:function")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--impl {spec!r}: cannot import {module_name!r} ({exc})") from None
-    function: Any = module
-    for part in attr.split("."):
-        function = getattr(function, part, None)
-        if function is None:
-            raise ValueError(f"--impl {spec!r}: {module_name!r} has no attribute {attr!r}")
-    if not callable(function):
-        raise ValueError(f"--impl {spec!r}: {attr!r} is not callable")
-    return function
-
-
 # -- ONNX Runtime --------------------------------------------------------------------------------
 
 
@@ -919,3 +877,45 @@ def _feed(torch: Any, t: Any) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.detach().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     return t.detach().numpy()
+
+
+ADAPTERS: dict[str, Callable[[], Adapter]] = {
+    "torch-sdpa": TorchSDPA,
+    "torch-mha": TorchMHA,
+    "flex": Flex,
+    "jax": Jax,
+    "am-numpy": lambda: Ours("numpy"),
+    "am-torch": lambda: Ours("torch"),
+    "am-jax": lambda: Ours("jax"),
+    "am-mxnet": lambda: Ours("mxnet"),
+    "mxnet-softmax": MXNetSoftmax,
+    "d2l": D2L,
+    "keras": Keras,
+    "flax": Flax,
+    "onnx-am": lambda: OnnxRuntime("onnx-am", lambda: Ours("torch")),
+    "onnx-torch-sdpa": lambda: OnnxRuntime("onnx-torch-sdpa", TorchSDPA),
+    "onnx-torch-sdpa-opset23": lambda: OnnxRuntime("onnx-torch-sdpa-opset23", TorchSDPA, 23),
+    "onnx-torch-mha": lambda: OnnxRuntime("onnx-torch-mha", TorchMHA),
+}
+
+
+def load_function(spec: str) -> Callable:
+    """``module:function`` imported (ValueError naming what is wrong); the
+    current directory is searched first, as ``python -m`` does."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"--impl {spec!r}: expected NAME or module:function")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"--impl {spec!r}: cannot import {module_name!r} ({exc})") from None
+    function: Any = module
+    for part in attr.split("."):
+        function = getattr(function, part, None)
+        if function is None:
+            raise ValueError(f"--impl {spec!r}: {module_name!r} has no attribute {attr!r}")
+    if not callable(function):
+        raise ValueError(f"--impl {spec!r}: {attr!r} is not callable")
+    return function
