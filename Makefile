@@ -3,15 +3,18 @@
 #                stack and `make check`, all three at once (.ci/test_all.py: progress, summary).
 # `make check`:  lint (ruff), formatting (ruff format), types (mypy), the docs site (strict).
 # `make docs`:   build the documentation site into site/ (open site/index.html).
+# `make peers`:   the peers' conformance rows, Keras 3 and flax, in their own venv (.venv-peers,
+#                pinned in requirements/peers.txt): the whole grid each, into .venv-peers/results/.
 PYTHON ?= python3
 LEGACY := .venv-legacy
 MODERN := .venv-modern
 LINT := .venv-lint
+PEERS := .venv-peers
 # every core, a test file per worker (module fixtures run once)
 PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile
 SHELL := /bin/bash
 
-.PHONY: report test venvs test-legacy test-modern check docs
+.PHONY: report test venvs test-legacy test-modern check docs peers
 
 report: $(LEGACY)/ready
 	$(LEGACY)/bin/attention-multi report
@@ -43,6 +46,17 @@ check: $(LINT)/ready
 docs: $(LINT)/ready
 	NO_MKDOCS_2_WARNING=1 $(LINT)/bin/mkdocs build --strict
 	@echo "the site is in site/: open site/index.html"
+
+# Each peer's grid runs even when the other's fails; peers fails if either did.
+peers: $(PEERS)/ready
+	@mkdir -p $(PEERS)/results; status=0; \
+	for impl in keras flax; do \
+		$(PEERS)/bin/python -m attention_multi conform --impl $$impl \
+			--json $(PEERS)/results/$$impl.json --markdown $(PEERS)/results/$$impl.md \
+			> /dev/null || status=1; \
+	done; \
+	echo "the tables are in $(PEERS)/results/ (keras.md, flax.md; and JSON)"; \
+	exit $$status
 
 # One line per package while pip works (several venvs build at once with -j).
 .venv-%/ready: requirements/%.txt pyproject.toml

@@ -249,23 +249,38 @@ def attention_gradients(
     scale=None,
     mask_mod=None,
     segment_ids=None,
+    score_mod=None,
+    score_mod_derivative=None,
 ):
     """Gradients of ``sum(attention(...)[0] * grad_out)`` with respect to
     queries, keys, values and the bias (full (B, H, Q, K); zero where masked),
     from the formulas: ``dV = P^T dO``, ``dP = dO V^T``,
     ``dS = P (dP - rowsum(P dP))``, ``dQ = scale dS K``, ``dK = scale dS^T Q``;
-    grouped heads sum their kv head's gradients."""
+    grouped heads sum their kv head's gradients. With ``score_mod``,
+    ``score_mod_derivative(score, b, h, q_idx, kv_idx)`` is its derivative
+    with respect to the score, elementwise (the chain rule multiplies ``dS``
+    by it: the bias's gradient is the one before ``score_mod``)."""
     q, k, v, g = _f64(queries, keys, values, grad_out)
     B, H, Q, d = q.shape
+    K = k.shape[2]
     kv_heads = k.shape[1]
     scale = 1 / np.sqrt(d) if scale is None else scale
+    if score_mod is not None and score_mod_derivative is None:
+        raise ValueError("score_mod needs score_mod_derivative for its gradients")
     _, P = attention(
-        q, k, v, valid_lens, mask, bias, causal, window, scale, mask_mod, None, segment_ids
+        q, k, v, valid_lens, mask, bias, causal, window, scale, mask_mod, score_mod, segment_ids
     )
     kg, vg = _group(k, H), _group(v, H)
     dv = np.einsum("bhqk,bhqv->bhkv", P, g)
     dP = np.einsum("bhqv,bhkv->bhqk", g, vg)
     dS = P * (dP - (P * dP).sum(-1, keepdims=True))
+    if score_mod is not None:  # the score score_mod was given: scale Q K^T + bias where allowed
+        ok = P > 0
+        scores = np.einsum("bhqd,bhkd->bhqk", q, kg) * scale
+        if bias is not None:
+            scores = scores + np.where(ok, np.asarray(bias, np.float64), 0.0)
+        grid = np.ix_(np.arange(B), np.arange(H), np.arange(Q), np.arange(K))
+        dS = dS * np.asarray(score_mod_derivative(np.where(ok, scores, 0.0), *grid), np.float64)
     dq = scale * np.einsum("bhqk,bhkd->bhqd", dS, kg)
     dk = scale * np.einsum("bhqk,bhqd->bhkd", dS, q)
 

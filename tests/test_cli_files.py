@@ -286,6 +286,7 @@ def test_report_creates_out_under_an_existing_parent(tmp_path):
     assert entries(tmp_path / "new") == [
         "heatmap_additive.png",
         "heatmap_dot_product.png",
+        "heatmap_mask_mod.png",
         "heatmap_multihead.png",
         "nadaraya_watson.png",
         "report.md",

@@ -2,6 +2,7 @@
 expected-differences data, the exit statuses and the argument errors."""
 
 import collections
+import dataclasses
 import importlib.util
 import json
 import re
@@ -14,8 +15,9 @@ from attention_multi.cli import main
 from attention_multi.cli.conform import expected
 from attention_multi.cli.conform.adapters import ADAPTERS, D2L
 from attention_multi.cli.conform.run import exit_status, run_grid
-from attention_multi.testing import conformance_cases, run_case
-from attention_multi.testing.conformance import DTYPES, make_case, select
+from attention_multi.testing import conformance_cases, frameworks, run_case
+from attention_multi.testing.conformance import DTYPES, REGRESSIONS, make_case, select
+from attention_multi.testing.forms import materialized
 from tests import d2l_torch
 
 FAMILIES = {
@@ -31,7 +33,12 @@ FAMILIES = {
     "poison",
     "decode",
     "empty-axis",
+    "mask_mod",
+    "score_mod",
+    "segment_ids",
+    "regression",
 }
+PROGRAMMABLE = ("mask_mod", "score_mod", "segment_ids")
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,7 @@ def quick():
 
 
 def test_grid_sizes_ids_and_coverage(grid, quick):
-    assert len(grid) >= 300 and 40 <= len(quick) <= 60
+    assert len(grid) >= 500 and 60 <= len(quick) <= 80
     ids = [c.id for c in grid]
     assert len(set(ids)) == len(ids)
     assert {c.id for c in quick} <= set(ids)
@@ -60,11 +67,50 @@ def test_grid_sizes_ids_and_coverage(grid, quick):
     # the forms themselves
     kinds = {(c.family, bool(c.grad)) for c in grid}
     assert ("decode", True) not in kinds  # decoding is forward only
+    assert ("regression", True) not in kinds  # named cases: forward
     assert {c.causal for c in grid} == {None, "bottom-right", "top-left"}
     assert any(c.valid_lens is not None and c.valid_lens.ndim == 2 for c in grid)
     assert any(c.keys.shape[1] < c.queries.shape[1] for c in grid)  # grouped heads
     assert {c.decode for c in grid} == {None, "growing", "static"}
     assert {0} <= {s for c in grid if c.family == "empty-axis" for s in c.shape}
+    for family in PROGRAMMABLE:  # each form with grouped heads, in every dtype, with gradients
+        cases = [c for c in grid if c.family == family]
+        assert {c.dtype for c in cases} == set(DTYPES) and any(c.grad for c in cases), family
+        assert any(c.keys.shape[1] < c.queries.shape[1] for c in cases), family
+        assert any(c.family == family for c in quick), family
+    named = [c for c in grid if c.family == "regression"]
+    assert {c.id.split("/")[1] for c in named} == set(REGRESSIONS)
+    assert all(c.reports and c.reports[0].startswith("https://github.com/") for c in named)
+
+
+def test_programmable_forms_and_their_oracle(grid):
+    doc = next(c for c in grid if c.id == "mask_mod/document/q=k/float64")
+    seg = next(c for c in grid if c.id == "segment_ids/padding/q=k/float64")
+    # the document mask_mod and the segment ids mean one mask; row 0's last query is padding
+    dense = materialized(doc.shape, mask_mod=doc.mask_mod)
+    np.testing.assert_array_equal(dense, materialized(seg.shape, segment_ids=seg.segment_ids))
+    assert not dense[0, :, 3].any() and not doc.expected[0, :, 3].any()
+    out, _ = ref.attention(doc.queries, doc.keys, doc.values, mask=dense)
+    np.testing.assert_array_equal(doc.expected, out)
+    # the learnable table's gradient (the 4th) against central differences of the oracle
+    case = next(c for c in grid if c.id == "score_mod/bias-table/q=k/float64/grad")
+    mod = case.score_mod
+    assert mod.learnable == ("table",) and len(case.expected_grads) == 4
+
+    def loss(table):
+        f = mod.make(frameworks.get("numpy"), table=table)
+        out, _ = ref.attention(case.queries, case.keys, case.values, score_mod=f)
+        return (out * case.grad_out).sum()
+
+    table, numeric = mod.arrays["table"].copy(), np.zeros_like(mod.arrays["table"])
+    for idx in np.ndindex(table.shape):
+        saved = table[idx]
+        table[idx] = saved + 1e-6
+        up = loss(table)
+        table[idx] = saved - 1e-6
+        numeric[idx] = (up - loss(table)) / 2e-6
+        table[idx] = saved
+    np.testing.assert_allclose(case.expected_grads[3], numeric, rtol=1e-6, atol=1e-8)
 
 
 def test_grid_expectations_are_the_oracles(grid):
@@ -96,6 +142,8 @@ def test_grid_poisons_only_what_nobody_may_see(grid):
         if case.valid_lens is not None:
             lens = case.valid_lens
             assert (np.arange(case.keys.shape[2]) >= lens[:, None])[:, None].__ge__(hidden).all()
+        elif case.segment_ids is not None:  # padding keys (negative ids) only
+            assert ((case.segment_ids < 0)[:, None] >= hidden).all()
         else:
             assert not (case.mask.any(axis=(1, 2))[:, None] & hidden).any()
     assert np.isnan(next(c for c in grid if c.id.startswith("poison/nan+")).keys).any()
@@ -164,6 +212,118 @@ def test_run_case_grades_a_users_function(quick):
     assert leaky["mask/empty-row/q<k/float32"].status == "not supported"
 
 
+def torch_attention(
+    q, k, v, *, valid_lens=None, mask=None, causal=None, scale=None, segment_ids=None
+):
+    """A user's torch function (the guide's): differentiable, zeros for empty rows."""
+    import torch
+
+    B, H, Q, d = q.shape
+    K = k.shape[2]
+    k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    j, i = torch.arange(K), torch.arange(Q)[:, None]
+    allowed = torch.ones(B, H, Q, K, dtype=torch.bool)
+    if valid_lens is not None:
+        lens = valid_lens[:, None] if valid_lens.ndim == 1 else valid_lens
+        allowed = allowed & (j < lens[:, :, None])[:, None]
+    if mask is not None:
+        allowed = allowed & mask
+    if causal is not None:
+        allowed = allowed & (j <= (i + K - Q if causal == "bottom-right" else i))
+    if segment_ids is not None:
+        q_ids, k_ids = (
+            segment_ids
+            if isinstance(segment_ids, tuple)
+            else (segment_ids[:, K - Q :], segment_ids)
+        )
+        same = (q_ids[:, :, None] == k_ids[:, None]) & (q_ids[:, :, None] >= 0)
+        allowed = allowed & same[:, None]
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    seen = allowed.any(2)[..., None]
+    k, v = (torch.where(seen, x, 0).to(work) for x in (k, v))
+    scores = q.to(work) @ k.transpose(-1, -2) * (d**-0.5 if scale is None else scale)
+    rows = allowed.any(-1, keepdim=True)
+    scores = torch.where(rows, scores.masked_fill(~allowed, float("-inf")), 0)
+    return (torch.softmax(scores, -1) * rows @ v).to(q.dtype)
+
+
+def nan_torch_attention(q, k, v, *, valid_lens=None):
+    """The classic: -inf fill, so an empty row's softmax (and its gradients) is NaN."""
+    import torch
+
+    K = k.shape[2]
+    lens = valid_lens[:, None] if valid_lens is not None else torch.full(q.shape[:1] + (1,), K)
+    allowed = (torch.arange(K) < lens[:, :, None])[:, None]
+    scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1) @ v
+
+
+def jax_attention(q, k, v, *, valid_lens=None, causal=None, scale=None, score_mod=None):
+    """A user's JAX function taking FlexAttention's score_mod (the guide's)."""
+    import jax.numpy as jnp
+
+    B, H, Q, d = q.shape
+    K = k.shape[2]
+    k, v = (jnp.repeat(x, H // x.shape[1], axis=1) for x in (k, v))
+    j, i = jnp.arange(K), jnp.arange(Q)[:, None]
+    allowed = jnp.ones((B, H, Q, K), bool)
+    if valid_lens is not None:
+        lens = valid_lens[:, None] if valid_lens.ndim == 1 else valid_lens
+        allowed &= (j < lens[:, :, None])[:, None]
+    if causal is not None:
+        allowed &= j <= (i + K - Q if causal == "bottom-right" else i)
+    work = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    seen = allowed.any(2)[..., None]
+    k, v = (jnp.where(seen, x, 0).astype(work) for x in (k, v))
+    scores = q.astype(work) @ k.swapaxes(-1, -2) * (d**-0.5 if scale is None else scale)
+    if score_mod is not None:
+        scores = score_mod(scores, *jnp.ix_(*(jnp.arange(n) for n in (B, H, Q, K))))
+    rows = allowed.any(-1, keepdims=True)
+    scores = jnp.where(allowed, scores, -jnp.inf)
+    e = jnp.exp(scores - jnp.where(rows, scores.max(-1, keepdims=True), 0))
+    return (e / jnp.where(rows, e.sum(-1, keepdims=True), 1) @ v).astype(q.dtype)
+
+
+GRADIENT_CASES = [
+    "plain/q<k/float32/grad",
+    "lens-1d/empty-row/q<k/float32/grad",
+    "gqa/kv1/B2-H4-Hkv1-Q3-K5/float32/grad",
+    "poison/nan+lens-1d/q<k/float32/grad",
+    "segment_ids/padding/q=k/float32/grad",
+    "score_mod/bias-table/q=k/float32/grad",
+    "decode/static/B2-H2-Hkv2-Q5-K5/float32",
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_run_case_grades_a_torch_function_with_gradients(quick):
+    cases = select(quick, GRADIENT_CASES)
+    assert len(cases) == len(GRADIENT_CASES)
+    results = {c.id: run_case(c, torch_attention, "torch") for c in cases}
+    status = {i: r.status for i, r in results.items()}
+    assert status.pop("score_mod/bias-table/q=k/float32/grad") == "not supported"
+    assert set(status.values()) == {"agrees"}, results
+    assert results["segment_ids/padding/q=k/float32/grad"].error < 1e-4
+    buggy = run_case(cases[1], nan_torch_attention, "torch")  # the empty row
+    assert buggy.status == "differs" and buggy.detail.startswith("NaN in output")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="jax is not installed")
+def test_run_case_grades_a_jax_function_and_its_score_mods_table(quick):
+    """A learnable table the score_mod closes over: its gradient through the
+    user's JAX function is graded (the 4th gradient)."""
+    cases = select(quick, GRADIENT_CASES[1:2] + GRADIENT_CASES[3:6])  # (two shapes: compiles)
+    results = {c.id: run_case(c, jax_attention, "jax") for c in cases}
+    assert results.pop("segment_ids/padding/q=k/float32/grad").status == "not supported"
+    assert {r.status for r in results.values()} == {"agrees"} and len(results) == 3, results
+    table = next(c for c in cases if c.score_mod is not None)
+    wrong = dataclasses.replace(
+        table, expected_grads=(*table.expected_grads[:3], table.expected_grads[3] + 1e-2)
+    )
+    result = run_case(wrong, jax_attention, "jax")
+    assert result.status == "differs" and result.detail == "largest error in d table"
+
+
 def test_make_case_uses_the_oracle():
     rng = np.random.default_rng(3)
     q, (k, v) = rng.standard_normal((1, 1, 2, 4)), rng.standard_normal((2, 1, 1, 3, 4))
@@ -186,7 +346,8 @@ def run_adapter(adapter, cases):
     return rows, {case.id: (result, status) for case, result, status, _ in rows}
 
 
-NOT_FLEX = [n for n in ADAPTERS if n not in ("flex", "d2l", "keras", "flax")]
+ONNX = [n for n in ADAPTERS if n.startswith("onnx-")]
+NOT_FLEX = [n for n in ADAPTERS if n not in ("flex", "d2l", "keras", "flax", *ONNX)]
 
 
 @pytest.mark.parametrize("name", [available(n) for n in NOT_FLEX])
@@ -235,19 +396,6 @@ def test_d2l_adapter_on_d2ls_code(quick):
     assert by_id["plain/q<k/float32"][1] == "agrees"
     assert by_id["lens-2d/empty-row/q<k/float32"][0].status == "differs"
     assert by_id["mask/empty-row/q<k/float32"][1] == "not supported"
-
-
-def test_flex_adapter_one_compile():
-    """One compiled shape (q<k, float32): every form through one mask_mod."""
-    if ADAPTERS["flex"]().missing():
-        pytest.skip("torch is not installed")
-    adapter = ADAPTERS["flex"]()
-    cases = select(conformance_cases(quick=True), ["*/q<k/float32"])
-    rows, by_id = run_adapter(adapter, cases)
-    assert exit_status(rows) == 0, [(c.id, s, r.detail) for c, r, s, _ in rows]
-    assert len({shape for shape, _ in adapter.shapes}) == 1
-    for family in ("plain", "lens-1d/empty-row", "lens-2d/empty-row", "mask/empty-row", "bias"):
-        assert any(i.startswith(family) and st == "agrees" for i, (_, st) in by_id.items())
 
 
 @pytest.mark.parametrize("name", [available("keras"), available("flax")])
@@ -332,6 +480,44 @@ def test_command_user_function_exit_0_and_1(tmp_path, capsys, monkeypatch):
     assert main(["conform", "--impl", "conform_mine:leaky_attention", "--quick"]) == 1
     printed = capsys.readouterr().out
     assert re.search(r"\| lens-1d/empty-row/q<k/float32 +\| differs", printed)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_command_torch_function_detected_and_graded_with_gradients(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conform_torch.py").write_text(
+        "import torch\n\nfrom tests.test_conform import torch_attention\n\n\n"
+        "def attention(q, k, v, **forms):\n"
+        "    assert isinstance(q, torch.Tensor)\n"
+        "    return torch_attention(q, k, v, **forms)\n"
+    )
+    cases = ["--cases", "lens-1d/empty-row/q<k/float32*", "--cases", "segment_ids/pair/*float32*"]
+    out_json = tmp_path / "t.json"
+    argv = ["conform", "--impl", "conform_torch:attention", *cases, "--json", str(out_json)]
+    assert main(argv) == 0
+    data = json.loads(out_json.read_text())
+    assert data["command"].endswith("--framework torch") and data["counts"]["agrees"] == 4
+    assert {c["id"] for c in data["cases"] if c["grad"]} == {
+        "lens-1d/empty-row/q<k/float32/grad",
+        "segment_ids/pair/q<k/float32/grad",
+    }
+    assert data["families"] == {"lens-1d": 2, "segment_ids": 2}
+    assert data["forms"] == {"valid_lens": 2, "segment_ids": 2}
+
+
+def test_command_framework_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conform_two.py").write_text(
+        "import json\nimport numpy\nimport torch\nimport jax\n\n"
+        "def attention(q, k, v):\n    return q\n"
+    )
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("jax"):
+        assert main(["conform", "--impl", "conform_two:attention"]) == 2
+        assert "imports jax and torch: say which framework" in capsys.readouterr().err
+    assert main(["conform", "--impl", "am-numpy", "--framework", "torch"]) == 2
+    assert "only with --impl module:function" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["conform", "--impl", "json:dumps", "--framework", "tensorflow"])
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,7 @@ FIGURES = (
     "heatmap_additive.png",
     "heatmap_dot_product.png",
     "heatmap_multihead.png",
+    "heatmap_mask_mod.png",
     "nadaraya_watson.png",
 )
 

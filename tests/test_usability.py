@@ -114,8 +114,9 @@ def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
         mp.setattr(plt.Figure, "savefig", record)
         inputs = {d: rounded(make_inputs(), d) for d in DTYPES}
         lines = figures(tmp_path, backends.load("numpy"), "cpu", inputs, None)
-    assert len(made) == 4 and all(any(titles) for titles in made), made
+    assert len(made) == 5 and all(any(titles) for titles in made), made
     assert "Additive attention, valid_lens [2, 6]" in made[0]
+    assert any("mask_mod: packed documents" in title for title in made[3])
     assert sum("as the seeds' keys are all equal" in line for line in lines) == 2
 
 

@@ -1,20 +1,25 @@
 """The conformance grid: attention cases graded by the float64 oracle.
 
-``conformance_cases()`` generates the cases (every mask form, empty rows and
-empty axes, NaN and ``±inf`` in positions nobody may see, four dtypes,
-gradients); ``run_case(case, attention)`` runs one against your function and
+``conformance_cases()`` generates the cases (every mask form, programmable
+ones included, empty rows and empty axes, NaN and ``±inf`` in positions nobody
+may see, four dtypes, gradients, and the peers' public bugs as named cases);
+``run_case(case, attention, framework)`` runs one against your function and
 grades it. ``attention-multi conform`` runs the same grid against the
 frameworks' own attention (docs/guide/conformance.md).
 
-Your function's signature (NumPy in, array-like out)::
+Your function's signature::
 
-    attention(q, k, v, *, valid_lens=None, mask=None, bias=None,
-              causal=None, window=None, scale=None) -> output
+    attention(q, k, v, *, valid_lens=None, mask=None, bias=None, causal=None,
+              window=None, scale=None, mask_mod=None, score_mod=None,
+              segment_ids=None) -> output
 
-- ``q`` (B, H, Q, d), ``k`` (B, H_kv, K, d), ``v`` (B, H_kv, K, dv), NumPy
-  arrays of the case's dtype (bfloat16: ``ml_dtypes.bfloat16``), ``H % H_kv
-  == 0`` (grouped-query: kv head ``h // (H // H_kv)`` serves query head h).
-- ``valid_lens``: int64 (B,) or (B, Q): query i sees keys ``j < length``.
+Arrays are the framework's (``framework="numpy"``, ``"torch"``, ``"jax"`` or
+``"mxnet"``: ``frameworks.py``):
+
+- ``q`` (B, H, Q, d), ``k`` (B, H_kv, K, d), ``v`` (B, H_kv, K, dv) of the
+  case's dtype (NumPy's bfloat16: ``ml_dtypes.bfloat16``), ``H % H_kv == 0``
+  (grouped-query: kv head ``h // (H // H_kv)`` serves query head h).
+- ``valid_lens``: int32 (B,) or (B, Q): query i sees keys ``j < length``.
 - ``mask``: bool, True = may attend, broadcastable to (B, H, Q, K).
 - ``bias``: float of the case's dtype, added to the scaled scores; ``-inf``
   masks.
@@ -24,15 +29,26 @@ Your function's signature (NumPy in, array-like out)::
 - ``window``: (left, right), bottom-right aligned, None = unbounded side:
   query i at ``p = i + K - Q`` sees ``p - left <= j <= p + right``.
 - ``scale``: multiplies ``q k^T``; default ``1 / sqrt(d)``.
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend) and
+  ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (applied to the scaled
+  score, after ``bias``): FlexAttention's functions, called with integer index
+  arrays that broadcast to (B, H, Q, K) (or scalars, as flex_attention does);
+  ``q_idx`` counts the queries from 0. They close over arrays of your
+  framework (int32; float32, float64 in float64 cases), and a learnable one's
+  gradient is graded too (``forms.py``).
+- ``segment_ids``: int32 (B, K), queries taking the id at their position
+  ``i + K - Q``, or a pair ((B, Q), (B, K)): a query sees the keys of its
+  own segment; negative ids are padding (seen by nobody, seeing nothing).
 
 Only the keywords a case uses are passed: a case whose keyword your function
-does not accept, or for which it raises ``NotImplementedError``, is "not
-supported" (never a pass). Everything combines by AND; a query with no
-visible key must give a zero output. Decoding cases call the function once
-per step (one query, the keys seen so far). Gradients are graded by the
-command's adapters, not through this signature.
+does not accept, or for which it raises ``NotImplementedError`` (or
+``NotSupported``), is "not supported" (never a pass). Everything combines by
+AND; a query with no visible key must give a zero output. Decoding cases call
+the function once per step (one query, the keys seen so far). Gradient cases
+(of ``sum(output * grad_out)`` with respect to queries, keys, values and the
+learnable arrays) need a framework with autodiff.
 
-This module imports NumPy and the oracle only.
+This module imports NumPy and the oracle only (a framework when asked for one).
 """
 
 from __future__ import annotations
@@ -46,11 +62,16 @@ from typing import Any
 import numpy as np
 
 from .. import reference as ref
+from . import forms, frameworks
+from .forms import Mod
+from .frameworks import NotSupported
 
 __all__ = [
     "DTYPES",
+    "FORMS",
     "TOLERANCES",
     "Case",
+    "Mod",
     "NotSupported",
     "Result",
     "conformance_cases",
@@ -74,10 +95,21 @@ GRAD_TOLERANCES = {
     "bfloat16": (6e-2, 6e-2),
 }
 CAUSAL = ("bottom-right", "top-left")
-
-
-class NotSupported(Exception):
-    """Raised by an implementation (or adapter) that cannot express a case."""
+# The keywords a case may pass, in the signature's order. A new form (say
+# ``sinks``) is a Case field of this name, an entry here, the oracle's support,
+# and the specs that use it; adapters that do not know it must decline it
+# (``Adapter.forms`` lists what each one translates).
+FORMS = (
+    "valid_lens",
+    "mask",
+    "bias",
+    "causal",
+    "window",
+    "scale",
+    "mask_mod",
+    "score_mod",
+    "segment_ids",
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,7 +122,12 @@ class Case:
     ``"growing"`` (step t: query t against keys ``[:t + 1]``) or ``"static"``
     (step t: query t against the whole cache, ``valid_lens = t + 1``, NaN in
     the slots not written yet); either is graded against one causal pass.
-    ``grad``: also grade the gradients of ``sum(output * grad_out)``.
+    ``grad``: also grade the gradients of ``sum(output * grad_out)`` (and of
+    the learnable arrays of a ``score_mod``, after dq, dk, dv). ``reports``:
+    the upstream bug reports a named regression case reproduces; ``hints``:
+    how a named case calls a peer whose API has the option (``"weights"``: ask
+    for the attention weights too; ``"dropout"``: a layer with dropout, run in
+    inference), ignored by the others.
     """
 
     id: str
@@ -105,12 +142,17 @@ class Case:
     causal: str | None = None
     window: tuple | None = None
     scale: float | None = None
+    mask_mod: Mod | None = None
+    score_mod: Mod | None = None
+    segment_ids: Any = None
     decode: str | None = None
     grad: bool = False
     grad_out: np.ndarray | None = None
     expected: np.ndarray | None = None
     expected_grads: tuple | None = None
     quick: bool = False
+    reports: tuple[str, ...] = ()
+    hints: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return self.id
@@ -122,9 +164,15 @@ class Case:
         return B, H, self.keys.shape[1], Q, self.keys.shape[2], d
 
     def forms(self) -> dict[str, Any]:
-        """The keywords this case passes (those that are set)."""
-        names = ("valid_lens", "mask", "bias", "causal", "window", "scale")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        """The keywords this case passes (those that are set; NumPy, and the
+        programmable forms as ``Mod``: see ``framework_forms``)."""
+        return {n: getattr(self, n) for n in FORMS if getattr(self, n) is not None}
+
+    @property
+    def learnable(self) -> list[np.ndarray]:
+        """The learnable arrays of its score_mod (NumPy), graded after dq, dk, dv."""
+        mod = self.score_mod
+        return [mod.arrays[n] for n in mod.learnable] if mod is not None else []
 
     def tolerance(self, grads: bool = False) -> tuple[float, float]:
         return (GRAD_TOLERANCES if grads else TOLERANCES)[self.dtype]
@@ -139,17 +187,6 @@ class Result:
     status: str
     error: float | None = None
     detail: str = ""
-
-
-def numpy_dtype(dtype: str) -> Any:
-    """The NumPy dtype of a dtype name (bfloat16 from ``ml_dtypes``)."""
-    if dtype == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:  # it comes with jax
-            raise NotSupported("bfloat16 needs the ml_dtypes package") from exc
-        return ml_dtypes.bfloat16
-    return np.dtype(dtype)
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -172,7 +209,8 @@ SHAPES = {
 
 
 def _oracle(q: np.ndarray, k: np.ndarray, v: np.ndarray, forms: dict) -> tuple:
-    """(output, (dq, dk, dv)) of the oracle; top-left causal as its boolean mask."""
+    """(output, the oracle's keywords); top-left causal as its boolean mask,
+    the programmable forms as NumPy functions."""
     forms = dict(forms)
     Q, K = q.shape[2], k.shape[2]
     if forms.get("causal") == "top-left":
@@ -182,16 +220,32 @@ def _oracle(q: np.ndarray, k: np.ndarray, v: np.ndarray, forms: dict) -> tuple:
         forms["causal"] = False
     else:
         forms["causal"] = forms.get("causal") == "bottom-right"
+    for name in ("mask_mod", "score_mod"):
+        if forms.get(name) is not None:
+            mod = forms[name]
+            forms[name] = mod.numpy_function()
+            if name == "score_mod":
+                forms["score_mod_derivative"] = mod.derivative
     if q.size == 0 or k.shape[2] == 0:  # nothing to see: zeros (the oracle needs a key)
         return np.zeros(q.shape[:3] + v.shape[3:]), forms
-    out, _ = ref.attention(q, k, v, **forms)
+    out, _ = ref.attention(q, k, v, **_without(forms, "score_mod_derivative"))
     return out, forms
 
 
-def _oracle_grads(q: Any, k: Any, v: Any, g: Any, forms: dict) -> tuple:
+def _without(forms: dict, name: str) -> dict:
+    return {n: x for n, x in forms.items() if n != name}
+
+
+def _oracle_grads(q: Any, k: Any, v: Any, g: Any, forms: dict, mod: Mod | None) -> tuple:
+    """(dq, dk, dv, *the score_mod's learnable arrays' gradients)."""
     if q.size == 0 or k.shape[2] == 0:
         return np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    return ref.attention_gradients(q, k, v, g, **forms)[:3]
+    dq, dk, dv, dscore = ref.attention_gradients(q, k, v, g, **forms)
+    extra = []
+    if mod is not None and mod.learnable:
+        found = mod.param_grads(dscore)  # type: ignore[misc]
+        extra = [found[n] for n in mod.learnable]
+    return (dq, dk, dv, *extra)
 
 
 def _specs(rng: np.random.Generator) -> Any:
@@ -266,6 +320,134 @@ def _specs(rng: np.random.Generator) -> Any:
     yield "empty-axis", "Q=0", (2, 2, 2, 0, 5, 4), lambda s: {}
     yield "empty-axis", "K=0", (2, 2, 2, 3, 0, 4), lambda s: {}
     yield "empty-axis", "B=0", (0, 2, 2, 3, 5, 4), lambda s: {}
+    # the programmable forms (appended: the cases above keep their inputs)
+    yield from _programmable_specs(rng)
+    yield from _regression_specs()
+
+
+GQA = (2, 4, 2, 4, 4, 4)  # four query heads, two kv heads, Q = K = 4
+# packed rows of Q = K = 4: row 0 ends with a padding position (an empty row)
+DOCUMENTS = np.array([[0, 0, 1, -1], [0, 1, 1, 1]])
+SEGMENT_PAIR = (np.array([[0, 1, -1], [1, 1, 2]]), np.array([[0, 0, 1, 1, -1], [0, 1, 1, 2, 2]]))
+
+
+def _programmable_specs(rng: np.random.Generator) -> Any:
+    """mask_mod, score_mod and segment_ids cases, each also with grouped heads."""
+
+    def table(shape: tuple) -> dict:
+        B, H, _, Q, K, _ = shape
+        return {"score_mod": forms.bias_table(rng.standard_normal((H, Q + K - 1)), Q)}
+
+    def slopes(shape: tuple) -> np.ndarray:
+        return 2.0 ** -np.arange(1, shape[1] + 1)
+
+    mods: list[tuple[str, Callable[[tuple], dict]]] = [
+        ("document", lambda s: {"mask_mod": forms.document(DOCUMENTS)}),
+        ("sliding-window+sinks", lambda s: {"mask_mod": forms.sliding_window_with_sinks(1, 1)}),
+        ("prefix-lm", lambda s: {"mask_mod": forms.prefix_lm(np.array([2, 0]))}),
+    ]
+    for variant, build in mods:
+        yield "mask_mod", variant, "q=k", build
+        yield "mask_mod", f"{variant}+gqa", GQA, build
+    yield (
+        "mask_mod",
+        "document+causal",
+        "q=k",
+        lambda s: {
+            "mask_mod": forms.document(DOCUMENTS),
+            "causal": "bottom-right",
+        },
+    )
+    scores: list[tuple[str, Callable[[tuple], dict]]] = [
+        ("alibi+causal", lambda s: {"score_mod": forms.alibi(slopes(s)), "causal": "bottom-right"}),
+        ("softcap", lambda s: {"score_mod": forms.softcap(1.0)}),
+        ("bias-table", table),
+    ]
+    for variant, build in scores:
+        yield "score_mod", variant, "q=k", build
+        yield "score_mod", f"{variant}+gqa", GQA, build
+    yield (
+        "score_mod",
+        "softcap+lens-1d",
+        "q=k",
+        lambda s: {
+            "score_mod": forms.softcap(1.0),
+            "valid_lens": np.array([3, 0]),
+        },
+    )
+    yield (
+        "score_mod",
+        "bias-table+document",
+        "q=k",
+        lambda s: {
+            **table(s),
+            "mask_mod": forms.document(DOCUMENTS),
+        },
+    )
+    for variant, extra in (("padding", {}), ("padding+causal", {"causal": "bottom-right"})):
+        yield "segment_ids", variant, "q=k", lambda s, e=extra: {"segment_ids": DOCUMENTS, **e}
+        yield (
+            "segment_ids",
+            f"{variant}+gqa",
+            GQA,
+            lambda s, e=extra: {"segment_ids": DOCUMENTS, **e},
+        )
+    yield "segment_ids", "pair", "q<k", lambda s: {"segment_ids": SEGMENT_PAIR}
+    yield "poison", "nan+segment_ids", "q=k", lambda s: {"segment_ids": DOCUMENTS, "poison": np.nan}
+
+
+# The peers' public bugs, each a case named after what goes wrong, with the reports.
+REGRESSIONS = {
+    "causal-dropped-with-weights": (
+        "q=k",
+        {"causal": "bottom-right", "hints": ("weights",)},
+        (
+            "https://github.com/keras-team/keras/issues/23038",
+            "https://github.com/pytorch/pytorch/issues/99282",
+        ),
+    ),
+    "causal-dropped-with-dropout": (
+        "q=k",
+        {"causal": "bottom-right", "hints": ("dropout",)},
+        ("https://github.com/keras-team/keras/issues/23038",),
+    ),
+    "window-alone-ignored": (
+        "q=k",
+        {"window": (1, 0)},
+        ("https://github.com/jax-ml/jax/issues/32300",),
+    ),
+    "zero-length-uniform-weights": (
+        "q=k",
+        {"valid_lens": np.array([4, 0])},
+        ("https://github.com/d2l-ai/d2l-en/pull/2423",),
+    ),
+    "empty-row-nan": (
+        "q=k",
+        {
+            "mask": np.array([[True] * 4, [False] * 4, [True, True, False, False], [True] * 4])[
+                None, None
+            ]
+        },
+        (
+            "https://github.com/pytorch/pytorch/issues/103749",
+            "https://github.com/pytorch/pytorch/pull/159973",
+            "https://github.com/microsoft/onnxscript/pull/2479",
+        ),
+    ),
+    "gqa-kv-head-order": (
+        GQA,
+        {},
+        (
+            "https://github.com/onnx/onnx/pull/7274",
+            "https://github.com/microsoft/onnxscript/pull/2408",
+        ),
+    ),
+}
+
+
+def _regression_specs() -> Any:
+    for name, (shape, spec, reports) in REGRESSIONS.items():
+        yield "regression", name, shape, lambda s, f=spec, r=reports: {**f, "reports": r}
 
 
 def _poisoned(k: np.ndarray, v: np.ndarray, forms: dict, poison: Any) -> tuple:
@@ -277,6 +459,9 @@ def _poisoned(k: np.ndarray, v: np.ndarray, forms: dict, poison: Any) -> tuple:
     if "valid_lens" in forms:
         lens = np.asarray(forms["valid_lens"])
         hidden = np.arange(K)[None, :] >= (lens if lens.ndim == 1 else lens.max(1))[:, None]
+    elif "segment_ids" in forms:  # padding: negative ids
+        ids = forms["segment_ids"]
+        hidden = np.asarray(ids[1] if isinstance(ids, tuple) else ids) < 0
     else:  # a boolean mask: the keys no query of any head may see
         hidden = ~np.asarray(forms["mask"]).any(axis=(1, 2))  # type: ignore[assignment]
     k[np.broadcast_to(hidden[:, None], k.shape[:3])] = poison
@@ -295,21 +480,38 @@ def make_case(
     oracle's expectation; ``forms`` as in the signature above."""
     q, k, v = (_round(np.asarray(x, np.float64), dtype) for x in (queries, keys, values))
     if "bias" in forms:
-        forms["bias"] = _round(np.asarray(forms["bias"], np.float64), dtype)
+        forms["bias"] = np.asarray(forms["bias"], np.float64)
+    forms = _rounded_forms(forms, dtype)
     want, _ = _oracle(q, k, v, forms)
     return Case(
         id=id, family=family, dtype=dtype, queries=q, keys=k, values=v, expected=want, **forms
     )
 
 
+def _rounded_forms(forms: dict, dtype: str) -> dict:
+    """The forms with their float arrays rounded to ``dtype`` (bias, and what a Mod closes over)."""
+    out: dict[str, Any] = {}
+    for name, x in forms.items():
+        if name == "bias":
+            x = _round(x, dtype)
+        elif isinstance(x, Mod):
+            arrays = {
+                n: _round(a, dtype) if a.dtype.kind == "f" else a for n, a in x.arrays.items()
+            }
+            x = dataclasses.replace(x, arrays=arrays)
+        out[name] = x
+    return out
+
+
 def conformance_cases(
     quick: bool = False, dtypes: tuple[str, ...] = DTYPES, seed: int = 0
 ) -> list[Case]:
     """The grid: each mask form (lengths 1-D/2-D, boolean, bias, causal in both
-    alignments, window, grouped-query heads, KV-cache decoding), empty rows and
-    empty axes, NaN and ``±inf`` where nobody may look, in ``dtypes``, with
-    gradients for the non-decoding cases. ``quick``:
-    about 50 of them (each family once in float32, a few in every dtype)."""
+    alignments, window, grouped-query heads, KV-cache decoding, mask_mod,
+    score_mod, segment_ids), empty rows and empty axes, NaN and ``±inf`` where
+    nobody may look, in ``dtypes``, with gradients for the non-decoding cases,
+    and the named regression cases (forward). ``quick``: about 70 of them (each
+    family once in float32, a few in every dtype, the regression cases)."""
     cases, first = [], set()
     rng = np.random.default_rng(seed)
     for family, variant, shape_name, build in _specs(rng):
@@ -321,6 +523,7 @@ def conformance_cases(
         forms = build(shape)
         poison = forms.pop("poison", None)
         decode = forms.pop("decode", None)
+        named = {n: forms.pop(n) for n in ("reports", "hints") if n in forms}
         q64, k64, v64 = normal3 = (
             rng.standard_normal((B, H, Q, d)),
             rng.standard_normal((B, Hkv, K, d)),
@@ -329,26 +532,26 @@ def conformance_cases(
         del normal3
         g64 = rng.standard_normal((B, H, Q, d))
         base = "/".join(p for p in (family, variant, label) if p)
+        if family == "regression":  # named after the bug: no shape in the id
+            base = f"{family}/{variant}"
         quick_family = family not in first
         first.add(family)
         for dtype in dtypes:
             q, k, v, g = (_round(x, dtype) for x in (q64, k64, v64, g64))
-            f: dict[str, Any] = {
-                n: (_round(x, dtype) if n == "bias" else x) for n, x in forms.items()
-            }
+            f = _rounded_forms(forms, dtype)
             if decode:  # graded against one causal pass
                 want, oracle_forms = _oracle(q, k, v, {"causal": "bottom-right"})
             else:
                 want, oracle_forms = _oracle(q, k, v, f)
             kp, vp = _poisoned(k, v, f, poison)
-            grads = [False] if decode else [False, True]
+            grads = [False] if decode or family == "regression" else [False, True]
             for grad in grads:
                 expected_grads = None
                 if grad:
-                    expected_grads = _oracle_grads(q, k, v, g, oracle_forms)
+                    expected_grads = _oracle_grads(q, k, v, g, oracle_forms, f.get("score_mod"))
                 is_quick = (
                     dtype == "float32"
-                    and (quick_family or base in _QUICK_FLOAT32)
+                    and (quick_family or base in _QUICK_FLOAT32 or family == "regression")
                     and (not grad or family in _QUICK_GRAD)
                 ) or (not grad and base in _QUICK_ALL_DTYPES)
                 if quick and not is_quick:
@@ -367,6 +570,7 @@ def conformance_cases(
                         expected=want,
                         expected_grads=expected_grads,
                         quick=is_quick,
+                        **named,
                         **f,
                     )
                 )
@@ -383,6 +587,9 @@ _QUICK_FLOAT32 = {
     "decode/static/B2-H2-Hkv2-Q5-K5",
     "empty-axis/K=0/B2-H2-Hkv2-Q3-K0",
     "lens-2d/empty-row/q>k",
+    "mask_mod/document+gqa/B2-H4-Hkv2-Q4-K4",
+    "score_mod/bias-table/q=k",
+    "segment_ids/padding+causal+gqa/B2-H4-Hkv2-Q4-K4",
 }
 _QUICK_GRAD = {
     "plain",
@@ -396,6 +603,9 @@ _QUICK_GRAD = {
     "gqa",
     "poison",
     "empty-axis",
+    "mask_mod",
+    "score_mod",
+    "segment_ids",
 }
 
 
@@ -418,7 +628,11 @@ def _max_error(got: Any, want: np.ndarray) -> float:
 
 
 def grade(case: Case, output: Any, grads: Any = None) -> Result:
-    """Grade an output (and gradients ``(dq, dk, dv)`` for a ``grad`` case)."""
+    """Grade an output (and for a ``grad`` case the gradients: dq, dk, dv, then
+    the learnable arrays' of its score_mod)."""
+    names = ["output", "dq", "dk", "dv"]
+    if case.score_mod is not None:
+        names += [f"d {n}" for n in case.score_mod.learnable]
     try:
         errors = [_max_error(output, np.asarray(case.expected))]
         atol, rtol = case.tolerance()
@@ -427,8 +641,12 @@ def grade(case: Case, output: Any, grads: Any = None) -> Result:
         if case.grad:
             if grads is None:
                 raise NotSupported("no gradients")
+            grads = list(grads)
+            wanted = list(case.expected_grads or ())
+            if len(grads) != len(wanted):
+                raise ValueError(f"{len(grads)} gradients, expected {len(wanted)}")
             gatol, grtol = case.tolerance(grads=True)
-            for got, want in zip(grads, case.expected_grads or ()):
+            for got, want in zip(grads, wanted):
                 err = _max_error(got, want)
                 errors.append(err)
                 ok = ok and err <= gatol + grtol * float(np.max(np.abs(want), initial=0.0))
@@ -437,10 +655,10 @@ def grade(case: Case, output: Any, grads: Any = None) -> Result:
     err = max(errors, key=lambda e: np.inf if np.isnan(e) else e)
     if ok:
         return Result("agrees", err)
-    nan = [n for n, e in zip(("output", "dq", "dk", "dv"), errors) if np.isnan(e)]
+    nan = [n for n, e in zip(names, errors) if np.isnan(e)]
     if nan:
         return Result("differs", err, f"NaN in {', '.join(nan)}")
-    worst = ("output", "dq", "dk", "dv")[errors.index(err)]
+    worst = names[errors.index(err)]
     return Result("differs", err, f"largest error in {worst}")
 
 
@@ -469,35 +687,83 @@ def decode_steps(case: Case, step: Callable[..., Any], **forms: Any) -> np.ndarr
     return np.concatenate(outs, axis=2)
 
 
-def run_case(case: Case, attention: Callable[..., Any]) -> Result:
-    """Run ``attention`` (the signature in this module's docstring) on
-    ``case`` and grade its output against the oracle. Gradient cases are "not
-    supported" here (the function gives no gradients)."""
-    if case.grad:
-        return Result("not supported", None, "gradients are not graded through a function")
+def framework_forms(case: Case, framework: Any, learned: Any = None) -> dict[str, Any]:
+    """The case's keywords on a framework (``frameworks.get(name)``): lengths
+    and segment ids int32, masks bool, the bias in the case's dtype, the
+    programmable forms as functions on its arrays (``learned``: the learnable
+    arrays, already the framework's, to differentiate through them)."""
+    fw, dtype = framework, case.dtype
+    out: dict[str, Any] = {}
+    for name, x in case.forms().items():
+        if name in ("valid_lens", "segment_ids"):
+            x = tuple(fw.ints(i) for i in x) if isinstance(x, tuple) else fw.ints(x)
+        elif name == "mask":
+            x = fw.bools(x)
+        elif name == "bias":
+            x = fw.array(x, dtype)
+        elif isinstance(x, Mod):
+            x = x.function(fw, dtype, learned if name == "score_mod" else None)
+        out[name] = x
+    return out
+
+
+def learnable_arrays(case: Case, framework: Any) -> list:
+    """The score_mod's learnable arrays on the framework (differentiated like q, k, v)."""
+    mod = case.score_mod
+    return [Mod.framework_array(framework, x, case.dtype) for x in case.learnable] if mod else []
+
+
+def takes(function: Callable, names: Any) -> None:
+    """NotSupported naming the keywords ``function`` does not accept."""
     try:
-        dtype = numpy_dtype(case.dtype)
-        params = inspect.signature(attention).parameters
-        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        needed = set(case.forms()) | ({"valid_lens"} if case.decode == "static" else set())
-        missing = sorted(n for n in needed if not takes_all and n not in params)
-        if missing:
-            raise NotSupported(f"takes no {', '.join(missing)}")
+        params = inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin: let it say
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    missing = sorted(n for n in names if n not in params)
+    if missing:
+        raise NotSupported(f"takes no {', '.join(missing)}")
 
-        def call(q: Any, k: Any, v: Any, **forms: Any) -> Any:
-            forms = {n: np.asarray(x, dtype) if n == "bias" else x for n, x in forms.items()}
-            return attention(
-                np.asarray(q, dtype), np.asarray(k, dtype), np.asarray(v, dtype), **forms
-            )
 
+def run_case(case: Case, attention: Callable[..., Any], framework: str = "numpy") -> Result:
+    """Run ``attention`` (the signature in this module's docstring) on
+    ``case``, handing it ``framework``'s arrays (``"numpy"``, ``"torch"``,
+    ``"jax"``, ``"mxnet"``), and grade its output, and for a gradient case the
+    gradients through the framework's autodiff, against the oracle. NumPy gives
+    no gradients: those cases are "not supported"."""
+    try:
+        fw = frameworks.get(framework)
+        if case.grad and not fw.autodiff:
+            raise NotSupported(f"{fw.name} gives no gradients")
+        takes(attention, set(case.forms()) | ({"valid_lens"} if case.decode == "static" else set()))
+        dtype = case.dtype
+
+        def call(q: Any, k: Any, v: Any, learned: Any = None, **step: Any) -> Any:
+            kw = framework_forms(case, fw, learned)
+            kw.update({n: fw.ints(x) for n, x in step.items()})  # a decoding step's lengths
+            return attention(q, k, v, **kw)
+
+        def arrays(*xs: np.ndarray) -> list:
+            return [fw.array(x, dtype) for x in xs]
+
+        grads = None
         if case.decode:
-            out = decode_steps(case, call)
+            out = decode_steps(case, lambda q, k, v, **f: fw.numpy(call(*arrays(q, k, v), **f)))
+        elif not case.grad:
+            out = fw.numpy(call(*arrays(case.queries, case.keys, case.values)))
         else:
-            out = _as_numpy(call(case.queries, case.keys, case.values, **case.forms()))
+            inputs = arrays(case.queries, case.keys, case.values) + learnable_arrays(case, fw)
+            out, found = fw.gradients(
+                lambda q, k, v, *learned: call(q, k, v, learned),
+                inputs,
+                fw.array(case.grad_out, dtype),
+            )
+            out, grads = fw.numpy(out), [fw.numpy(x) for x in found]
     except NotSupported as exc:
         return Result("not supported", None, str(exc))
     except NotImplementedError as exc:
         return Result("not supported", None, str(exc) or "NotImplementedError")
     except Exception as exc:
         return Result("error", None, f"{type(exc).__name__}: {exc}"[:300])
-    return grade(case, out)
+    return grade(case, out, grads)

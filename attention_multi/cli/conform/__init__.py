@@ -1,11 +1,14 @@
 """``attention-multi conform --impl NAME``: grade an attention implementation
 against the float64 oracle on a generated grid of cases.
 
-``NAME`` is an adapter (``adapters.ADAPTERS``: the frameworks' own attention
-and ours on each backend) or ``module:function``, a user's function with the
-signature documented in ``attention_multi.testing.conformance``. The grid is
-that module's ``conformance_cases`` (``--quick``: about 50 cases). Expected
-differences are data (``expected/<NAME>.txt``, see ``expected.py``).
+``NAME`` is an adapter (``adapters.ADAPTERS``: the frameworks' own attention,
+ours on each backend, and torch's and ours exported to ONNX Runtime) or
+``module:function``, a user's function with the signature documented in
+``attention_multi.testing.conformance``, handed the arrays of ``--framework``
+(numpy, torch, jax, mxnet; by default the one its module imports) and graded
+with its gradients where the framework has autodiff. The grid is that module's
+``conformance_cases`` (``--quick``: about 70 cases). Expected differences are
+data (``expected/<NAME>.txt``, see ``expected.py``).
 
 Exit status: 0 every case agrees (expected differences and "not supported"
 included); 1 some case differs or unexpectedly agrees; 2 bad arguments (an
@@ -22,6 +25,7 @@ import sys
 from pathlib import Path
 
 from ...files import atomic_write, check_writable
+from ...testing import frameworks
 from ...testing.conformance import DTYPES, conformance_cases, select
 from . import expected
 from .adapters import ADAPTERS, UserFunction, load_function
@@ -40,7 +44,13 @@ def add_arguments(parser):
         help=f"one of {', '.join(ADAPTERS)}, or module:function (a function of yours: "
         "see docs/guide/conformance.md)",
     )
-    parser.add_argument("--quick", action="store_true", help="about 50 cases instead of 360")
+    parser.add_argument(
+        "--framework",
+        choices=frameworks.FRAMEWORKS,
+        help="with --impl module:function: the arrays it takes (default: the framework "
+        "its module imports, numpy when none); its gradients are graded too",
+    )
+    parser.add_argument("--quick", action="store_true", help="about 70 cases instead of 552")
     parser.add_argument(
         "--cases",
         metavar="PATTERN",
@@ -68,8 +78,10 @@ def _fail(message):
     return 2
 
 
-def adapter_for(name):
+def adapter_for(name, framework=None):
     """(adapter, None) or (None, error message)."""
+    if name in ADAPTERS and framework is not None:
+        return None, f"--framework {framework}: only with --impl module:function"
     if name in ADAPTERS:
         adapter = ADAPTERS[name]()
         why = adapter.missing()
@@ -82,9 +94,14 @@ def adapter_for(name):
             f"--impl {name!r}: unknown; choose from {', '.join(ADAPTERS)} or module:function",
         )
     try:
-        return UserFunction(name, load_function(name)), None
+        function = load_function(name)
+        framework = framework or frameworks.detect(function)
+        frameworks.get(framework)
     except ValueError as exc:
-        return None, str(exc)
+        return None, f"--impl {name}: {exc}" if not str(exc).startswith("--impl") else str(exc)
+    except ImportError as exc:
+        return None, f"--impl {name} --framework {framework}: {exc}"
+    return UserFunction(name, function, framework), None
 
 
 def main(args):
@@ -92,7 +109,7 @@ def main(args):
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
         return _fail(f"--dtypes {args.dtypes!r}: expected a subset of {','.join(DTYPES)}")
-    adapter, message = adapter_for(args.impl)
+    adapter, message = adapter_for(args.impl, args.framework)
     if adapter is None:
         return _fail(message)
     try:
@@ -111,7 +128,10 @@ def main(args):
             check_writable(path)  # now, not after the grid has run
 
     rows = run_grid(adapter, cases, entries)
-    command = f"attention-multi conform --impl {args.impl}" + (" --quick" if args.quick else "")
+    command = f"attention-multi conform --impl {args.impl}"
+    if isinstance(adapter, UserFunction):
+        command += f" --framework {adapter.framework}"
+    command += " --quick" if args.quick else ""
     lines = markdown(adapter, rows, command)
     print("\n".join(lines))
     if args.markdown is not None:

@@ -1,13 +1,18 @@
 """Adapters: each framework's own attention, driven by a conformance case.
 
 An adapter translates a case into the framework's own arguments (lengths may
-become the key-padding mask every user builds from them), runs it, and
-returns NumPy. What the framework cannot express natively raises
-``NotSupported`` with the reason: such a case is never a pass.
+become the key-padding mask every user builds from them; a ``mask_mod`` or
+``segment_ids`` the boolean mask they mean, where the API takes no function),
+runs it, and returns NumPy. What the framework cannot express natively raises
+``NotSupported`` with the reason: such a case is never a pass. Arrays and
+gradients of each framework come from ``attention_multi.testing.frameworks``;
+ours and a user's function are graded through ``run_case`` (``Function``);
+``OnnxRuntime`` exports a torch adapter to ONNX and runs it in ONNX Runtime.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import math
@@ -19,11 +24,27 @@ from typing import Any
 
 import numpy as np
 
-from ...testing.conformance import Case, NotSupported, decode_steps, numpy_dtype, run_case
+from ...testing import frameworks
+from ...testing.conformance import (
+    FORMS,
+    Case,
+    NotSupported,
+    Result,
+    decode_steps,
+    grade,
+    run_case,
+)
+from ...testing.forms import materialized
+from ...testing.frameworks import numpy_dtype
+
+
+def _eagerly(call: Callable, q: Any, k: Any, v: Any, kw: dict) -> Any:
+    return call(q, k, v, kw)
 
 
 class Adapter:
-    """``run(case) -> (output, (dq, dk, dv) or None)`` as float64 NumPy."""
+    """``result(case) -> Result``; most adapters implement ``run(case) ->
+    (output, gradients or None)`` as float64 NumPy, graded here."""
 
     name = ""
     title = ""  # what is graded, in words
@@ -41,16 +62,43 @@ class Adapter:
     def run(self, case: Case) -> tuple[np.ndarray, Any]:
         raise NotImplementedError
 
+    # How the last call, ``call(q, k, v, kw)``, runs: eagerly (OnnxRuntime sets an exported run).
+    through: Callable[..., Any] = staticmethod(_eagerly)
+
+    def result(self, case: Case) -> Result:
+        """The raw result of one case: agrees, differs, not supported or error."""
+        if case.grad and not self.grads:
+            return Result("not supported", None, "no gradients")
+        try:
+            out, grads = self.run(case)
+        except NotSupported as exc:
+            return Result("not supported", None, str(exc))
+        except Exception as exc:  # a case it should express: a difference
+            return Result("error", None, f"raises {type(exc).__name__}: {first_line(exc)}")
+        return grade(case, out, grads)
+
+
+def first_line(exc):
+    """The message's first informative line (MXNet's start with a traceback)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    useful = [ln for ln in lines if "Error" in ln and not ln.startswith(("Traceback", "File "))]
+    return ((useful or lines or [""])[0])[:160]
+
 
 class Native(Adapter):
     """A function on the framework's arrays: ``call(q, k, v, kw)`` with the
-    keywords from ``translate``; decoding cases run ``call`` once per step."""
+    keywords from ``translate``; decoding cases run ``call`` once per step.
+    ``framework`` names its arrays and autodiff (``testing.frameworks``). A
+    ``mask_mod`` or ``segment_ids`` reaches ``translate`` as the boolean mask
+    it means (``plain``); a ``score_mod`` is not supported."""
+
+    framework = "numpy"
 
     def setup(self) -> None:
-        pass
+        self.fw = frameworks.get(self.framework)
 
     def array(self, x: np.ndarray, dtype: str) -> Any:
-        raise NotImplementedError
+        return self.fw.array(x, dtype)
 
     def translate(self, case: Case, shape: tuple, forms: dict, dtype: str) -> dict:
         raise NotImplementedError
@@ -59,10 +107,22 @@ class Native(Adapter):
         raise NotImplementedError
 
     def numpy(self, x: Any) -> np.ndarray:
-        raise NotImplementedError
+        return self.fw.numpy(x)
 
-    def gradients(self, f: Callable, q: Any, k: Any, v: Any, g: Any) -> tuple:
-        raise NotSupported("no gradients")
+    def plain(self, shape: tuple, forms: dict) -> dict:
+        """The forms an API without functions can be given: ``mask_mod`` and
+        ``segment_ids`` as the mask a user builds from them, ANDed with ``mask``."""
+        unknown = sorted(set(forms) - set(FORMS))
+        if unknown:
+            raise NotSupported(f"no {', '.join(unknown)}")
+        if "score_mod" in forms:
+            raise NotSupported("no score_mod (a function of the score)")
+        if "mask_mod" not in forms and "segment_ids" not in forms:
+            return forms
+        forms = dict(forms)
+        dense = materialized(shape, forms.pop("mask_mod", None), forms.pop("segment_ids", None))
+        forms["mask"] = dense & np.asarray(forms["mask"], bool) if "mask" in forms else dense
+        return forms
 
     def run(self, case):
         self.setup()
@@ -71,18 +131,19 @@ class Native(Adapter):
         def once(q, k, v, **forms):
             B, H, Q, d = q.shape
             shape = (B, H, k.shape[1], Q, k.shape[2], d)
-            kw = self.translate(case, shape, forms, dtype)
-            return self.call(*(self.array(x, dtype) for x in (q, k, v)), kw)
+            kw = self.translate(case, shape, self.plain(shape, forms), dtype)
+            return self.through(self.call, *(self.array(x, dtype) for x in (q, k, v)), kw)
 
         if case.decode:
             return decode_steps(case, lambda q, k, v, **f: self.numpy(once(q, k, v, **f))), None
         if not case.grad:
             return self.numpy(once(case.queries, case.keys, case.values, **case.forms())), None
-        kw = self.translate(case, case.shape, case.forms(), dtype)
+        forms = self.plain(case.shape, case.forms())
+        kw = self.translate(case, case.shape, forms, dtype)
         q, k, v, g = (
             self.array(x, dtype) for x in (case.queries, case.keys, case.values, case.grad_out)
         )
-        out, grads = self.gradients(lambda q, k, v: self.call(q, k, v, kw), q, k, v, g)
+        out, grads = self.fw.gradients(lambda q, k, v: self.call(q, k, v, kw), [q, k, v], g)
         return self.numpy(out), tuple(self.numpy(x) for x in grads)
 
 
@@ -103,27 +164,14 @@ def _only_q_eq_k(what, Q, K):
 
 class _Torch(Native):
     needs: tuple[str, ...] = ("torch",)
+    framework = "torch"
     grads = True
 
     def setup(self):
+        super().setup()
         import torch
 
         self.torch = torch
-
-    def array(self, x, dtype):
-        return self.torch.tensor(x, dtype=getattr(self.torch, dtype))
-
-    def numpy(self, x):
-        return x.detach().to(self.torch.float64).numpy()
-
-    def gradients(self, f, q, k, v, g):
-        torch = self.torch
-        for x in (q, k, v):
-            x.requires_grad_(True)
-        out = f(q, k, v)
-        (out.to(torch.float64) * g.to(torch.float64)).sum().backward()
-        # None: no path from the loss (an empty output): torch's zero gradient
-        return out, tuple(torch.zeros_like(x) if x.grad is None else x.grad for x in (q, k, v))
 
 
 class TorchSDPA(_Torch):
@@ -170,6 +218,9 @@ class TorchMHA(_Torch):
     name = "torch-mha"
     title = "torch.nn.MultiheadAttention (identity projections)"
 
+    def __init__(self) -> None:
+        self.modules: dict[tuple, Any] = {}
+
     def translate(self, case, shape, forms, dtype):
         torch = self.torch
         B, H, Hkv, Q, K, d = shape
@@ -204,20 +255,16 @@ class TorchMHA(_Torch):
                 raise NotSupported("a causal mask and another attn_mask at once")
             allowed = np.logical_and.reduce(np.broadcast_arrays(*masks, np.ones((B, H, Q, K))))
             kw["attn_mask"] = torch.tensor(~allowed.astype(bool).reshape(B * H, Q, K))
+        kw["need_weights"] = True  # the module's default (pytorch/pytorch#99282: the weights' path)
+        kw["dropout"] = 0.5 if "dropout" in case.hints else 0.0  # in eval mode: not applied
         return kw
 
     def call(self, q, k, v, kw):
-        torch = self.torch
         kw = dict(kw)
         B, H, Q, d = q.shape
         if v.shape[-1] != d:
             raise NotSupported("values of another size than the keys (one embed_dim)")
-        E = H * d
-        mha = torch.nn.MultiheadAttention(E, kw.pop("heads"), bias=False, batch_first=True)
-        with torch.no_grad():
-            mha.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
-            mha.out_proj.weight.copy_(torch.eye(E))
-        mha = mha.to(q.dtype).eval()
+        mha = self.module(H * d, kw.pop("heads"), kw.pop("dropout"), q.dtype)
 
         def tokens(x):  # (B, H, n, d) -> (B, n, H * d)
             return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
@@ -225,23 +272,47 @@ class TorchMHA(_Torch):
         out, _ = mha(tokens(q), tokens(k), tokens(v), **kw)
         return out.reshape(B, Q, H, d).transpose(1, 2)
 
+    def module(self, E, heads, dropout, dtype):
+        """The module, identity projections, in eval mode: one per size, built
+        outside any call (an exported call must not build it)."""
+        torch = self.torch
+        key = (E, heads, dropout, dtype)
+        if key not in self.modules:
+            mha = torch.nn.MultiheadAttention(
+                E, heads, dropout=dropout, bias=False, batch_first=True
+            )
+            with torch.no_grad():
+                mha.in_proj_weight.copy_(torch.eye(E).repeat(3, 1))
+                mha.out_proj.weight.copy_(torch.eye(E))
+            self.modules[key] = mha.to(dtype).eval()
+        return self.modules[key]
+
 
 class Flex(_Torch):
     """flex_attention, compiled (CPU: only compiled, forward only). One generic
     mask_mod and score_mod read the case's forms from tensors, so that the
-    compiled graph depends only on the shapes and the dtype."""
+    compiled graph depends only on the shapes and the dtype; a case's own
+    ``mask_mod``/``score_mod`` (and ``segment_ids``, as the document mask
+    flex_attention's users write) are applied inside them, a compile per
+    function."""
 
     name = "flex"
     title = "torch flex_attention (torch.compile, CPU), float32"
     grads = False
     # each shape compiles (about 30 s): --quick keeps two shapes
-    quick_patterns = ("*/q<k/*", "*/q=k/*")
+    quick_patterns = ("*/q<k/*", "*/q=k/*", "regression/*")
     shapes: set | None = None  # compiled shapes so far (one per shape and dtype)
     _compiled: Any = None
+
+    def plain(self, shape, forms):
+        return forms  # takes the functions as they are
 
     def translate(self, case, shape, forms, dtype):
         torch = self.torch
         B, H, Hkv, Q, K, d = shape
+        unknown = sorted(set(forms) - set(FORMS))
+        if unknown:
+            raise NotSupported(f"no {', '.join(unknown)}")
         if dtype != "float32":
             raise NotSupported("float32 only here (each dtype and shape compiles anew)")
         if case.decode:
@@ -262,13 +333,25 @@ class Flex(_Torch):
         left, right = (big if x is None else x for x in (left, right))
         bias = np.broadcast_to(forms.get("bias", 0.0), (B, H, Q, K))
         allowed = mask & np.isfinite(bias) | (bias > 0)  # -inf bias masks (its block too)
+        ids = forms.get("segment_ids")
+        if ids is None:
+            q_ids, k_ids = np.zeros((B, Q)), np.zeros((B, K))
+        elif isinstance(ids, tuple):
+            q_ids, k_ids = ids
+        else:
+            q_ids, k_ids = ids[:, np.arange(Q) + K - Q], ids
         t = {
             "lens": torch.tensor(np.ascontiguousarray(lens), dtype=torch.int64),
             "allowed": torch.tensor(np.ascontiguousarray(allowed)),
             "ints": torch.tensor([K - Q, shift, left, right], dtype=torch.int64),
             "bias": self.array(np.ascontiguousarray(np.where(np.isfinite(bias), bias, 0.0)), dtype),
+            "q_ids": torch.tensor(np.ascontiguousarray(q_ids), dtype=torch.int64),
+            "k_ids": torch.tensor(np.ascontiguousarray(k_ids), dtype=torch.int64),
         }
-        return {"t": t, "scale": forms.get("scale"), "gqa": H != Hkv, "shape": shape}
+        mods = {
+            n: forms[n].function(self.fw, dtype) for n in ("mask_mod", "score_mod") if n in forms
+        }
+        return {"t": t, "scale": forms.get("scale"), "gqa": H != Hkv, "shape": shape, **mods}
 
     def call(self, q, k, v, kw):
         torch = self.torch
@@ -276,19 +359,25 @@ class Flex(_Torch):
 
         t = kw["t"]
         lens, allowed, ints, bias = t["lens"], t["allowed"], t["ints"], t["bias"]
+        q_ids, k_ids = t["q_ids"], t["k_ids"]
+        own_mask, own_score = kw.get("mask_mod"), kw.get("score_mod")
 
         def mask_mod(b, h, q_idx, kv_idx):
             p = q_idx + ints[0]  # the query's position among the keys (bottom-right)
-            return (
+            seen = (
                 (kv_idx < lens[b, q_idx])
                 & allowed[b, h, q_idx, kv_idx]
                 & (kv_idx <= q_idx + ints[1])
                 & (kv_idx >= p - ints[2])
                 & (kv_idx <= p + ints[3])
+                & (q_ids[b, q_idx] == k_ids[b, kv_idx])
+                & (q_ids[b, q_idx] >= 0)
             )
+            return seen if own_mask is None else seen & own_mask(b, h, q_idx, kv_idx)
 
         def score_mod(score, b, h, q_idx, kv_idx):
-            return score + bias[b, h, q_idx, kv_idx]
+            score = score + bias[b, h, q_idx, kv_idx]
+            return score if own_score is None else own_score(score, b, h, q_idx, kv_idx)
 
         B, H, _, Q, K, _ = kw["shape"]
         block = create_block_mask(mask_mod, B, H, Q, K, device="cpu")
@@ -311,23 +400,23 @@ class Flex(_Torch):
 
 
 class Jax(Native):
+    """(Arrays in jax.nn's layout: (B, n, heads, d).)"""
+
     name = "jax"
     title = "jax.nn.dot_product_attention"
     needs = ("jax",)
+    framework = "jax"
     grads = True
 
     def setup(self):
-        import jax
-        import jax.numpy as jnp
-
-        jax.config.update("jax_enable_x64", True)  # float64 cases; float32 stays float32
-        self.jax, self.jnp = jax, jnp
+        super().setup()
+        self.jax, self.jnp = self.fw.jax, self.fw.jnp
 
     def array(self, x, dtype):
-        return self.jnp.asarray(np.asarray(x, numpy_dtype(dtype))).transpose(0, 2, 1, 3)
+        return self.fw.array(x, dtype).transpose(0, 2, 1, 3)
 
     def numpy(self, x):
-        return np.asarray(x.astype(self.jnp.float64)).transpose(0, 2, 1, 3)
+        return self.fw.numpy(x).transpose(0, 2, 1, 3)
 
     def translate(self, case, shape, forms, dtype):
         jnp = self.jnp
@@ -362,92 +451,77 @@ class Jax(Native):
             raise NotSupported("values of another size than the queries and keys")
         return self.jax.nn.dot_product_attention(q, k, v, **kw)
 
-    def gradients(self, f, q, k, v, g):
-        jnp = self.jnp
-
-        def loss(q, k, v):
-            out = f(q, k, v)
-            return jnp.sum(out.astype(jnp.float64) * g.astype(jnp.float64)), out
-
-        (_, out), grads = self.jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
-        return out, grads
-
 
 # -- attention-multi -----------------------------------------------------------------------------
 
 
-class Ours(Native):
-    """``attention_multi.dot_product_attention`` on one backend."""
+class Function(Adapter):
+    """A function with the grid's signature (``attention_multi.testing.conformance``)
+    on one framework's arrays, graded through ``run_case``: the forward pass,
+    and the gradients where the framework has autodiff."""
 
-    title = "attention_multi.dot_product_attention"
+    def __init__(self, name: str, title: str, function: Callable | None, framework: str):
+        self.name, self.title, self.function, self.framework = name, title, function, framework
+        self.needs = (framework,)
+        self.grads = framework != "numpy"
+
+    def attention(self) -> Callable:
+        assert self.function is not None
+        return self.function
+
+    def result(self, case):
+        if case.grad and not self.grads:
+            return Result("not supported", None, "no gradients")
+        attention = self.attention()
+
+        def call(q: Any, k: Any, v: Any, kw: dict) -> Any:
+            return attention(q, k, v, **kw)
+
+        @functools.wraps(attention)  # (its signature: the keywords it takes)
+        def through(q: Any, k: Any, v: Any, **kw: Any) -> Any:
+            return self.through(call, q, k, v, kw)
+
+        return run_case(case, through, self.framework)
+
+
+class Ours(Function):
+    """``attention_multi.dot_product_attention`` on one backend: the grid's
+    causal alignments as ``causal=True`` (bottom-right; top-left only when Q == K)."""
 
     def __init__(self, backend):
-        self.backend_name = backend
-        self.name = f"am-{backend}"
-        self.title = f"attention_multi.dot_product_attention, {backend} backend"
-        self.needs = ("numpy",) if backend == "numpy" else (backend,)
-        self.grads = backend != "numpy"
+        super().__init__(
+            f"am-{backend}",
+            f"attention_multi.dot_product_attention, {backend} backend",
+            None,
+            backend,
+        )
 
     def missing(self):
         import backends
 
-        if self.backend_name not in backends.available_backends():
-            return f"{self.backend_name} is not installed"
+        if self.framework not in backends.available_backends():
+            return f"{self.framework} is not installed"
         return None
 
-    def setup(self):
-        import attention_multi as am
+    def attention(self):
+        if self.function is None:
+            import attention_multi as am
 
-        self.am, self.B = am, am.get_backend(self.backend_name)
-        self.B.enable_float64()
+            B = am.get_backend(self.framework)
+            B.enable_float64()
 
-    def array(self, x, dtype):
-        if dtype not in self.B.float_dtypes:
-            raise NotSupported(f"no {dtype} on the {self.B.name} backend")
-        return self.am.asarray(x, dtype, backend=self.B)
+            def attention(q, k, v, *, causal=None, **forms):
+                dtype = B.dtype_name(q)
+                if dtype not in B.float_dtypes:
+                    raise NotSupported(f"no {dtype} on the {B.name} backend")
+                if causal == "top-left":
+                    _only_q_eq_k(
+                        "top-left causal: causal=True is bottom-right", q.shape[2], k.shape[2]
+                    )
+                return am.dot_product_attention(q, k, v, causal=causal is not None, **forms)
 
-    def numpy(self, x):
-        return np.asarray(self.B.to_numpy(x), np.float64)
-
-    def translate(self, case, shape, forms, dtype):
-        B, H, Hkv, Q, K, d = shape
-        kw = dict(forms)
-        for name, kind in (("valid_lens", "int32"), ("mask", "bool")):
-            if name in kw:
-                kw[name] = self.am.asarray(kw[name], kind, backend=self.B)
-        if "bias" in kw:
-            kw["bias"] = self.array(kw["bias"], dtype)
-        if kw.get("causal") == "top-left":
-            _only_q_eq_k("top-left causal: causal=True is bottom-right", Q, K)
-        if "causal" in kw:
-            kw["causal"] = True
-        return kw
-
-    def call(self, q, k, v, kw):
-        return self.am.dot_product_attention(q, k, v, **kw)
-
-    def gradients(self, f, q, k, v, g):
-        name = self.backend_name
-        if name == "torch":
-            return _Torch.gradients(self._torch(), f, q, k, v, g)
-        if name == "jax":
-            jax = Jax()
-            jax.setup()
-            return Jax.gradients(jax, f, q, k, v, g)
-        from mxnet import autograd
-
-        for x in (q, k, v):
-            x.attach_grad()
-        with autograd.record():
-            out = f(q, k, v)
-            loss = (out.astype("float64") * g.astype("float64")).sum()
-        loss.backward()
-        return out, (q.grad, k.grad, v.grad)
-
-    def _torch(self):
-        t = _Torch()
-        t.setup()
-        return t
+            self.function = attention
+        return self.function
 
 
 # -- MXNet's length softmax, and d2l's code ---------------------------------------------------
@@ -462,12 +536,8 @@ class MXNetSoftmax(Native):
     needs = ("mxnet",)
 
     def setup(self):
-        import attention_multi as am
-
-        am.get_backend("mxnet")  # numpy.bool for MXNet on numpy 1.26
-        import mxnet
-
-        self.mx = mxnet
+        super().setup()
+        self.mx = frameworks.get("mxnet").mx  # (numpy.bool for MXNet on numpy 1.26)
 
     def array(self, x, dtype):
         if dtype == "bfloat16":
@@ -550,6 +620,7 @@ class Keras(Native):
     needs = ("keras", "jax")
 
     def setup(self):
+        super().setup()
         os.environ.setdefault("KERAS_BACKEND", "jax")
         import keras  # type: ignore[import-not-found]
 
@@ -585,24 +656,31 @@ class Keras(Native):
             _only_q_eq_k("bottom-right causal: use_causal_mask is top-left", Q, K)
         if causal:
             kw["use_causal_mask"] = True
+        if "weights" in case.hints:  # keras-team/keras#23038
+            kw["return_attention_scores"] = True
+        kw["dropout"] = 0.5 if "dropout" in case.hints else 0.0  # inference: no dropout applied
         return kw
 
     def call(self, q, k, v, kw):
         kw = dict(kw)
         B, H, Hkv, Q, K, d = kw.pop("shape")
-        dtype = kw.pop("dtype")
+        dtype, dropout = kw.pop("dtype"), kw.pop("dropout")
         if v.shape[-1] != d:
             raise NotSupported("values of another size than the keys (identity projections)")
         layers = self.keras.layers
         if H == Hkv:
-            layer = layers.MultiHeadAttention(H, d, use_bias=False, dtype=dtype)
+            layer = layers.MultiHeadAttention(H, d, use_bias=False, dropout=dropout, dtype=dtype)
         else:
-            layer = layers.GroupQueryAttention(d, H, Hkv, use_bias=False, dtype=dtype)
+            layer = layers.GroupQueryAttention(
+                d, H, Hkv, use_bias=False, dropout=dropout, dtype=dtype
+            )
         flat = [x.reshape(x.shape[0], x.shape[1], x.shape[2] * x.shape[3]) for x in (q, k, v)]
         layer.build(flat[0].shape, flat[2].shape, flat[1].shape)
         for w in layer.weights:
             w.assign(_identity(tuple(w.shape)))
         out = layer(flat[0], flat[2], key=flat[1], training=False, **kw)
+        if isinstance(out, tuple):  # (output, scores)
+            out = out[0]
         return self.keras.ops.reshape(out, (B, Q, H, d))
 
 
@@ -619,10 +697,12 @@ class Flax(Native):
     name = "flax"
     title = "flax.nnx.MultiHeadAttention (identity projections)"
     needs = ("flax", "jax")
+    framework = "jax"
     grads = True
 
     def setup(self):
-        Jax.setup(self)
+        super().setup()
+        self.jax, self.jnp = self.fw.jax, self.fw.jnp
         from flax import nnx  # type: ignore[import-not-found]
 
         self.nnx = nnx
@@ -675,26 +755,128 @@ class Flax(Native):
         out = layer(*flat, deterministic=True, **kw)
         return out.reshape(B, Q, H, d)
 
-    def gradients(self, f, q, k, v, g):
-        return Jax.gradients(self, f, q, k, v, g)
-
 
 # -- a user's function -------------------------------------------------------------------------
 
 
-class UserFunction(Adapter):
-    """``module:function`` with the signature of ``attention_multi.testing.conformance``."""
+class UserFunction(Function):
+    """``module:function`` with the signature of ``attention_multi.testing.conformance``,
+    handed ``framework``'s arrays."""
 
-    def __init__(self, spec: str, function: Callable):
-        self.name = spec
-        self.title = f"{spec} (a user's function)"
-        self.function = function
+    def __init__(self, spec: str, function: Callable, framework: str = "numpy"):
+        super().__init__(spec, f"{spec} (a user's function, {framework})", function, framework)
 
-    def run(self, case):
-        raise AssertionError("graded through run_case")
+
+# -- ONNX Runtime --------------------------------------------------------------------------------
+
+
+class OnnxRuntime(Adapter):
+    """A torch adapter's attention exported to ONNX (``torch.onnx.export(...,
+    dynamo=True)``, arrays as graph inputs) and run in ONNX Runtime on the CPU,
+    on the grid's forward cases. The eager adapter translates the case as
+    always (what it cannot say stays "not supported"); only its last call
+    runs in ONNX Runtime. One export per shape, dtype and static argument."""
+
+    needs = ("torch", "onnxscript", "onnxruntime")
+    grads = False
+
+    def __init__(self, name: str, eager: Callable[[], Adapter], opset: int | None = None):
+        self.name, self.eager, self.opset = name, eager(), opset
+        at = f" at opset {opset}" if opset else ""
+        self.title = f"{self.eager.title}, exported to ONNX{at} and run in ONNX Runtime (CPU)"
+        self.graphs: dict[Any, Any] = {}  # cached sessions
+        self.exports = 0
+        self.eager.through = self.exported
+
+    def missing(self):
+        return Adapter.missing(self) or self.eager.missing()
 
     def result(self, case):
-        return run_case(case, self.function)
+        if case.grad:
+            return Result("not supported", None, "forward only (an exported graph)")
+        return self.eager.result(case)
+
+    def exported(self, call: Callable, q: Any, k: Any, v: Any, kw: dict) -> Any:
+        """``call(q, k, v, kw)`` exported and run in ONNX Runtime (after it ran
+        eagerly, so that what it cannot express says so)."""
+        import torch
+
+        call(q, k, v, kw)
+        layout = [(n, isinstance(x, tuple), len(_tensors(x))) for n, x in kw.items() if _tensors(x)]
+        tensors = [t for x in kw.values() for t in _tensors(x)]
+        statics = {n: x for n, x in kw.items() if not _tensors(x)}
+        key = None
+        if not any(callable(x) or hasattr(x, "shape") for x in statics.values()):
+            shapes = [(tuple(t.shape), t.dtype) for t in (q, k, v, *tensors)]
+            key = (repr(sorted(statics.items())), tuple(layout), tuple(shapes))
+        session = self.graphs.get(key) if key is not None else None
+        if session is None:
+            session = self._session(torch, call, (q, k, v, *tensors), kw, layout)
+            if key is not None:
+                self.graphs[key] = session
+        feeds = [_feed(torch, t) for t in (q, k, v, *tensors)]
+        names = [i.name for i in session.get_inputs()]
+        if len(names) != len(feeds):
+            raise RuntimeError(f"the exported graph takes {len(names)} inputs, not {len(feeds)}")
+        try:
+            out = session.run(None, dict(zip(names, feeds)))[0]
+        except Exception as exc:  # ONNX Runtime's message: the kernel's check, after its C++ frame
+            raise RuntimeError(f"ONNX Runtime: {_runtime_reason(exc)}") from None
+        return torch.from_numpy(np.asarray(out, np.float64)).to(q.dtype)
+
+    def _session(self, torch, call, inputs, kw, layout):
+        import logging
+
+        import onnxruntime  # type: ignore[import-not-found]
+
+        class Graph(torch.nn.Module):
+            def forward(self, q, k, v, *tensors):
+                given, rest = dict(kw), list(tensors)
+                for name, pair, count in layout:  # a pair of segment ids stays a pair
+                    taken, rest = rest[:count], rest[count:]
+                    given[name] = tuple(taken) if pair else taken[0]
+                return call(q, k, v, given)
+
+        for logger in ("torch.onnx", "onnxscript"):
+            logging.getLogger(logger).setLevel(logging.ERROR)
+        onnxruntime.set_default_logger_severity(4)  # its errors come back as exceptions
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                Graph(), inputs, dynamo=True, verbose=False, opset_version=self.opset
+            )
+        self.exports += 1
+        try:
+            return onnxruntime.InferenceSession(
+                program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:
+            if "NOT_IMPLEMENTED" in str(exc):  # no kernel for a node of this dtype
+                raise NotSupported(f"ONNX Runtime: {first_line(exc)}") from exc
+            raise
+
+
+def _tensors(x: Any) -> list:
+    """The plain tensors a keyword holds, itself or a pair's (segment ids): the
+    graph's inputs. (torch's CausalBias, a tensor subclass, stays in the graph.)"""
+    items = x if isinstance(x, tuple) else (x,)
+    return [t for t in items if type(t).__name__ == "Tensor" and hasattr(t, "shape")]
+
+
+def _runtime_reason(exc: Exception) -> str:
+    """'running <op> node: <why>' of an ONNX Runtime failure (its message
+    carries a C++ signature between the two)."""
+    text = " ".join(str(exc).split())
+    node = text.split("while running ", 1)[-1].split(" node", 1)[0] if "running " in text else ""
+    why = text.rsplit(" was false. ", 1)[-1] if " was false. " in text else text.rsplit(": ", 1)[-1]
+    return f"{node}: {why}"[:200] if node else why[:200]
+
+
+def _feed(torch: Any, t: Any) -> np.ndarray:
+    """ONNX Runtime's input of a tensor (bfloat16 as ml_dtypes')."""
+    if t.dtype == torch.bfloat16:
+        return t.detach().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return t.detach().numpy()
 
 
 ADAPTERS: dict[str, Callable[[], Adapter]] = {
@@ -710,6 +892,10 @@ ADAPTERS: dict[str, Callable[[], Adapter]] = {
     "d2l": D2L,
     "keras": Keras,
     "flax": Flax,
+    "onnx-am": lambda: OnnxRuntime("onnx-am", lambda: Ours("torch")),
+    "onnx-torch-sdpa": lambda: OnnxRuntime("onnx-torch-sdpa", TorchSDPA),
+    "onnx-torch-sdpa-opset23": lambda: OnnxRuntime("onnx-torch-sdpa-opset23", TorchSDPA, 23),
+    "onnx-torch-mha": lambda: OnnxRuntime("onnx-torch-mha", TorchMHA),
 }
 
 

@@ -7,9 +7,9 @@ import sys
 import time
 from collections import Counter
 
-from ...testing.conformance import Case, NotSupported, Result, grade
+from ...testing.conformance import Case, Result
 from . import expected as expected_differences
-from .adapters import Adapter, UserFunction
+from .adapters import Adapter
 
 # Final statuses, in the tables' order; the first two and "not supported" count as agreeing.
 STATUSES = ("agrees", "expected difference", "differs", "unexpectedly agrees", "not supported")
@@ -18,24 +18,7 @@ FAILING = ("differs", "unexpectedly agrees")
 
 def run_one(adapter: Adapter, case: Case) -> Result:
     """The raw result of one case: agrees, differs, not supported or error."""
-    if isinstance(adapter, UserFunction):
-        return adapter.result(case)
-    if case.grad and not adapter.grads:
-        return Result("not supported", None, "no gradients")
-    try:
-        out, grads = adapter.run(case)
-    except NotSupported as exc:
-        return Result("not supported", None, str(exc))
-    except Exception as exc:  # a case it should express: a difference
-        return Result("error", None, f"raises {type(exc).__name__}: {_first_line(exc)}")
-    return grade(case, out, grads)
-
-
-def _first_line(exc):
-    """The message's first informative line (MXNet's start with a traceback)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    useful = [ln for ln in lines if "Error" in ln and not ln.startswith(("Traceback", "File "))]
-    return ((useful or lines or [""])[0])[:160]
+    return adapter.result(case)
 
 
 def run_grid(adapter, cases, entries, progress=True):
@@ -125,7 +108,7 @@ def markdown(adapter, rows, command):
                     case.id,
                     status,
                     _error(result.error) or "-",
-                    f"{atol:g}+{rtol:g}|ref|",
+                    f"{atol:g}+{rtol:g}\\|ref\\|",  # (escaped: a cell of a Markdown table)
                     (reason or result.detail).replace("|", "/"),
                 ]
             )
@@ -133,6 +116,22 @@ def markdown(adapter, rows, command):
             "## Differences",
             "",
             *table(["case", "status", "max error", "tolerance", "why"], body),
+            "",
+        ]
+    named = [r for r in rows if r[0].reports]
+    if named:
+        lines += [
+            "## Named regression cases",
+            "",
+            "The peers' public bugs as cases: does this implementation have them?",
+            "",
+            *table(
+                ["case", "status", "max error", "upstream reports"],
+                [
+                    [case.id, status, _error(result.error) or "-", " ".join(case.reports)]
+                    for case, result, status, _ in named
+                ],
+            ),
             "",
         ]
     unsupported = Counter(r[1].detail for r in rows if r[2] == "not supported")
@@ -151,6 +150,9 @@ def as_json(adapter, rows, command):
         "versions": versions(adapter),
         "counts": counts(rows),
         "exit_status": exit_status(rows),
+        # cases per family, and per keyword they pass (a form in any combination)
+        "families": dict(Counter(case.family for case, _, _, _ in rows)),
+        "forms": dict(Counter(n for case, _, _, _ in rows for n in case.forms())),
         "cases": [
             {
                 "id": case.id,
@@ -163,6 +165,7 @@ def as_json(adapter, rows, command):
                 "tolerance": list(case.tolerance(case.grad)),
                 "detail": result.detail,
                 "expected_reason": reason,
+                **({"reports": list(case.reports)} if case.reports else {}),
             }
             for case, result, status, reason in rows
         ],

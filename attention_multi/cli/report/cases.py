@@ -84,6 +84,13 @@ def make_inputs(seed=0):
         "nw_w": np.array([1.7]),
         "nw_keys": np.tile(x_train, (50, 1))[others].reshape(50, -1),
         "nw_values": np.tile(y_train, (50, 1))[others].reshape(50, -1),
+        # the programmable forms: packed documents over the 5 keys of q, k, v (-1: padding;
+        # the queries sit at the last 3 positions), ALiBi's slopes for 2 heads
+        "doc_ids": np.array([[0, 0, 1, 1, -1], [0, 1, 1, 1, 2]]),
+        "alibi_slopes": np.array([0.5, 0.25]),
+        # the heatmap's packed row: documents of 5, 7 and 4 tokens
+        "packed_ids": np.repeat(np.arange(3), [5, 7, 4])[None],
+        "packed_x": normal((1, 16, 8)),
     }
 
 
@@ -132,6 +139,36 @@ def _gqa(r, i, **forms):
     )
     x = r.a(i["gqa_x"])
     return [net(x, x, x, **forms)]
+
+
+def _documents(ids, offset):
+    """mask_mod: a query (at key position ``q_idx + offset``) sees its own
+    document's keys; negative ids are padding (such a query sees nothing)."""
+
+    def document(b, h, q_idx, kv_idx):
+        own = ids[b, q_idx + offset]
+        return (own == ids[b, kv_idx]) & (own >= 0)
+
+    return document
+
+
+def _sliding_window_with_sinks(b, h, q_idx, kv_idx):
+    """mask_mod: causal over the last 2 keys, and the first key for every query."""
+    return ((kv_idx <= q_idx) & (q_idx - kv_idx <= 1)) | (kv_idx < 1)
+
+
+def _alibi(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    return alibi
+
+
+def _softcap(tanh):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 1.5 * tanh(score / 1.5)
+
+    return softcap
 
 
 def _decode(r, i):
@@ -250,6 +287,31 @@ CASES = [
         "MultiHeadAttention, KV cache decoding",
         _decode,
         lambda i: _ref_gqa(i, steps=True, causal=True),
+    ),
+    (
+        "dot_product_attention, mask_mod (documents, padding: an empty row)",
+        lambda r, i: _forms(r, i, mask_mod=_documents(r.lens(i["doc_ids"]), 2)),
+        lambda i: _ref_forms(i, mask_mod=_documents(i["doc_ids"], 2)),
+    ),
+    (
+        "dot_product_attention, segment_ids (the same documents), causal",
+        lambda r, i: _forms(r, i, segment_ids=i["doc_ids"], causal=True),
+        lambda i: _ref_forms(i, segment_ids=i["doc_ids"], causal=True),
+    ),
+    (
+        "dot_product_attention, score_mod (soft-capping 1.5), valid_lens",
+        lambda r, i: _forms(r, i, score_mod=_softcap(r.B.tanh), valid_lens=i["m_lens"]),
+        lambda i: _ref_forms(i, score_mod=_softcap(np.tanh), valid_lens=i["m_lens"]),
+    ),
+    (
+        "MultiHeadAttention, GQA, score_mod (ALiBi), causal",
+        lambda r, i: _gqa(r, i, score_mod=_alibi(r.a(i["alibi_slopes"])), causal=True),
+        lambda i: _ref_gqa(i, score_mod=_alibi(i["alibi_slopes"]), causal=True),
+    ),
+    (
+        "MultiHeadAttention, GQA, mask_mod (sliding window with a sink)",
+        lambda r, i: _gqa(r, i, mask_mod=_sliding_window_with_sinks),
+        lambda i: _ref_gqa(i, mask_mod=_sliding_window_with_sinks),
     ),
     (
         "PositionalEncoding",

@@ -172,6 +172,28 @@ def figures(out, B, device, inputs, trainer):
         "head, one row per batch element (valid_lens " + str(list(lens)) + ")",
     )
 
+    ids = r.lens(i["packed_ids"])
+
+    def packed_causal(b, h, q_idx, kv_idx):  # a mask_mod: own document, causal
+        return (ids[b, q_idx] == ids[b, kv_idx]) & (kv_idx <= q_idx)
+
+    net = r.module(am.DotProductAttention, 0.0)
+    x = r.a(i["packed_x"])
+    net(x, x, x, mask_mod=packed_causal)
+    fig = am.show_heatmaps(
+        r.numpy(net.attention_weights).reshape((1, 1, 16, 16)),
+        xlabel="Keys",
+        ylabel="Queries",
+        titles=["mask_mod: packed documents of 5, 7 and 4 tokens, causal"],
+        figsize=(4.5, 4.5),
+    )
+    save(
+        fig,
+        "heatmap_mask_mod.png",
+        "DotProductAttention weights under a mask_mod (three documents packed in one row of "
+        "16 tokens, each query causal within its own document): the block-diagonal triangles",
+    )
+
     fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5))
     x_test = i["x_test"]
     y_hat = r.numpy(am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]), r.a(x_test)))
