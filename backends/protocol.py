@@ -174,7 +174,7 @@ class Backend:
     # whether ``scan`` compiles to one loop: the compiler keeps one step's
     # work alive at a time, where unrolled independent steps may all be live
     sequential_scan: bool = False
-    kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores
+    kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores, idle
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
@@ -277,6 +277,14 @@ class Backend:
         """``[fn(t) for t in tasks]``, in parallel where the framework does not
         parallelize each operation itself."""
         return [fn(t) for t in tasks]
+
+    def call_cost(self) -> float:
+        """What one more framework call costs now, in scores: ``kernel_call_cost``
+        on an idle machine; more where the backend measures that its calls
+        wait (a parallel region waits for the threads the OS has descheduled
+        on a busy machine). ``ATTENTION_MULTI_CALL_COST=idle`` keeps the idle
+        cost (reproducible choices, for tests)."""
+        return self.kernel_call_cost
 
     def concurrency(self) -> int:
         """How many tasks ``parallel_map`` runs at once."""

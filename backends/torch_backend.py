@@ -1,5 +1,8 @@
 """PyTorch backend: modules are real ``torch.nn.Module`` objects."""
 
+import os
+import time
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -80,6 +83,40 @@ class _RingShift(torch.autograd.Function):
         return _send_recv(grad, -1, ctx.group), None
 
 
+class _Waits:
+    """How long a parallel region of torch's CPU thread pool waits now: a
+    probe of one region (a fill of 128K floats) at most every 0.25 s, less
+    its fastest time seen, smoothed. A descheduled pool thread makes every
+    region wait for it: sixteen calls wait sixteen times."""
+
+    EVERY = 0.25  # seconds between probes
+    SCORES_PER_SECOND = 2e8  # (SDPA on this CPU class, d = 64: what a wait is worth)
+
+    def __init__(self):
+        self.buffer = None
+        self.when = -1.0
+        self.fastest = 5e-5  # seconds: idle, such a fill takes less on any CPU this runs on
+        self.wait = None
+
+    def cost(self):
+        now = time.monotonic()
+        if now - self.when >= self.EVERY:
+            self.when = now
+            if os.environ.get("ATTENTION_MULTI_CALL_COST") == "idle":
+                self.wait = 0.0
+            elif torch.get_num_threads() > 1:
+                with torch.inference_mode(False), torch.no_grad():  # (a plain tensor, any mode)
+                    if self.buffer is None:
+                        self.buffer = torch.empty(1 << 17)
+                    start = time.perf_counter()
+                    self.buffer.fill_(0.0)
+                    took = time.perf_counter() - start
+                self.fastest = min(self.fastest, took)
+                waited = took - self.fastest
+                self.wait = waited if self.wait is None else 0.7 * self.wait + 0.3 * waited
+        return (self.wait or 0.0) * self.SCORES_PER_SECOND
+
+
 class TorchBackend(NumpyLike):
     name = "torch"
     xp = torch
@@ -101,6 +138,10 @@ class TorchBackend(NumpyLike):
     @staticmethod
     def take(x, indices, axis):
         return torch.index_select(x, axis, indices.long())
+
+    def __init__(self):
+        super().__init__()
+        self._waits = _Waits()
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):
@@ -133,6 +174,13 @@ class TorchBackend(NumpyLike):
 
     def zeros(self, shape, dtype, device=None):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+
+    def call_cost(self):
+        """``kernel_call_cost`` plus what a parallel region waits now on the
+        CPU (``_Waits``); while tracing, the idle cost (nothing runs)."""
+        if self.is_tracing():
+            return self.kernel_call_cost
+        return self.kernel_call_cost + self._waits.cost()
 
     def is_concrete(self, x):
         """False while torch traces (``is_tracing``) and for tensor

@@ -6,7 +6,7 @@
   ``SMALL_SCORES`` scores or whose weights will be read, within the memory
   budget; otherwise every path of ``paths.REGISTRY`` is asked for its plan,
   and the cheapest runs (a plan's cost counts the scores it computes and
-  ``Backend.kernel_call_cost`` per kernel call: on a busy machine each call
+  ``Backend.call_cost()`` per kernel call: on a busy machine each call
   waits for descheduled threads). A kernel that declines at run time hands
   the call to the next plan. A path asked for by name is tried alone first.
 """

@@ -26,7 +26,7 @@ from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
 from . import fused, online
-from .call import Call, Plan, dropout_fn, expand_kv
+from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -75,7 +75,7 @@ def plan(call: Call) -> Plan | None:
         return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
     calls = call.batch * -(-call.num_queries // block_q)
     share = computed_fraction(mask, table, block_q, block_k)
-    return Plan(share * call.scores + xp.kernel_call_cost * calls, (block_q, block_k, table))
+    return Plan(share * call.scores + call.call_cost * calls, (block_q, block_k, table))
 
 
 def _spans(
@@ -144,25 +144,47 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
         autodiff = any(xp.may_differentiate(x) for x in (q, k, v))
         cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k), autodiff)
     outs = []
+    starts = range(0, num_q, block_q)
     for b0, b1 in groups:
-        rows = []
-        for qi, q0 in enumerate(range(0, num_q, block_q)):
-            q1 = min(num_q, q0 + block_q)
-            if kernel and table is not None:
-                out = _kernel_rows(
-                    xp,
-                    cuts,
-                    mask,
-                    table,
-                    (b0, b1, q0, q1, qi),
-                    block_k,
-                    scale,
-                    call.dropout,
-                    finite,
-                )
+        done: dict[int, Array] = {}  # first row -> the output of its rows
+        if kernel:
+            stacked = _stacked(table, b0, b1, (num_q, num_k), (block_q, block_k), heads, call)
+            for first, last in stacked:
+                q0, q1 = first * block_q, min(num_q, (last + 1) * block_q)
+                if first == last:
+                    where = (b0, b1, q0, q1, first)
+                    args = (xp, cuts, mask, table, where, block_k, scale, call.dropout, finite)
+                    out = _kernel_rows(*args)
+                else:  # (consecutive rows over the keys they see together: one call)
+                    spans = [
+                        _spans(table, b0, qi, num_k, block_k)[0] for qi in range(first, last + 1)
+                    ]
+                    k0, k1 = min(sp[0] for sp in spans), max(sp[1] for sp in spans)
+                    sub = mask.region(Region(b0, b1, q0, q1, k0, k1))
+                    ks, vs = cuts.keys(b0, b1, [(k0, k1, PARTIAL)])
+                    queries = cuts.queries(b0, b1, q0, q1)
+                    out = fused.kernel(
+                        xp,
+                        queries,
+                        ks,
+                        vs,
+                        sub,
+                        scale,
+                        dropout=call.dropout,
+                        queries_finite=finite,
+                        keys_finite=finite,
+                    )
                 if out is not None:
-                    rows.append(in_dtype(xp, out, work))
-                    continue
+                    done[first] = in_dtype(xp, out, work)
+        rows = []
+        qi = 0
+        while qi < len(starts):
+            if qi in done:
+                rows.append(done[qi])
+                qi += -(-done[qi].shape[2] // block_q)
+                continue
+            q0 = starts[qi]
+            q1 = min(num_q, q0 + block_q)
             qs = scaled(xp, q[b0:b1, :, q0:q1], scale, work)
             state = online.start(xp, tuple(qs.shape[:3]), dv, work, device) if traced else None
             for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
@@ -177,9 +199,45 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
                 rows.append(xp.zeros((b1 - b0, heads, q1 - q0, dv), work, device))
             else:
                 rows.append(online.finish(xp, state))
+            qi += 1
         outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
     return in_dtype(xp, out, call.dtype), None
+
+
+def _stacked(
+    table: np.ndarray,
+    b0: int,
+    b1: int,
+    sizes: tuple[int, int],
+    block: tuple[int, int],
+    heads: int,
+    call: Call,
+) -> list[tuple[int, int]]:
+    """``(first, last)`` rows of blocks of queries that one kernel call
+    computes: consecutive rows that each see one run of keys are stacked over
+    the keys they see together where that costs less than a call each
+    (``call.grouped``); a row with several runs, or none, is alone."""
+    (num_q, num_k), (block_q, block_k), call_cost = sizes, block, call.call_cost
+    rows = -(-num_q // block_q)
+    spans = [_spans(table, b0, qi, num_k, block_k) for qi in range(rows)]
+    out: list[tuple[int, int]] = []
+    qi = 0
+    while qi < rows:
+        if len(spans[qi]) != 1:
+            out.append((qi, qi))
+            qi += 1
+            continue
+        end = qi
+        while end < rows and len(spans[end]) == 1:
+            end += 1
+        k0 = np.array([spans[i][0][0] for i in range(qi, end)])
+        k1 = np.array([spans[i][0][1] for i in range(qi, end)])
+        work = (b1 - b0) * heads * block_q
+        for members, _, _, _ in grouped(k0, k1, k0 < 0, work, call_cost, end - qi, False):
+            out.append((qi + int(members[0]), qi + int(members[-1])))
+        qi = end
+    return out
 
 
 class _Cuts:
@@ -207,9 +265,12 @@ class _Cuts:
             self.pieces = (cut(q, block[0]), cut(k, block[1]), cut(v, block[1]))
 
     def queries(self, b0: int, b1: int, q0: int, q1: int) -> Array:
+        """The queries ``[q0, q1)`` (block-aligned: one block, or several)."""
         if self.pieces is None:
             return self.arrays[0][b0:b1, :, q0:q1]
-        return self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // self.block[0]]
+        size = self.block[0]
+        pieces = self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // size : -(-q1 // size)]
+        return pieces[0] if len(pieces) == 1 else self.xp.concatenate(pieces, 2)
 
     def keys(self, b0: int, b1: int, spans: list[tuple[int, int, int]]) -> tuple[Array, Array]:
         """Keys and values of the runs ``spans`` ``(k0, k1, state)``

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+import numpy as np
+
 from ..numerics import DEFAULT_MEMORY_BUDGET, compute_dtype, work_itemsize
 
 if TYPE_CHECKING:
@@ -66,6 +68,7 @@ class Call:
         self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
         self.scores_bytes = self.scores * self.itemsize * self.held
         self.keyed_dropout = bool(dropout) and key is not None
+        self.call_cost = xp.call_cost()  # (in scores: what one more framework call costs now)
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""
@@ -81,7 +84,7 @@ class Call:
 
 class Plan(NamedTuple):
     """What a path would do: ``cost`` in scores' worth of work (each kernel
-    call counting ``Backend.kernel_call_cost``), and the path's own
+    call counting ``Backend.call_cost()``), and the path's own
     ``detail`` for its ``run``."""
 
     cost: float
@@ -106,3 +109,48 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
         return xp.dropout(w, rate, xp.fold_key(key, index))
 
     return drop
+
+
+def grouped(
+    starts: np.ndarray,
+    stops: np.ndarray,
+    whole: np.ndarray,
+    rows: int,
+    call_cost: float,
+    most: int,
+    gather: bool,
+) -> list[tuple[np.ndarray, int, int, bool]]:
+    """``(elements, k0, k1, whole)`` groups, each one kernel call over the
+    keys ``[k0, k1)`` that its elements see together (``starts``, ``stops``:
+    each element's), that minimize the scores computed (``rows`` per element
+    and key) plus ``call_cost`` per group, at most ``most`` elements each:
+    consecutive elements, or the elements sorted by the keys they see when
+    ``gather``. Elements that see no key form one group of their own, last
+    (no kernel call)."""
+    empty = stops <= starts
+    order = np.arange(len(starts))[~empty]
+    if gather:
+        order = order[np.lexsort((starts[order], stops[order]))]
+    n = len(order)
+    per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
+    best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
+    for j in range(1, n + 1):  # best[j]: the first j elements, grouped
+        i = np.arange(max(0, j - most), j)
+        span = (
+            np.maximum.accumulate(stops[order[i]][::-1])[::-1]
+            - np.minimum.accumulate(starts[order[i]][::-1])[::-1]
+        )
+        cost = best[i] + (j - i) * rows * span + per_group
+        cut[j] = i[np.argmin(cost)]
+        best[j] = cost.min()
+    out = []
+    j = n
+    while j > 0:
+        members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
+        k0, k1 = int(starts[members].min()), int(stops[members].max())
+        same = (starts[members] == k0).all() and (stops[members] == k1).all()
+        out.append((members, k0, k1, bool(same and whole[members].all())))
+        j = int(cut[j])
+    if empty.any():
+        out.append((np.flatnonzero(empty), 0, 0, False))
+    return out[::-1]

@@ -63,7 +63,7 @@ def plan(call: Call) -> Plan | None:
     if call.dropout and not xp.fused_dropout:
         return None
     share = CAUSAL_SHARE if mask.top_left_causal and xp.fused_causal else 1.0
-    return Plan(share * call.scores + xp.kernel_call_cost)
+    return Plan(share * call.scores + call.call_cost)
 
 
 def run(call: Call, plan: Plan) -> tuple[Array, None] | None:

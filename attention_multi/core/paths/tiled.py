@@ -22,7 +22,7 @@ from ..numerics import (
     work_itemsize,
 )
 from . import fused
-from .call import Call, Plan, dropout_fn, expand_kv
+from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -89,53 +89,10 @@ def plan_tiles(
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
         most = batch if memory_budget is None else max(1, memory_budget // (per_query * (q1 - q0)))
-        block = _grouped(starts, stops, whole, rows, call_cost, most, gather)
+        block = grouped(starts, stops, whole, rows, call_cost, most, gather)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
     return Tiles(groups, blocks, work)
-
-
-def _grouped(
-    starts: np.ndarray,
-    stops: np.ndarray,
-    whole: np.ndarray,
-    rows: int,
-    call_cost: float,
-    most: int,
-    gather: bool,
-) -> list[tuple[np.ndarray, int, int, bool]]:
-    """``(elements, k0, k1, whole)`` groups that minimize the scores computed
-    (``rows`` per element and key) plus ``call_cost`` per group, at most
-    ``most`` elements each: consecutive elements of the batch, or of the
-    batch sorted by the keys they see when ``gather``. Elements that see no
-    key form one group of their own (no kernel call)."""
-    empty = stops <= starts
-    order = np.arange(len(starts))[~empty]
-    if gather:
-        order = order[np.lexsort((starts[order], stops[order]))]
-    n = len(order)
-    per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
-    best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
-    for j in range(1, n + 1):  # best[j]: the first j elements, grouped
-        i = np.arange(max(0, j - most), j)
-        span = (
-            np.maximum.accumulate(stops[order[i]][::-1])[::-1]
-            - np.minimum.accumulate(starts[order[i]][::-1])[::-1]
-        )
-        cost = best[i] + (j - i) * rows * span + per_group
-        cut[j] = i[np.argmin(cost)]
-        best[j] = cost.min()
-    out = []
-    j = n
-    while j > 0:
-        members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
-        k0, k1 = int(starts[members].min()), int(stops[members].max())
-        same = (starts[members] == k0).all() and (stops[members] == k1).all()
-        out.append((members, k0, k1, bool(same and whole[members].all())))
-        j = int(cut[j])
-    if empty.any():
-        out.append((np.flatnonzero(empty), 0, 0, False))
-    return out[::-1]
 
 
 def plan(call: Call) -> Plan | None:
@@ -149,7 +106,7 @@ def plan(call: Call) -> Plan | None:
     if call.path != "tiled" and xp.compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
-    cost = xp.kernel_call_cost
+    cost = call.call_cost
     tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
     if tiles is None:
         return None

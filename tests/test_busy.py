@@ -1,0 +1,82 @@
+"""A busy machine: each framework call waits for the threads the OS has
+descheduled, so "auto" weighs a kernel call at what it costs now
+(``Backend.call_cost``, measured by torch's backend) and takes fewer, larger
+calls when they wait. The answers stay the oracle's; the calls are counted
+with torch's own profiler."""
+
+import time
+
+import numpy as np
+import pytest
+
+import attention_multi as am
+from attention_multi import reference as oracle
+
+torch = pytest.importorskip("torch")
+
+
+def _kernel_calls(f):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = f()
+    return out, sum(e.name == "aten::scaled_dot_product_attention" for e in prof.events())
+
+
+@pytest.fixture
+def waits(monkeypatch):
+    """Set what a parallel region of torch's pool is measured to wait (seconds)."""
+    monkeypatch.delenv("ATTENTION_MULTI_CALL_COST", raising=False)
+    xp = am.get_backend("torch")
+
+    def set_wait(seconds):
+        xp._waits.wait, xp._waits.when = seconds, time.monotonic() + 3600  # (no probe now)
+
+    yield set_wait
+    xp._waits.wait, xp._waits.when = None, -1.0
+
+
+def test_the_measured_cost_of_a_call_is_at_least_the_idle_one(monkeypatch):
+    monkeypatch.delenv("ATTENTION_MULTI_CALL_COST", raising=False)
+    xp = am.get_backend("torch")
+    xp._waits.when = -1.0
+    cost = xp.call_cost()
+    assert cost >= xp.kernel_call_cost
+    assert xp.call_cost() == cost  # (probed at most every 0.25 s)
+    monkeypatch.setenv("ATTENTION_MULTI_CALL_COST", "idle")
+    xp._waits.when = -1.0
+    assert xp.call_cost() == xp.kernel_call_cost
+
+
+def test_padding_takes_one_call_when_calls_wait(waits):
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((16, 256, 32)).astype(np.float32) for _ in range(3))
+    lens = rng.integers(64, 257, 16)
+    want, _ = oracle.dot_product_attention(q, k, v, lens)
+    m = am.DotProductAttention(0.0, backend="torch").eval()
+    args = [torch.tensor(x) for x in (q, k, v, lens)]
+    calls = {}
+    for name, wait in (("idle", 0.0), ("busy", 0.01)):
+        waits(wait)
+        out, calls[name] = _kernel_calls(lambda: m(*args))
+        assert m.last_path in ("tiled", "fused")
+        np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5)
+    assert calls["busy"] == 1 < calls["idle"], calls
+
+
+def test_packed_rows_are_stacked_when_calls_wait(waits):
+    rng = np.random.default_rng(1)
+    T, H = 1024, 2
+    ids = np.asarray(am.segments_from_lengths([[300, 200, 400, 124]], T))
+    q, k, v = (rng.standard_normal((1, H, T, 16)).astype(np.float32) for _ in range(3))
+    allowed = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((T, T), bool))
+    want, _ = oracle.attention(q, k, v, mask=allowed[:, None])
+    args = [torch.tensor(x) for x in (q, k, v)]
+    calls = {}
+    for name, wait in (("idle", 0.0), ("busy", 0.01)):
+        waits(wait)
+        out, calls[name] = _kernel_calls(
+            lambda: am.dot_product_attention(*args, segment_ids=torch.tensor(ids), causal=True)
+        )
+        np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5)
+    assert calls["busy"] < calls["idle"], calls
