@@ -132,6 +132,12 @@ class JaxBackend(NumpyLike):
         )
         return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), starts)
 
+    def read_slice(self, x, start, size, axis):
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis)
+
+    def compiled(self, fn):
+        return jax.jit(fn)
+
     def register_tree(self, cls, flatten, unflatten):
         if cls not in _TREES:
             jax.tree_util.register_pytree_node(cls, flatten, unflatten)

@@ -10,7 +10,8 @@ what the framework's module base provides):
 3. **Capability flags**: class attributes the core reads to choose a path;
    the defaults describe a framework without the capability.
 4. **Kernels**: the framework's own attention, ring exchange, autodiff,
-   recomputation, run-time branch, slice write and parallel map; each default
+   recomputation, run-time branch, slice read and write, compiled functions
+   and parallel map; each default
    is the core's generic way, or a clear refusal.
 5. **Tracing and key hooks**: for frameworks that trace (``jax.jit``,
    ``torch.compile``) or take explicit PRNG keys; defaults for eager ones.
@@ -262,6 +263,15 @@ class Backend:
         ``runtime_cond``, also while traced (decided when the program runs)."""
         return true_fn(operand) if bool(pred) else false_fn(operand)
 
+    def read_slice(self, x: Array, start: Any, size: int, axis: int) -> Array:
+        """``x`` at ``start, ..., start + size - 1`` along ``axis`` (the other
+        axes whole). ``start`` is an int, or a 0-d int array that may be
+        traced where the framework compiles (JAX: then the read is clamped to
+        ``x``)."""
+        index: list[Any] = [slice(None)] * len(x.shape)
+        index[axis] = slice(start, start + size)
+        return x[tuple(index)]
+
     def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
         """A copy of ``buffer`` with ``update`` written at ``start`` along
         ``axis`` (the other axes whole): out of place, so autodiff sees it.
@@ -272,6 +282,12 @@ class Backend:
         index[axis] = slice(start, start + update.shape[axis])
         out[tuple(index)] = update
         return out
+
+    def compiled(self, fn: Callable[..., R]) -> Callable[..., R]:
+        """``fn``, a function of arrays (and tuples of them, and None), as
+        one compiled program per shapes of its arguments, reused by every
+        later call of those shapes (JAX: ``jax.jit``); elsewhere ``fn``."""
+        return fn
 
     def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
         """``[fn(t) for t in tasks]``, in parallel where the framework does not

@@ -36,9 +36,7 @@ class Arrays(Form):
         return s if self.bias is None else s + self.bias
 
     def region(self, mask: Mask, r: Region) -> Form:
-        if not isinstance(r.k0, (int, np.integer)):
-            raise ValueError("mask= and bias= cannot be cut at a traced key position")
-        return Arrays(*(_sliced(x, r) for x in (self.mask, self.bias, self.allowed)))
+        return Arrays(*(_sliced(x, r, True, mask.xp) for x in (self.mask, self.bias, self.allowed)))
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
         return Arrays(*(_taken(xp, x, rows) for x in (self.mask, self.bias, self.allowed)))

@@ -93,7 +93,7 @@ class Intervals(Form):
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         lo, hi = self.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
         lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
-        lo, hi = _sliced(lo, r, False), _sliced(hi, r, False)
+        lo, hi = _sliced(lo, r, False, xp), _sliced(hi, r, False, xp)
         return xp.any(xp.minimum(hi, r.k1) > xp.where(lo > r.k0, lo, r.k0))
 
     # -- on the host ---------------------------------------------------------------------
@@ -119,9 +119,9 @@ class Intervals(Form):
         return np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY).astype(np.int8)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        host = isinstance(r.k0, (int, np.integer))
-        lens = _sliced(self.valid_lens, r, False)
-        known = _sliced(self.valid_lens_known, r, False)
+        host = r.on_host
+        lens = _sliced(self.valid_lens, r, False, mask.xp)
+        known = _sliced(self.valid_lens_known, r, False) if host else None
         return replace(
             self,
             valid_lens=None if lens is None else lens - r.k0,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..checks import check_array
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _taken
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _cut, _taken
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -42,10 +42,11 @@ class Segments(Form):
         return xp.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
 
     @staticmethod
-    def _rows(ids: tuple[Any, Any], r: Region) -> tuple[Any, Any]:
-        """The query and key ids of the region ``r``."""
+    def _rows(ids: tuple[Any, Any], r: Region, xp: Backend | None = None) -> tuple[Any, Any]:
+        """The query and key ids of the region ``r`` (``xp``: at traced starts)."""
         qs, ks = (x[r.b0 : r.b1] if x.shape[0] > 1 else x for x in ids)
-        return qs[:, r.q0 : r.q1], ks[:, r.k0 : r.k1]
+        nq, nk = r.sizes or (None, None)
+        return _cut(xp, qs, 1, r.q0, r.q1, nq), _cut(xp, ks, 1, r.k0, r.k1, nk)
 
     def region_state(self, mask: Mask, r: Region) -> int:
         q, k = self._rows(self.known_ids, r)
@@ -95,10 +96,8 @@ class Segments(Form):
         return start + int(hit[0]), start + int(hit[-1]) + 1
 
     def region(self, mask: Mask, r: Region) -> Form:
-        if not isinstance(r.k0, (int, np.integer)):
-            raise ValueError("segment_ids cannot be cut at a traced key position")
-        ids = self._rows((self.query_ids, self.key_ids), r)
-        known = None if self.known_ids is None else self._rows(self.known_ids, r)
+        ids = self._rows((self.query_ids, self.key_ids), r, mask.xp)
+        known = None if self.known_ids is None or not r.on_host else self._rows(self.known_ids, r)
         return Segments(ids[0], ids[1], known)
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:

@@ -31,14 +31,21 @@ without a mask)."""
 
 class Region(NamedTuple):
     """A block of a mask: batch elements ``[b0, b1)``, queries ``[q0, q1)``,
-    keys ``[k0, k1)`` (``k0`` and ``k1`` may be traced where a form allows)."""
+    keys ``[k0, k1)``. The starts of queries and keys may be traced (a
+    scan's block, ``Mask.block_at``); ``sizes`` then gives (queries, keys)."""
 
     b0: int
     b1: int
-    q0: int
-    q1: int
+    q0: Any
+    q1: Any
     k0: Any
     k1: Any
+    sizes: tuple[int, int] | None = None
+
+    @property
+    def on_host(self) -> bool:
+        """Whether its starts are host ints (not traced)."""
+        return isinstance(self.q0, (int, np.integer)) and isinstance(self.k0, (int, np.integer))
 
 
 class Form:
@@ -106,19 +113,30 @@ def _taken(xp: Backend, x: Any, rows: np.ndarray) -> Any:
     return xp.take(x, xp.asarray(rows, "int32", xp.device_of(x)), 0)
 
 
-def _sliced(x: Any, r: Region, keys: bool = True) -> Any:
+def _cut(xp: Backend | None, x: Any, axis: int, start: Any, stop: Any, size: int | None) -> Any:
+    """``x[start:stop]`` along ``axis``; ``start`` traced: ``size`` entries
+    from it (``Backend.read_slice``)."""
+    if isinstance(start, (int, np.integer)):
+        index: list[Any] = [slice(None)] * len(x.shape)
+        index[axis] = slice(start, stop)
+        return x[tuple(index)]
+    assert xp is not None and size is not None, "a traced start needs a backend and a size"
+    return xp.read_slice(x, start, size, axis)
+
+
+def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> Any:
     """``x`` (4-D, size-1 axes broadcast) cut to the region ``r`` (its keys
-    too, unless ``keys`` is False)."""
+    too, unless ``keys`` is False); ``xp`` cuts at traced starts."""
     if x is None:
         return None
-    index = [slice(None)] * 4
+    nq, nk = r.sizes or (None, None)
     if x.shape[0] > 1:
-        index[0] = slice(r.b0, r.b1)
+        x = x[r.b0 : r.b1]
     if x.shape[2] > 1:
-        index[2] = slice(r.q0, r.q1)
+        x = _cut(xp, x, 2, r.q0, r.q1, nq)
     if keys and x.shape[3] > 1:
-        index[3] = slice(r.k0, r.k1)
-    return x[tuple(index)]
+        x = _cut(xp, x, 3, r.k0, r.k1, nk)
+    return x
 
 
 class Mask:
@@ -312,6 +330,16 @@ class Mask:
                 break
         return state
 
+    def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
+        """Device bool (0-d): whether some query of the region may see some
+        key of it, every form together (None: no form says)."""
+        seen = None
+        for form in self.forms:
+            s = form.seen(xp, self, r, device)
+            if s is not None:
+                seen = s if seen is None else xp.logical_and(seen, s)
+        return seen
+
     def region(self, r: Region, state: int | None = None) -> Mask:
         """The Mask of the block ``r``, positions counted from its start. A
         block every query sees whole gets a Mask without forms."""
@@ -327,18 +355,19 @@ class Mask:
         forms = tuple(f.rows(xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
         return Mask(len(rows), self.heads, self.num_queries, self.num_keys, forms, self.host, xp)
 
+    def block_at(self, q0: Any, k0: Any, num_queries: int, num_keys: int) -> Mask:
+        """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0,
+        k0 + num_keys)`` of every batch element; ``q0`` and ``k0`` ints or
+        traced (a scan's block, ring attention under ``shard_map``), within
+        the mask (a traced start is clamped to it)."""
+        r = Region(0, self.batch, q0, q0 + num_queries, k0, k0 + num_keys, (num_queries, num_keys))
+        forms = tuple(f.region(self, r) for f in self.forms)
+        return Mask(self.batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
+
     def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
-        an int or traced (ring attention under ``shard_map``, scans). Only
-        for interval masks (lengths, causal, window)."""
-        if self.dense:
-            raise ValueError(
-                "a block of keys at a traced position takes only valid_lens, "
-                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
-            )
-        r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
-        forms = tuple(f.region(self, r) for f in self.forms)
-        return Mask(self.batch, self.heads, self.num_queries, size, forms, self.host, self.xp)
+        an int or traced (``block_at``)."""
+        return self.block_at(0, k0, self.num_queries, size)
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
         """Host: the keys ``[start, stop)`` narrowed by every form for the

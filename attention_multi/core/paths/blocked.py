@@ -6,17 +6,19 @@ On the host (values concrete) the block states come from
 ``mask.host_table``: empty blocks are never computed, full ones without a
 mask. A block of queries goes through the backend's kernel
 (``fused.kernel``) over its runs of visible keys, put side by side, with the
-block's mask; where the kernel declines (none, a ``score_mod``, a framework
-that compiles each new shape), each run is an online-softmax step. While
-traced (``jax.jit``), each block of the whole batch goes through
-``Backend.cond`` on a device-side test of every form, so blocks are skipped
-at run time, nothing recompiles when the layout changes, and the program does
-not grow with the batch.
+block's mask; where the kernel declines (none, a ``score_mod``), each run is
+an online-softmax step. While traced (``torch.compile``, ``jax.jit``), each
+block of the whole batch goes through ``Backend.cond`` on a device-side test
+of every form, so blocks are skipped at run time, nothing recompiles when the
+layout changes, and the program does not grow with the batch. A framework
+that compiles each new shape runs blocks of one shape (``fixed_blocks``):
+while traced, a scan (the program does not grow with the length either);
+eagerly, one compiled kernel per block shape.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,7 +27,7 @@ from ..mask.arrays import arrays
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
-from . import fused, online
+from . import fixed_blocks, fused, online
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
@@ -44,13 +46,17 @@ TRACED_SHARE = 0.5
 are skipped at run time, by values the plan cannot see."""
 
 
-def pick_block(mask: Mask, traced: bool) -> tuple[int, int]:
-    """Blocks of queries x keys: a BlockMask's own, else square blocks."""
+def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]:
+    """Blocks of queries x keys: a BlockMask's own, else square blocks while
+    traced or ``fixed`` (one shape for every block: ``fixed_blocks``), else
+    short blocks of keys (runs of them are computed as one)."""
     form = mask.form("mask_mod")
     if form is not None and form.block_mask is not None:
         return form.block_mask.block_q, form.block_mask.block_k
     if traced:
         return min(TRACED_BLOCK, mask.num_queries), min(TRACED_BLOCK, mask.num_keys)
+    if fixed:
+        return min(DEFAULT_BLOCK, mask.num_queries), min(DEFAULT_BLOCK, mask.num_keys)
     return min(DEFAULT_BLOCK, mask.num_queries), min(KEY_BLOCK, mask.num_keys)
 
 
@@ -69,11 +75,15 @@ def plan(call: Call) -> Plan | None:
         if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
             return None
     block = (call.chunk_size, call.chunk_size) if call.chunk_size else None
-    table = None if traced else host_table(mask, *(block or pick_block(mask, False)))
-    block_q, block_k = block or pick_block(mask, table is None)
+    fixed = xp.compiles_per_shape
+    table = None if traced else host_table(mask, *(block or pick_block(mask, False, fixed)))
+    block_q, block_k = block or pick_block(mask, table is None, fixed)
     if table is None:  # (conds compiled into one program: no kernel calls)
         return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
-    calls = call.batch * -(-call.num_queries // block_q)
+    if fixed:  # (a compiled kernel call per block that is not empty)
+        calls = int((table != EMPTY).sum()) * (call.batch if table.shape[0] == 1 else 1)
+    else:
+        calls = call.batch * -(-call.num_queries // block_q)
     share = computed_fraction(mask, table, block_q, block_k)
     return Plan(share * call.scores + call.call_cost * calls, (block_q, block_k, table))
 
@@ -97,16 +107,6 @@ def _spans(
     return spans
 
 
-def _seen(xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
-    """Device bool: whether some query of the region may see some key of it."""
-    seen = None
-    for form in mask.forms:
-        s = form.seen(xp, mask, r, device)
-        if s is not None:
-            seen = s if seen is None else xp.logical_and(seen, s)
-    return seen
-
-
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced)."""
@@ -123,15 +123,13 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
     dv = v.shape[-1]
     block_q, block_k, table = plan.detail
     traced = table is None
+    if traced and xp.sequential_scan:  # (one loop's program, whatever the length)
+        return fixed_blocks.scanned(call, block_q, block_k)
+    if not traced and xp.compiles_per_shape:  # (one compiled kernel per block shape)
+        return fixed_blocks.compiled(call, block_q, block_k, table)
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (a block of queries through the backend's kernel, over its visible keys;
-    # not on a framework that compiles each new shape: the spans vary)
-    kernel = (
-        table is not None
-        and xp.has_fused_attention
-        and mask.score_mod is None
-        and not xp.compiles_per_shape
-    )
+    # (a block of queries through the backend's kernel, over its visible keys)
+    kernel = table is not None and xp.has_fused_attention and mask.score_mod is None
     # (one read of the inputs instead of the NaN passes around each kernel call)
     finite = kernel and all_finite(xp, q, k, v)
     if not finite:
@@ -191,7 +189,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
-                seen = _seen(xp, mask, r, device) if traced and xp.runtime_cond else None
+                seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
                 cut = (slice(b0, b1), slice(None), slice(k0, k1))
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)

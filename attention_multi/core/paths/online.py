@@ -28,14 +28,19 @@ def softmax_block(
     mask: Mask,
     work: str,
     dropout: Callable[..., Array] | None = None,
+    hidden: Any = None,
 ) -> State:
     """The state of scaled queries ``qs`` over one block of keys and values,
     whose Mask is ``mask``. A row with no visible key in the block has sum 0
     and accumulator 0. ``dropout`` (a function of the probabilities) applies
-    to the product only."""
+    to the product only. ``hidden`` (an int, or traced): the block's first
+    keys that no query sees here (a block overlapping the one before it)."""
     device = xp.device_of(qs)
     s = mask.scores(xp, xp.matmul(qs, in_dtype(xp, k, work), transpose_b=True), work)
     visible = mask.boolean(xp, device)
+    if hidden is not None:
+        after = xp.arange(k.shape[2], device).reshape((1, 1, 1, k.shape[2])) >= hidden
+        visible = after if visible is None else xp.logical_and(visible, after)
     if visible is not None:
         s = xp.where(visible, s, fill_against(xp, work, device))
     row_max = xp.max(s, -1, keepdims=True)
@@ -82,18 +87,23 @@ def step(
     mask: Mask,
     work: str,
     drop: Callable[..., Array] | None = None,
-    cut: tuple[slice, ...] | None = None,
+    cut: tuple[slice, ...] | Callable[[Array, Array], tuple[Array, Array]] | None = None,
     seen: Any = None,
+    hidden: Any = None,
 ) -> State | None:
-    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (whole when
-    ``cut`` is None), whose Mask is ``mask``. Recomputed in the backward pass,
-    which keeps only the running state, not the block's scores nor the cut
-    keys; with ``seen`` (a device bool), skipped at run time when False."""
+    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (``cut`` slices,
+    or a function of ``(k, v)`` returning the block; whole when None), whose
+    Mask is ``mask``, its first ``hidden`` keys unseen (``softmax_block``).
+    Recomputed in the backward pass, which keeps only the running state, not
+    the block's scores nor the cut keys; with ``seen`` (a device bool),
+    skipped at run time when False."""
 
     def block(state: State | None, qs: Array, k: Array, v: Array) -> State | None:
-        if cut is not None:
+        if callable(cut):
+            k, v = cut(k, v)
+        elif cut is not None:
             k, v = k[cut], v[cut]
-        return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop))
+        return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop, hidden))
 
     if seen is None:
         return xp.checkpoint(block, state, qs, k, v)

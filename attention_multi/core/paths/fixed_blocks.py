@@ -1,0 +1,149 @@
+"""The block-sparse path in blocks of one shape, for a framework that
+compiles each new shape (``Backend.compiles_per_shape``): what is compiled
+for one block serves every block, and every length.
+
+Every block of queries and of keys has the same size: the last one of each
+axis ends at the end, overlapping the one before it. Its queries are
+computed again (each row's output is its own) and its keys that the block
+before counted are hidden (``online.step``'s ``hidden``).
+
+- ``scanned``, while traced on a framework whose scan is one compiled loop
+  (``Backend.sequential_scan``): a scan over the blocks of queries, each a
+  scan over the blocks of keys at traced offsets (``Mask.block_at``), each
+  step skipped at run time (``Backend.cond``) when no query of the block may
+  see a key of it. The program holds one step whatever the length: it
+  compiles once per block shape, and in time independent of the length.
+- ``compiled``, the mask known on the host: per batch element (or the whole
+  batch) and block of queries, one call of one compiled kernel
+  (``Backend.compiled``) per block of keys that is not empty. The kernel is
+  compiled once per block shape; a new length compiles only the cuts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ..mask import EMPTY, PARTIAL, Mask
+from ..mask.arrays import arrays
+from ..mask.rules import guard_unused
+from ..mask.spec import Region
+from ..numerics import in_dtype, scaled
+from . import online
+from .call import Call, dropout_fn, expand_kv
+
+if TYPE_CHECKING:
+    from backends import Backend
+
+    from ...types import Array
+
+
+def starts(n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(start, hidden)`` int32, per block of ``block`` positions over
+    ``n``: the last block starts at ``n - block``, and ``hidden`` counts its
+    positions that the block before it covers."""
+    first = np.arange(0, n, block)
+    start = np.minimum(first, n - block)
+    return start.astype(np.int32), (first - start).astype(np.int32)
+
+
+def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
+    """Traced: a scan over the blocks of queries, each a scan over the
+    blocks of keys; a block no query of it may see is skipped at run time."""
+    xp, mask, work, device = call.xp, call.mask, call.work, call.device
+    batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    k, v = guard_unused(xp, mask, k, v)
+    dv = v.shape[-1]
+    bq, bk = min(block_q, num_q), min(block_k, num_k)
+    q_starts = starts(num_q, bq)[0]
+    k_starts, hidden = starts(num_k, bk)
+    overlap = bool(hidden.any())  # (else nothing to hide: no mask of it)
+    qs_all = scaled(xp, call.queries, call.scale, work)
+    drop = dropout_fn(xp, call.dropout, call.key)
+
+    def row(out: Array, x: list[Array]) -> Array:
+        q0 = x[0]
+        qs = xp.read_slice(qs_all, q0, bq, 2)
+
+        def col(state: Any, y: list[Array]) -> Any:
+            k0, hide = y
+            sub = mask.block_at(q0, k0, bq, bk)
+            block_drop = None if drop is None else (lambda p: drop(p, q0 * num_k + k0))
+
+            def cut(k: Array, v: Array) -> tuple[Array, Array]:
+                return xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
+
+            seen = sub.seen(xp, sub.whole(), device)
+            hide = hide if overlap else None
+            return online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen, hide)
+
+        state = online.start(xp, (batch, heads, bq), dv, work, device)
+        cols = [xp.asarray(x, "int32", device) for x in (k_starts, hidden)]
+        state = xp.scan(col, state, cols)
+        return xp.write_slice(out, online.finish(xp, state), q0, 2)
+
+    out = xp.zeros((batch, heads, num_q, dv), work, device)
+    out = xp.scan(row, out, [xp.asarray(q_starts, "int32", device)])
+    return in_dtype(xp, out, call.dtype), None
+
+
+def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Array, None]:
+    """Known on the host: the blocks of keys that are not empty (``table``,
+    int8 (batch|1, Q blocks, K blocks) states), each one call of the
+    compiled kernel (a ``score_mod`` or dropout: the step itself)."""
+    xp, mask, work, device = call.xp, call.mask, call.work, call.device
+    batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    k, v = guard_unused(xp, mask, k, v)
+    dv = v.shape[-1]
+    bq, bk = min(block_q, num_q), min(block_k, num_k)
+    q_starts, repeated = starts(num_q, bq)
+    k_starts, hidden = starts(num_k, bk)
+    qs_all = scaled(xp, call.queries, call.scale, work)
+    step = _kernel(xp, work) if mask.score_mod is None and not call.dropout else None
+    drop = dropout_fn(xp, call.dropout, call.key)
+    per_element = table.shape[0] > 1
+    groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
+    outs = []
+    for b0, b1 in groups:
+        rows = []
+        for qi, (q0, again) in enumerate(zip(q_starts.tolist(), repeated.tolist())):
+            qs = qs_all[b0:b1, :, q0 : q0 + bq]
+            state: Any = online.start(xp, (b1 - b0, heads, bq), dv, work, device)
+            states = table[b0 if per_element else 0, qi]
+            for kj in np.flatnonzero(states != EMPTY).tolist():
+                k0, hide = int(k_starts[kj]), int(hidden[kj])
+                # (a repeated block's first rows are not those of its state)
+                st = PARTIAL if again else int(states[kj])
+                sub = mask.region(Region(b0, b1, q0, q0 + bq, k0, k0 + bk), st)
+                kb, vb = k[b0:b1, :, k0 : k0 + bk], v[b0:b1, :, k0 : k0 + bk]
+                if step is not None:
+                    state = step(state, qs, kb, vb, sub.boolean(xp, device), sub.bias, hide)
+                    continue
+                index = (b0 * num_q + q0) * num_k + k0
+                block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
+                state = online.step(xp, state, qs, kb, vb, sub, work, block_drop, hidden=hide)
+            out = online.finish(xp, state)
+            rows.append(out[:, :, again:] if again else out)
+        outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
+    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
+    return in_dtype(xp, out, call.dtype), None
+
+
+@functools.cache
+def _kernel(xp: Backend, work: str) -> Callable[..., Any]:
+    """The compiled step of one block: ``(state, scaled queries, keys,
+    values, visible or None, bias or None, hidden) -> state``."""
+
+    def kernel(
+        state: Any, qs: Array, k: Array, v: Array, visible: Any, bias: Any, hidden: Any
+    ) -> Any:
+        batch, heads, num_q = qs.shape[:3]
+        forms = () if visible is None and bias is None else (arrays(xp, visible, bias),)
+        sub = Mask(batch, heads, num_q, k.shape[2], forms, True, xp)
+        return online.step(xp, state, qs, k, v, sub, work, hidden=hidden)
+
+    return xp.compiled(kernel)

@@ -1,0 +1,162 @@
+"""Blocks of one shape on a framework that compiles each new shape (JAX,
+``core/paths/fixed_blocks.py``): under ``jax.jit`` the block-sparse path is
+a scan over blocks of queries, each a scan over blocks of keys at traced
+offsets, so its program does not grow with the length; eagerly, one compiled
+kernel per block shape serves every length. Against the float64 oracle,
+forward and gradient, with the last block of each axis overlapping the one
+before it."""
+
+import numpy as np
+import pytest
+
+import attention_multi as am
+from attention_multi import reference as oracle
+from attention_multi.core import attend, make_mask
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+BATCH, HEADS, D = 2, 2, 8
+
+
+def _equations(jaxpr):
+    """How many equations ``jaxpr`` holds, nested ones included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    total += _equations(inner)
+    return total
+
+
+def _packed(T, seed=0):
+    """(BATCH, T) segment ids: documents of 20 to 200 positions, padding at the end."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(BATCH):
+        lengths = []
+        while sum(lengths) < T - 10:
+            lengths.append(int(rng.integers(20, 200)))
+        lengths[-1] -= sum(lengths) - (T - 10)
+        rows.append(lengths)
+    return np.asarray(am.segments_from_lengths(rows, T))
+
+
+def _inputs(nq, nk, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((BATCH, HEADS, n, D)).astype(np.float32) for n in (nq, nk, nk)]
+
+
+def test_jitted_program_does_not_grow_with_the_length():
+    """Structural: the jaxpr of the jitted block-sparse path (segment ids as
+    an argument, causal), forward and gradient, holds as many equations at
+    T=1024 as at T=256 (1 and 4 blocks of 256), and at T=1100 as at T=300
+    (blocks overlapping at the end); it held one step per block."""
+
+    def count(T, grad):
+        q, k, v = (jnp.asarray(x) for x in _inputs(T, T))
+        seg = jnp.asarray(_packed(T))
+
+        def f(q, k, v, s):
+            return am.dot_product_attention(q, k, v, segment_ids=s, causal=True)
+
+        def loss(q, k, v, s):
+            return (f(q, k, v, s) ** 2).sum()
+
+        fn = jax.grad(loss, argnums=(0, 1, 2)) if grad else f
+        return _equations(jax.make_jaxpr(fn)(q, k, v, seg).jaxpr)
+
+    for grad in (False, True):
+        assert count(256, grad) == count(1024, grad), grad
+        assert count(300, grad) == count(1100, grad), grad
+
+
+def _traced_case(name, nq, nk):
+    """(form built inside the jitted function from its array arguments,
+    the arrays, the oracle's keywords)."""
+    rng = np.random.default_rng(4)
+    ids = np.sort(rng.integers(-1, 3, size=(BATCH, nk)), axis=1).astype(np.int32)
+    lens = rng.integers(0, nk + 1, size=(BATCH, nq)).astype(np.int32)
+    allowed = rng.random((BATCH, 1, nq, nk)) < 0.7
+    bias = rng.standard_normal((1, HEADS, nq, nk)).astype(np.float32)
+    if name == "segments-lens-window":
+        arrays = {"segment_ids": ids, "valid_lens": lens}
+        return arrays, {"causal": True, "window": (5, 2)}
+    if name == "mask-bias":
+        return {"mask": allowed, "bias": bias}, {}
+    if name == "segments-mods":  # (the functions see traced offsets)
+
+        def sink_window(b, h, q, k):
+            return ((k <= q + 3) & (q - k <= 6)) | (k < 2)
+
+        def alibi(s, b, h, q, k):
+            return s + 0.25 * (h + 1) * (k - q)
+
+        return {"segment_ids": ids}, {"mask_mod": sink_window, "score_mod": alibi}
+    raise ValueError(name)
+
+
+def _oracle_keywords(arrays, fixed):
+    want = {n: np.asarray(x) for n, x in arrays.items()}
+    return {**want, **fixed}
+
+
+@pytest.mark.parametrize("name", ["segments-lens-window", "mask-bias", "segments-mods"])
+def test_jitted_blocks_at_traced_offsets(name):
+    """Every form cut at traced offsets (``Mask.block_at``), blocks of 4
+    over 11 queries and 14 keys (the last of each overlapping): forward,
+    and the gradient where the oracle has a formula for it."""
+    B = am.get_backend("jax")
+    nq, nk = 11, 14
+    arrays, fixed = _traced_case(name, nq, nk)
+    q, k, v = _inputs(nq, nk, seed=1)
+    g = np.random.default_rng(2).standard_normal((BATCH, HEADS, nq, D))
+
+    def out(q, k, v, arrays):
+        mask = make_mask(B, BATCH, HEADS, nq, nk, **arrays, **fixed)
+        got, _, taken = attend(B, q, k, v, mask, path="tiled", chunk_size=4)
+        assert taken == "tiled"
+        return got
+
+    jarrays = {n: jnp.asarray(x) for n, x in arrays.items()}
+    got = jax.jit(out)(q, k, v, jarrays)
+    keywords = _oracle_keywords(arrays, fixed)
+    if "score_mod" in keywords:
+        keywords["score_mod"] = lambda s, b, h, q, k: s + 0.25 * (h + 1) * (k - q)
+    want, _ = oracle.attention(q, k, v, **keywords)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+    if "score_mod" in keywords:
+        return
+
+    def loss(q, k, v, arrays):
+        return (out(q, k, v, arrays) * jnp.asarray(g, jnp.float32)).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jarrays)
+    wants = oracle.attention_gradients(q, k, v, g, **keywords)[:3]
+    for n, a, b in zip("qkv", grads, wants):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-5, err_msg=n)
+
+
+def test_eager_kernel_is_reused_by_a_new_length():
+    """Eager, the block-sparse path's kernel is compiled once per block
+    shape: a call at a new length (blocks of 128, the last overlapping)
+    compiles no kernel again, and each answer is the oracle's."""
+    from attention_multi.core.paths import blocked, fixed_blocks
+    from attention_multi.core.paths.call import Call
+
+    B = am.get_backend("jax")
+    sizes = []
+    for T in (300, 330):
+        q, k, v = _inputs(T, T, seed=T)
+        ids = _packed(T, seed=T)
+        mask = make_mask(B, BATCH, HEADS, T, T, segment_ids=jnp.asarray(ids), causal=True)
+        call = Call(B, *(jnp.asarray(x) for x in (q, k, v)), mask, D**-0.5, path="tiled")
+        got, _ = blocked.run(call, blocked.plan(call))
+        want, _ = oracle.attention(q, k, v, segment_ids=ids, causal=True)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+        sizes.append(fixed_blocks._kernel(B, "float32")._cache_size())
+    assert sizes[0] >= 1
+    assert sizes[1] == sizes[0]
