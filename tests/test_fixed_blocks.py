@@ -53,7 +53,7 @@ def _inputs(nq, nk, seed=0):
 def test_jitted_program_does_not_grow_with_the_length():
     """Structural: the jaxpr of the jitted block-sparse path (segment ids as
     an argument, causal), forward and gradient, holds as many equations at
-    T=1024 as at T=256 (1 and 4 blocks of 256), and at T=1100 as at T=300
+    T=1024 as at T=256 (8 and 2 blocks of 128), and at T=1100 as at T=300
     (blocks overlapping at the end); it held one step per block."""
 
     def count(T, grad):
