@@ -64,29 +64,32 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
     qs_all = scaled(xp, call.queries, call.scale, work)
     drop = dropout_fn(xp, call.dropout, call.key)
 
-    def row(out: Array, x: list[Array]) -> Array:
-        q0 = x[0]
+    cols = [xp.asarray(x, "int32", device) for x in (k_starts, hidden)]
+
+    def row(q0: Array) -> Array:
+        """The output of the queries ``[q0, q0 + bq)``. Under autodiff its
+        inputs are ``q0`` and arrays every row shares: the backward pass
+        recomputes one row at a time, holding that row's blocks only."""
         qs = xp.read_slice(qs_all, q0, bq, 2)
 
         def col(state: Any, y: list[Array]) -> Any:
             k0, hide = y
             sub = mask.block_at(q0, k0, bq, bk)
             block_drop = None if drop is None else (lambda p: drop(p, q0 * num_k + k0))
-
-            def cut(k: Array, v: Array) -> tuple[Array, Array]:
-                return xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
-
+            # (cut outside the cond: what it keeps for the backward pass is one block)
+            kb, vb = xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
             seen = sub.seen(xp, sub.whole(), device)
             hide = hide if overlap else None
-            return online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen, hide)
+            return online.step(xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide)
 
         state = online.start(xp, (batch, heads, bq), dv, work, device)
-        cols = [xp.asarray(x, "int32", device) for x in (k_starts, hidden)]
-        state = xp.scan(col, state, cols)
-        return xp.write_slice(out, online.finish(xp, state), q0, 2)
+        return online.finish(xp, xp.scan(col, state, cols))
+
+    def rows(out: Array, x: list[Array]) -> Array:
+        return xp.write_slice(out, xp.checkpoint(row, x[0]), x[0], 2)
 
     out = xp.zeros((batch, heads, num_q, dv), work, device)
-    out = xp.scan(row, out, [xp.asarray(q_starts, "int32", device)])
+    out = xp.scan(rows, out, [xp.asarray(q_starts, "int32", device)])
     return in_dtype(xp, out, call.dtype), None
 
 
