@@ -5,8 +5,9 @@
   output, with finite gradients (``zero_empty_rows``).
 - **NaN**: NaN in the inputs propagates, except from key and value rows that
   no query of that batch element may see; those are zeroed before any kernel
-  reads them (``guard_unused``). A framework's kernel that adds the mask to
-  the scores is guarded around (``kernel_inputs``).
+  reads them (``guard_unused``; per block, where the whole mask is not built:
+  ``guard_block``). A framework's kernel that adds the mask to the scores is
+  guarded around (``kernel_inputs``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,16 @@ def guard_unused(
     if used is None or (big and all_finite(xp, keys, values)):
         return keys, values
     return xp.where(used, keys, 0.0) if guard_keys else keys, xp.where(used, values, 0.0)
+
+
+def guard_block(xp: Backend, visible: Array, keys: Array, values: Array) -> tuple[Array, Array]:
+    """``guard_unused`` for one block of keys and values (batch, heads, k,
+    d), from the block's ``visible`` (bool (batch|1, heads|1, q, k)): rows
+    no query of the block may see are zeroed (work of the block's size, no
+    mask of the whole call; a key other blocks' queries see is zeroed too)."""
+    seen = xp.any(visible, 2, keepdims=True)  # (batch|1, heads|1, 1, k)
+    seen = seen.reshape(tuple(seen.shape[:2]) + (seen.shape[3], 1))
+    return xp.where(seen, keys, 0.0), xp.where(seen, values, 0.0)
 
 
 def kernel_inputs(

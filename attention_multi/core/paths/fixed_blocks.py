@@ -54,8 +54,7 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
     blocks of keys; a block no query of it may see is skipped at run time."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
-    k, v = expand_kv(xp, call.keys, call.values, heads)
-    k, v = guard_unused(xp, mask, k, v)
+    k, v = expand_kv(xp, call.keys, call.values, heads)  # (guarded per block: no dense mask)
     dv = v.shape[-1]
     bq, bk = min(block_q, num_q), min(block_k, num_k)
     q_starts = starts(num_q, bq)[0]
@@ -80,7 +79,9 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
             kb, vb = xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
             seen = sub.seen(xp, sub.whole(), device)
             hide = hide if overlap else None
-            return online.step(xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide)
+            return online.step(
+                xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide, guard=True
+            )
 
         state = online.start(xp, (batch, heads, bq), dv, work, device)
         return online.finish(xp, xp.scan(col, state, cols))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..mask.rules import guard_block
 from ..numerics import fill, fill_against, in_dtype, normalize
 
 if TYPE_CHECKING:
@@ -29,18 +30,23 @@ def softmax_block(
     work: str,
     dropout: Callable[..., Array] | None = None,
     hidden: Any = None,
+    guard: bool = False,
 ) -> State:
     """The state of scaled queries ``qs`` over one block of keys and values,
     whose Mask is ``mask``. A row with no visible key in the block has sum 0
     and accumulator 0. ``dropout`` (a function of the probabilities) applies
     to the product only. ``hidden`` (an int, or traced): the block's first
-    keys that no query sees here (a block overlapping the one before it)."""
+    keys that no query sees here (a block overlapping the one before it).
+    ``guard``: the block's keys and values no query of it sees are zeroed
+    here (``rules.guard_block``), not by the caller."""
     device = xp.device_of(qs)
-    s = mask.scores(xp, xp.matmul(qs, in_dtype(xp, k, work), transpose_b=True), work)
     visible = mask.boolean(xp, device)
     if hidden is not None:
         after = xp.arange(k.shape[2], device).reshape((1, 1, 1, k.shape[2])) >= hidden
         visible = after if visible is None else xp.logical_and(visible, after)
+    if guard and visible is not None:
+        k, v = guard_block(xp, visible, k, v)
+    s = mask.scores(xp, xp.matmul(qs, in_dtype(xp, k, work), transpose_b=True), work)
     if visible is not None:
         s = xp.where(visible, s, fill_against(xp, work, device))
     row_max = xp.max(s, -1, keepdims=True)
@@ -87,23 +93,22 @@ def step(
     mask: Mask,
     work: str,
     drop: Callable[..., Array] | None = None,
-    cut: tuple[slice, ...] | Callable[[Array, Array], tuple[Array, Array]] | None = None,
+    cut: tuple[slice, ...] | None = None,
     seen: Any = None,
     hidden: Any = None,
+    guard: bool = False,
 ) -> State | None:
-    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (``cut`` slices,
-    or a function of ``(k, v)`` returning the block; whole when None), whose
-    Mask is ``mask``, its first ``hidden`` keys unseen (``softmax_block``).
-    Recomputed in the backward pass, which keeps only the running state, not
-    the block's scores nor the cut keys; with ``seen`` (a device bool),
-    skipped at run time when False."""
+    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (whole when
+    ``cut`` is None), whose Mask is ``mask``, its first ``hidden`` keys
+    unseen, guarded when ``guard`` (``softmax_block``). Recomputed in the
+    backward pass, which keeps only the running state, not the block's
+    scores nor the cut keys; with ``seen`` (a device bool), skipped at run
+    time when False."""
 
     def block(state: State | None, qs: Array, k: Array, v: Array) -> State | None:
-        if callable(cut):
-            k, v = cut(k, v)
-        elif cut is not None:
+        if cut is not None:
             k, v = k[cut], v[cut]
-        return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop, hidden))
+        return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop, hidden, guard))
 
     if seen is None:
         return xp.checkpoint(block, state, qs, k, v)
