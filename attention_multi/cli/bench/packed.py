@@ -7,6 +7,8 @@ within each document (``segment_ids`` + ``causal``), against the peers.
 - NumPy, JAX (``jit``), MXNet forward: ours against their dense-mask
   attention (``jax.nn.dot_product_attention(mask=)``; NumPy and MXNet:
   ``dot_product_attention(mask=)`` with the dense mask, their one kernel);
+- JAX: the time to compile the jitted call, and eagerly the first call at a
+  length not seen before (T=300), against the same of theirs;
 - the same mask as a ``mask_mod`` lambda against the built-in form.
 
 Each row states the share of the scores ours computes (blocks not empty).
@@ -180,6 +182,8 @@ def run_packed(backends_wanted, seconds, shape=None):
             lambda: theirs(q, k, v, dense),
             lambda x: np.asarray(x.block_until_ready()),
         )
+        rows.append(_jax_compile_row(q, k, v, seg, dense, fraction))
+        rows.append(_jax_first_call_row(p))
     for name in ("numpy", "mxnet"):
         if name not in backends_wanted:
             continue
@@ -197,6 +201,84 @@ def run_packed(backends_wanted, seconds, shape=None):
             Bk.to_numpy,
         )
     return rows
+
+
+def _jax_compile_row(q, k, v, seg, dense, fraction, runs=3):
+    """Tracing and compiling ``jax.jit`` of ours (block-sparse: a scan of
+    blocks, so it does not grow with T) against theirs, a new function each
+    time (nothing cached), medians of interleaved runs."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import attention_multi as am
+
+    def ours():
+        f = jax.jit(
+            lambda q, k, v, s: am.dot_product_attention(q, k, v, segment_ids=s, causal=True)
+        )
+        return f.lower(q, k, v, seg).compile()
+
+    def theirs():
+        f = jax.jit(
+            lambda q, k, v, m: jax.nn.dot_product_attention(
+                *(jnp.swapaxes(x, 1, 2) for x in (q, k, v)), mask=m
+            )
+        )
+        return f.lower(q, k, v, dense).compile()
+
+    times = {ours: [], theirs: []}
+    for _ in range(runs):
+        for fn, got in times.items():
+            start = time.perf_counter()
+            fn()
+            got.append(time.perf_counter() - start)
+    a, b = (float(np.median(t)) for t in times.values())
+    what, against = "compile (jit)", "jax.nn.dot_product_attention, dense mask"
+    return ("jax", what, against, a, b, a / b, fraction, None, (None, None))
+
+
+def _jax_first_call_row(p, length=300):
+    """Eager, the first call at a length not seen before (T=300): ours
+    (block-sparse, its block kernel compiled once per block shape, reused)
+    against ``jax.nn.dot_product_attention`` with the dense mask (compiled
+    per shape, op by op)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    import attention_multi as am
+    import backends
+    from attention_multi.core import attend, make_mask
+    from attention_multi.core.mask import computed_fraction, host_table
+    from attention_multi.core.paths.blocked import pick_block
+
+    B, H, d = p["batch"], p["heads"], p["head_size"]
+    ids = np.asarray(packed_ids(B, length, 16, 128))
+    npm = make_mask(backends.load("numpy"), B, H, length, length, segment_ids=ids, causal=True)
+    block = pick_block(npm, False, True)
+    fraction = computed_fraction(npm, host_table(npm, *block), *block)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, length, d), np.float32)) for _ in range(3))
+    xp = am.get_backend("jax")
+    start = time.perf_counter()
+    mask = make_mask(xp, B, H, length, length, segment_ids=jnp.asarray(ids), causal=True)
+    out, _, taken = attend(xp, q, k, v, mask)
+    out.block_until_ready()
+    a = time.perf_counter() - start
+    dense = jnp.asarray(_dense(ids)[:, None])
+    start = time.perf_counter()
+    swap = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    theirs = jnp.swapaxes(jax.nn.dot_product_attention(*swap, mask=dense), 1, 2)
+    theirs.block_until_ready()
+    b = time.perf_counter() - start
+    err = float(np.abs(np.asarray(out, np.float64) - np.asarray(theirs)).max())
+    what = f"eager, first call at T={length} (a new shape), {taken} path, max diff {err:.1e}"
+    against = "jax.nn.dot_product_attention, dense mask, first call"
+    # (no error column: a one-off, not timed calls, so the busy table leaves it out)
+    return ("jax", what, against, a, b, a / b, fraction, None, (None, None))
 
 
 def packed_table(rows):
