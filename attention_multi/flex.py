@@ -88,7 +88,7 @@ def flex_attention(
         )
     forms: dict[str, Any] = {}
     blocks = as_block_mask(block_mask)
-    if blocks is not None and not (blocks.states == FULL).all():
+    if blocks is not None and not blocks.all_full:
         forms["mask_mod"] = blocks
     if score_mod is not None:
         forms["score_mod"] = score_mod

@@ -39,6 +39,7 @@ class BlockMask:
         self.mask_mod, self.states = mask_mod, states
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
+        self.all_full = bool((states == FULL).all())  # (a host bool: read under traces too)
 
     def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.mask_mod(b, h, q_idx, kv_idx)
