@@ -123,9 +123,9 @@ def _from_torch(bm: Any) -> BlockMask:
     batch, heads = (int(n) for n in bm.kv_num_blocks.shape[:2])
     nqb, nkb = -(-num_q // block_q), -(-num_k // block_k)
     states = np.full((batch, heads, nqb, nkb), EMPTY, np.int8)
-    listed = ((bm.kv_num_blocks, bm.kv_indices, PARTIAL),)
+    listed: list[tuple[Any, Any, int]] = [(bm.kv_num_blocks, bm.kv_indices, PARTIAL)]
     if bm.full_kv_num_blocks is not None:
-        listed += ((bm.full_kv_num_blocks, bm.full_kv_indices, FULL),)
+        listed.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
     for count, indices, state in listed:
         count = count.detach().cpu().numpy()[:, :, :nqb]
         indices = indices.detach().cpu().numpy()[:, :, :nqb]

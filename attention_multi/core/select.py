@@ -159,8 +159,8 @@ def attend(
         lse,
     )
     if path == "auto" and full.fits(call) and (call.scores <= SMALL_SCORES or weights == "now"):
-        done = full.run(call)
-        return done[0], done[-1], "full"
+        ran = full.run(call)
+        return ran[0], ran[-1], "full"
     done = _cheapest(call) or _cheapest(call.auto())
     assert done is not None  # (the full or chunked path always has a plan under "auto")
     out, kept, taken = done

@@ -46,7 +46,7 @@ from ..arguments import (
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
-from .packed import PACKED, packed_table, run_packed
+from .packed import PACKED, packed_table, run_flex, run_packed
 from .ring import RING, RING_BUDGET, ring_table, run_ring
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
@@ -273,6 +273,16 @@ def main(args):
             f"(segment_ids= + causal=True), float32.\n"
         )
         print(packed_table(packed_rows))
+    flex_rows = []
+    if packed_batch and "torch" in usable:
+        print("  flex API ...", file=sys.stderr, flush=True)
+        flex_rows = run_flex(seconds)
+        print(
+            "\nThe flex API (attention_multi.flex, eager, its BlockMask of blocks 128) against "
+            "torch's flex_attention compiled with its BlockMask, float32 forward; "
+            "create_block_mask of the document mask (documents as above).\n"
+        )
+        print(packed_table(flex_rows))
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump(
@@ -304,6 +314,7 @@ def main(args):
                     "memory": memory_results,
                     "ring": ring_results,
                     "packed": packed_rows,
+                    "flex": flex_rows,
                 },
                 f,
                 indent=1,
