@@ -255,11 +255,14 @@ def run_flex(seconds, block_batch=4, block_length=4096):
         their = theirs.create_block_mask(mod, B, None, T, T, device="cpu")
         a, b = ours.flex_attention(q, k, v, block_mask=mine), compiled(q, k, v, block_mask=their)
         err = float((a - b).abs().max())
-        t_ours, t_theirs, _ = compare(
-            lambda mine=mine: ours.flex_attention(q, k, v, block_mask=mine),
-            lambda their=their: compiled(q, k, v, block_mask=their),
-            seconds,
-        )
+
+        def mine_call(mine=mine):
+            return ours.flex_attention(q, k, v, block_mask=mine)
+
+        def their_call(their=their):
+            return compiled(q, k, v, block_mask=their)
+
+        t_ours, t_theirs, _ = compare(mine_call, their_call, seconds)
         rows.append(
             (
                 "torch",
@@ -270,6 +273,7 @@ def run_flex(seconds, block_batch=4, block_length=4096):
                 t_ours / t_theirs,
                 1 - mine.sparsity() / 100,
                 err,
+                (torch_calls(mine_call), torch_calls(their_call)),
             )
         )
     seg = torch.tensor(packed_ids(block_batch, block_length, *PACKED["docs"]))
@@ -292,6 +296,7 @@ def run_flex(seconds, block_batch=4, block_length=4096):
             t_ours / t_theirs,
             1 - mine.sparsity() / 100,
             float(not same.all()),
+            (None, None),
         )
     )
     return rows
