@@ -107,8 +107,8 @@ def _oracle_keywords(arrays, fixed):
 @pytest.mark.parametrize("name", ["segments-lens-window", "mask-bias", "segments-mods"])
 def test_jitted_blocks_at_traced_offsets(name):
     """Every form cut at traced offsets (``Mask.block_at``), blocks of 4
-    over 11 queries and 14 keys (the last of each overlapping): forward,
-    and the gradient where the oracle has a formula for it."""
+    over 11 queries and 14 keys (the last of each overlapping): forward
+    and log-sum-exp, and the gradient where the oracle has a formula for it."""
     B = am.get_backend("jax")
     nq, nk = 11, 14
     arrays, fixed = _traced_case(name, nq, nk)
@@ -121,13 +121,23 @@ def test_jitted_blocks_at_traced_offsets(name):
         assert taken == "tiled"
         return got
 
+    def with_lse(q, k, v, arrays):
+        mask = make_mask(B, BATCH, HEADS, nq, nk, **arrays, **fixed)
+        got, lse, _ = attend(B, q, k, v, mask, path="tiled", chunk_size=4, lse=True)
+        return got, lse
+
     jarrays = {n: jnp.asarray(x) for n, x in arrays.items()}
     got = jax.jit(out)(q, k, v, jarrays)
     keywords = _oracle_keywords(arrays, fixed)
     if "score_mod" in keywords:
         keywords["score_mod"] = lambda s, b, h, q, k: s + 0.25 * (h + 1) * (k - q)
-    want, _ = oracle.attention(q, k, v, **keywords)
+    want, _, want_lse = oracle.attention(q, k, v, return_lse=True, **keywords)
     np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+    got, lse = jax.jit(with_lse)(q, k, v, jarrays)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_allclose(
+        np.asarray(lse).reshape(want_lse.shape), want_lse, rtol=3e-5, atol=3e-5
+    )
     if "score_mod" in keywords:
         return
 

@@ -49,9 +49,10 @@ def starts(n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     return start.astype(np.int32), (first - start).astype(np.int32)
 
 
-def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
+def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
     """Traced: a scan over the blocks of queries, each a scan over the
-    blocks of keys; a block no query of it may see is skipped at run time."""
+    blocks of keys; a block no query of it may see is skipped at run time.
+    ``(output, None)``, or ``(output, None, log-sum-exp)`` with ``call.lse``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)  # (guarded per block: no dense mask)
@@ -65,10 +66,10 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
 
     cols = [xp.asarray(x, "int32", device) for x in (k_starts, hidden)]
 
-    def row(q0: Array) -> Array:
-        """The output of the queries ``[q0, q0 + bq)``. Under autodiff its
-        inputs are ``q0`` and arrays every row shares: the backward pass
-        recomputes one row at a time, holding that row's blocks only."""
+    def row(q0: Array) -> tuple[Array, ...]:
+        """The output (and log-sum-exp) of the queries ``[q0, q0 + bq)``.
+        Under autodiff its inputs are ``q0`` and arrays every row shares: the
+        backward pass recomputes one row at a time, holding its blocks only."""
         qs = xp.read_slice(qs_all, q0, bq, 2)
 
         def col(state: Any, y: list[Array]) -> Any:
@@ -83,21 +84,26 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Array, None]:
                 xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide, guard=True
             )
 
-        state = online.start(xp, (batch, heads, bq), dv, work, device)
-        return online.finish(xp, xp.scan(col, state, cols))
+        state = xp.scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
+        out = online.finish(xp, state)
+        return (out, online.log_sum_exp(xp, state)) if call.lse else (out,)
 
-    def rows(out: Array, x: list[Array]) -> Array:
-        return xp.write_slice(out, xp.checkpoint(row, x[0]), x[0], 2)
+    def rows(done: tuple[Array, ...], x: list[Array]) -> tuple[Array, ...]:
+        parts = xp.checkpoint(row, x[0])
+        return tuple(xp.write_slice(d, p, x[0], 2) for d, p in zip(done, parts))
 
-    out = xp.zeros((batch, heads, num_q, dv), work, device)
-    out = xp.scan(rows, out, [xp.asarray(q_starts, "int32", device)])
-    return in_dtype(xp, out, call.dtype), None
+    widths = (dv, 1) if call.lse else (dv,)
+    done = tuple(xp.zeros((batch, heads, num_q, n), work, device) for n in widths)
+    done = xp.scan(rows, done, [xp.asarray(q_starts, "int32", device)])
+    out = in_dtype(xp, done[0], call.dtype)
+    return (out, None, done[1]) if call.lse else (out, None)
 
 
-def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Array, None]:
+def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Any, ...]:
     """Known on the host: the blocks of keys that are not empty (``table``,
     int8 (batch|1, Q blocks, K blocks) states), each one call of the
-    compiled kernel (a ``score_mod`` or dropout: the step itself)."""
+    compiled kernel (a ``score_mod`` or dropout: the step itself). Returns
+    as ``scanned``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)
@@ -111,9 +117,9 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
     drop = dropout_fn(xp, call.dropout, call.key)
     per_element = table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
-    outs = []
+    outs, lses = [], []
     for b0, b1 in groups:
-        rows = []
+        rows, lse_rows = [], []
         for qi, (q0, again) in enumerate(zip(q_starts.tolist(), repeated.tolist())):
             qs = qs_all[b0:b1, :, q0 : q0 + bq]
             state: Any = online.start(xp, (b1 - b0, heads, bq), dv, work, device)
@@ -132,9 +138,14 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
                 state = online.step(xp, state, qs, kb, vb, sub, work, block_drop, hidden=hide)
             out = online.finish(xp, state)
             rows.append(out[:, :, again:] if again else out)
-        outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
-    return in_dtype(xp, out, call.dtype), None
+            if call.lse:
+                lse = online.log_sum_exp(xp, state)
+                lse_rows.append(lse[:, :, again:] if again else lse)
+        outs.append(online.joined(xp, rows))
+        if call.lse:
+            lses.append(online.joined(xp, lse_rows))
+    out = in_dtype(xp, online.joined(xp, outs, 0), call.dtype)
+    return (out, None, online.joined(xp, lses, 0)) if call.lse else (out, None)
 
 
 @functools.cache
