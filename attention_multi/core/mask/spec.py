@@ -129,9 +129,17 @@ def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> 
     too, unless ``keys`` is False); ``xp`` cuts at traced starts."""
     if x is None:
         return None
-    nq, nk = r.sizes or (None, None)
+    index = [slice(None)] * 4
     if x.shape[0] > 1:
-        x = x[r.b0 : r.b1]
+        index[0] = slice(r.b0, r.b1)
+    if r.on_host:  # (one indexing)
+        if x.shape[2] > 1:
+            index[2] = slice(r.q0, r.q1)
+        if keys and x.shape[3] > 1:
+            index[3] = slice(r.k0, r.k1)
+        return x[tuple(index)]
+    x = x[tuple(index)]
+    nq, nk = r.sizes or (None, None)
     if x.shape[2] > 1:
         x = _cut(xp, x, 2, r.q0, r.q1, nq)
     if keys and x.shape[3] > 1:
