@@ -16,7 +16,7 @@ not grow with the batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -95,16 +95,6 @@ def _spans(
         st = FULL if (row[j0:j1] == FULL).all() else PARTIAL
         spans.append((int(j0) * block_k, min(num_k, int(j1) * block_k), st))
     return spans
-
-
-def _seen(xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
-    """Device bool: whether some query of the region may see some key of it."""
-    seen = None
-    for form in mask.forms:
-        s = form.seen(xp, mask, r, device)
-        if s is not None:
-            seen = s if seen is None else xp.logical_and(seen, s)
-    return seen
 
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
@@ -191,7 +181,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
-                seen = _seen(xp, mask, r, device) if traced and xp.runtime_cond else None
+                seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
                 cut = (slice(b0, b1), slice(None), slice(k0, k1))
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)
