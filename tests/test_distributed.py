@@ -166,50 +166,50 @@ def test_jax_ring_attention_equals_one_device(jax_runs, name, size):
 
 
 def ring_step_scores(name, size, rank):
-    """Per step, the scores participant ``rank`` computes: its chunks of
-    queries times each chunk of keys that one of them may see (the oracle's
-    mask), a whole chunk each."""
+    """Per step, for participant ``rank``: the scores its queries may see
+    among the keys it holds (the oracle's mask), and those of the pairs of a
+    chunk of its queries and a chunk of keys where one query sees one key."""
     import attention_multi as am
     from attention_multi import reference
 
-    kwargs = D.RING_CASES[name][0]
-    layout = kwargs.get("layout", "contiguous")
+    layout = D.RING_CASES[name][0].get("layout", "contiguous")
     q_shard, k_shard = D.ring_shards(name)
     n = 2 if layout == "zigzag" else 1
     seen = reference.allowed_keys(1, 1, size * q_shard, size * k_shard, causal=True)[0, 0]
     index = np.arange(size * 2 * n).reshape(1, -1)  # (the chunks' numbers, in parts)
-    mine = am.ring_shard(index, rank, size, layout=layout, axis=-1)[0]
+    mine = am.ring_shard(index, rank, size, layout=layout, axis=-1)[0][::2] // 2
     cq, ck = q_shard // n, k_shard // n
-    steps = []
+    visible, chunks = [], []
     for step in range(size):
-        theirs = am.ring_shard(index, (rank - step) % size, size, layout=layout, axis=-1)[0]
-        steps.append(
-            sum(
-                D.BATCH * D.HEADS * cq * ck
-                for a in mine[::2] // 2
-                for b in theirs[::2] // 2
-                if seen[a * cq : (a + 1) * cq, b * ck : (b + 1) * ck].any()
-            )
-        )
-    return np.array(steps)
+        theirs = am.ring_shard(index, (rank - step) % size, size, layout=layout, axis=-1)
+        pairs = [
+            seen[a * cq : (a + 1) * cq, b * ck : (b + 1) * ck].sum()
+            for a in mine
+            for b in theirs[0][::2] // 2
+        ]
+        visible.append(D.BATCH * D.HEADS * sum(pairs))
+        chunks.append(D.BATCH * D.HEADS * cq * ck * sum(1 for p in pairs if p))
+    return np.array(visible), np.array(chunks)
 
 
 @pytest.mark.parametrize("name", ["causal", "zigzag_causal"])
 def test_torch_ring_skips_unseen_chunks_and_balances_zigzag(torch_runs, name):
-    """Causal over 4 participants: each computes the chunks of keys that a
-    local query sees, and a step with none makes no kernel call. Contiguous
-    participants compute 2 to 4 blocks of scores; zigzag ones the same."""
+    """Causal over 4 participants: each computes at least the scores its
+    queries may see and at most the chunks where one of them sees a key; a
+    step with none makes no kernel call. Contiguous, the last participant
+    computes twice the first; zigzag, none more than 1.1 times the mean."""
     parts = torch_runs[4]["ring"]
     totals = []
     for rank, part in enumerate(parts):
-        expected = ring_step_scores(name, 4, rank)
-        assert list(part[f"{name}.scores"]) == list(expected)
-        assert ((part[f"{name}.calls"] == 0) == (expected == 0)).all()
-        totals.append(expected.sum())
+        visible, chunks = ring_step_scores(name, 4, rank)
+        scores = part[f"{name}.scores"]
+        assert (visible <= scores).all() and (scores <= chunks).all(), (scores, visible, chunks)
+        assert ((part[f"{name}.calls"] == 0) == (visible == 0)).all()
+        totals.append(scores.sum())
     if name == "zigzag_causal":
-        assert len(set(totals)) == 1, totals
+        assert max(totals) <= 1.1 * np.mean(totals), totals
     else:
-        assert totals[-1] == 2 * totals[0], totals
+        assert totals[-1] >= 2 * totals[0], totals
 
 
 def one_process_training():

@@ -13,8 +13,9 @@ and values it holds, merges the result into its running online-softmax state
 receiving the block of ``r - 1``. Per step and per block of local queries,
 each chunk of the block of keys is asked its state from the positions of the
 whole sequence (``Mask.block_state``): an empty one costs no kernel call, a
-full one is computed without a mask, and when every chunk is full they are
-computed in one call. Every exchange still happens on every participant, and
+full one is computed without a mask, a partial one (a diagonal) is classified
+again in pieces of as many keys as the block has queries, and neighbours in
+one state are computed in one call. Every exchange still happens on every participant, and
 the last block received is kept in the output's autodiff graph
 (``numerics.kept``): the backward exchanges then pair up whatever was skipped.
 While the rank is traced (JAX under ``shard_map``) the states are decided on
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..mask.rules import guard_unused
-from ..mask.spec import EMPTY, FULL, Mask, Region
+from ..mask.spec import EMPTY, FULL, PARTIAL, Mask, Region
 from ..numerics import compute_dtype, empty_rows, in_dtype, kept, scaled
 from . import online
 from .call import expand_kv
@@ -169,16 +170,36 @@ def ring(
 def _blocks(sub: Mask, starts: list[int], chunk_k: int) -> list[tuple[slice, Mask]]:
     """The (cut of the local keys, Mask) of each kernel call of rows whose
     Mask is ``sub`` over the chunks of keys at ``starts`` (global positions,
-    known on the host): empty chunks skipped, every chunk full in one call."""
-    blocks, states = [], []
+    known on the host). A chunk that some rows see and others do not (a
+    diagonal) is classified again in pieces as long as the rows are many:
+    empty pieces and chunks are skipped, neighbours in one state computed in
+    one call (full ones without a mask, anywhere in the block)."""
+    piece = sub.num_queries
+    spans: list[list[int]] = []  # [first, last local key, first global key, state]
     for j, g in enumerate(starts):
-        r = Region(0, sub.batch, 0, sub.num_queries, g, g + chunk_k)
-        state = sub.block_state(r)
-        if state != EMPTY:
-            blocks.append((slice(j * chunk_k, (j + 1) * chunk_k), sub.region(r, state)))
-            states.append(state)
-    if len(blocks) > 1 and all(s == FULL for s in states):
-        keys = len(starts) * chunk_k
-        whole = Mask(sub.batch, sub.heads, sub.num_queries, keys, (), sub.host, sub.xp)
-        return [(slice(0, keys), whole)]
+        state = sub.block_state(Region(0, sub.batch, 0, sub.num_queries, g, g + chunk_k))
+        step = piece if state == PARTIAL and piece < chunk_k else chunk_k
+        for p0 in range(0, chunk_k, step):
+            p1 = min(chunk_k, p0 + step)
+            if step < chunk_k:
+                state = sub.block_state(Region(0, sub.batch, 0, sub.num_queries, g + p0, g + p1))
+            if state == EMPTY:
+                continue
+            last = spans[-1] if spans else None
+            if (
+                last is not None
+                and last[1] == j * chunk_k + p0
+                and last[3] == state
+                and (state == FULL or last[2] + last[1] - last[0] == g + p0)
+            ):
+                last[1] = j * chunk_k + p1
+            else:
+                spans.append([j * chunk_k + p0, j * chunk_k + p1, g + p0, state])
+    blocks = []
+    for k0, k1, g, state in spans:
+        if state == FULL:
+            mask = Mask(sub.batch, sub.heads, sub.num_queries, k1 - k0, (), sub.host, sub.xp)
+        else:
+            mask = sub.region(Region(0, sub.batch, 0, sub.num_queries, g, g + k1 - k0), state)
+        blocks.append((slice(k0, k1), mask))
     return blocks
