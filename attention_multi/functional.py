@@ -23,7 +23,7 @@ from .types import Array, Window
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from .core import MaskForms
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-import backends
+from attention_multi import backends
 
 
 def show_heatmaps(

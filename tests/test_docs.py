@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from backends import available_backends
+from attention_multi.backends import available_backends
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -216,7 +216,11 @@ def test_every_public_module_has_a_reference_page():
     """Every module and package of attention_multi (cli/: the tools, documented
     in the guide) and backends' package and protocol are rendered."""
     package = REPO / "attention_multi"
-    public = {"attention_multi", "backends", "backends.protocol", "backends.types"}
+    public = {
+        "attention_multi",
+        "attention_multi.backends.protocol",
+        "attention_multi.backends.types",
+    }
     public |= {
         f"attention_multi.{p.stem}" for p in package.glob("*.py") if not p.name.startswith("_")
     }

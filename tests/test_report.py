@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-import backends
+from attention_multi import backends
 from attention_multi.cli.report import MECHANISMS
 
 ROOT = Path(__file__).resolve().parents[1]

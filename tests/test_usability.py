@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tomllib
 
-import backends
+from attention_multi import backends
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -108,7 +108,7 @@ def _count(low: int, high: int) -> str:
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ..core import Mask, MaskForms
 

@@ -18,8 +18,8 @@ from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
-    from backends.protocol import NativeModule as _Native
+    from attention_multi.backends import Backend
+    from attention_multi.backends.protocol import NativeModule as _Native
 else:
     _Native = object  # at run time the backend's module_base supplies the members
 

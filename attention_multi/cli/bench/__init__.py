@@ -129,7 +129,7 @@ def add_arguments(parser):
 
 
 def main(args):
-    import backends
+    from attention_multi import backends
 
     wanted = args.backends
     available = backends.available_backends()

@@ -1,12 +1,13 @@
-"""The machine a bench ran on: CPU, versions, NumPy's BLAS."""
+"""The machine a bench ran on: when, its load, CPU, versions, NumPy's BLAS."""
 
+import datetime
 import os
 import platform
 import sys
 
 import numpy as np
 
-from backends import BACKENDS
+from attention_multi.backends import BACKENDS
 
 
 def machine():
@@ -23,9 +24,13 @@ def machine():
     for name in (s.framework for s in BACKENDS):
         if name in sys.modules:
             versions[name] = getattr(sys.modules[name], "__version__", "?")
-    from backends.numpy_threads import blas_config
+    from attention_multi.backends.numpy_threads import blas_config
 
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load_average": [round(x, 2) for x in os.getloadavg()]
+        if hasattr(os, "getloadavg")
+        else None,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "platform": platform.platform(),

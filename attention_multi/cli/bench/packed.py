@@ -43,7 +43,7 @@ def _dense(ids):
 def run_packed(backends_wanted, seconds, shape=None):
     """Rows ``(backend, measured, against, ours_s, theirs_s, ratio, fraction, err)``."""
     import attention_multi as am
-    import backends
+    from attention_multi import backends
     from attention_multi.core import make_mask
     from attention_multi.core.mask import computed_fraction, host_table
     from attention_multi.core.paths.blocked import pick_block

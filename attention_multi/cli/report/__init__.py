@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-import backends
+from attention_multi import backends
 
 from ...files import WriteError, atomic_write, check_writable, make_directory
 from ..arguments import backend_names, device_names

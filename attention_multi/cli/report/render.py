@@ -3,7 +3,7 @@
 import datetime
 
 import attention_multi as am
-import backends
+from attention_multi import backends
 
 from ...files import atomic_write
 from .cases import DTYPES, MECHANISMS, RUNS, TOLERANCES, target

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ..numerics import fill, fill_against, in_dtype, normalize
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask
