@@ -46,11 +46,19 @@ def test_help_shows_plain_defaults_whole_words_and_a_description():
     assert all(description for _, _, description, _ in list(COMMANDS.values())[1:])
 
 
-def test_readme_documents_every_command():
+def test_the_command_line_page_documents_every_command():
+    from attention_multi.cli import COMMANDS
+
+    page = (REPO / "docs" / "guide" / "quickstart.md").read_text()
+    section = page.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    names = [name for name in COMMANDS if name]
+    assert {"info", "report", "conform", "bench", "port"} <= set(names), names
+    for name in names:
+        assert f"`attention-multi {name}" in section, name
+    assert "with no command" in section
+    # and the README, the front door, names every command and links that page
     readme = (REPO / "README.md").read_text()
-    for name in ("info", "report", "bench", "port"):
-        assert f"attention-multi {name}" in readme, name
-    assert "with no command" in readme
+    assert all(name in readme for name in names) and "docs/guide/quickstart.md" in readme
 
 
 def test_bad_device_variable_is_named(monkeypatch):
@@ -88,12 +96,38 @@ def test_port_refuses_an_existing_out_before_any_work(tmp_path):
     assert "mapped" not in result.stdout and out.read_bytes() == b"keep"
 
 
-def test_quickstart_and_readme_list_every_extra():
+def test_the_install_section_lists_every_extra_and_the_floor_is_true():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    users = set(project["optional-dependencies"]) - {"test", "lint"}
+    install = (REPO / "docs" / "guide" / "quickstart.md").read_text()
+    install = install.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert all(f"'.[{name}]'" in install for name in users), users
+    assert "download.pytorch.org/whl/cpu" in install  # torch's CPU build
+    readme = (REPO / "README.md").read_text()
+    assert "quickstart.md#install" in readme
+    # the floor: what the legacy pins need, said alike in pyproject and the docs
+    assert project["requires-python"] == ">=3.11"
+    assert sys.version_info >= (3, 11)
+    for text in (readme, install, (REPO / "docs" / "guide" / "quickstart.md").read_text()):
+        assert not re.search(r"(?<![\d.])3\.(9|10)(?![\d])", text)  # no older floor
+    assert "3.11 or newer" in readme
+
+
+def test_extras_install_only_the_tested_versions():
+    """Each framework extra has an upper bound (no untested major release), and
+    'all' is the legacy stack's versions."""
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    users = set(extras["optional-dependencies"]) - {"test", "lint"}
-    for doc in (REPO / "README.md", REPO / "docs" / "guide" / "quickstart.md"):
-        text = doc.read_text()
-        assert all(f"'.[{name}]'" in text for name in users), (doc, users)
+    extras = extras["optional-dependencies"]
+    legacy = dict(
+        line.split("#")[0].strip().split("==")
+        for line in (REPO / "requirements" / "legacy.txt").read_text().splitlines()
+        if "==" in line.split("#")[0]
+    )
+    for name in ("torch", "jax", "mxnet", "plot", "onnx"):
+        assert all("<" in req or "==" in req for req in extras[name] if req != "flatbuffers")
+    pins = dict(r.split("==") for r in extras["all"] if "==" in r)
+    for package in ("jax", "jaxlib", "mxnet"):
+        assert pins[package] == legacy[package], package
 
 
 def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
@@ -106,8 +140,18 @@ def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
     made = []
     real = plt.Figure.savefig
 
+    sizes, unlabelled = [], []
+
     def record(fig, *args, **kwargs):
-        made.append([t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes])
+        made.append(
+            [t.get_text() for t in fig.texts]
+            + [fig.get_supxlabel(), fig.get_suptitle()]
+            + [ax.get_title() for ax in fig.axes]
+        )
+        sizes.append(fig.get_size_inches() * kwargs.get("dpi", fig.dpi))
+        colorbars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+        unlabelled.extend(ax for ax in colorbars if not ax.get_ylabel())
+        assert fig.get_layout_engine() is not None  # nothing clipped or covered
         return real(fig, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -118,6 +162,10 @@ def test_seed_heatmaps_are_titled_and_their_likeness_explained(tmp_path):
     assert "Additive attention, valid_lens [2, 6]" in made[0]
     assert any("mask_mod: packed documents" in title for title in made[3])
     assert sum("as the seeds' keys are all equal" in line for line in lines) == 2
+    # ... and the two alike figures say it themselves
+    assert all(any("keys are all equal" in text for text in made[i]) for i in (0, 1)), made
+    assert all(w >= 500 and h >= 250 for w, h in sizes), sizes
+    assert not unlabelled, "a colorbar without a label"
 
 
 def test_torch_export_does_not_warn_about_our_attributes():
