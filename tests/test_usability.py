@@ -191,6 +191,7 @@ def test_torch_export_does_not_warn_about_our_attributes():
         (["--seconds", "-1"], "argument --seconds: expected a positive number of seconds"),
         (["--threads", "0"], "argument --threads: expected a positive integer, got '0'"),
         (["--long-length", "-5"], "argument --long-length: expected an integer >= 0"),
+        (["--packed-batch", "-1"], "argument --packed-batch: expected an integer >= 0"),
         (
             ["--ring-length", "100", "--ring-processes", "1,3"],
             "--ring-length 100 is not a multiple of 16 times each of --ring-processes 1,3",
@@ -225,3 +226,15 @@ def test_bench_and_report_share_the_backend_check(capsys):
     errors = capsys.readouterr().err.splitlines()
     messages = [line.split(": error: ", 1)[1] for line in errors if ": error: " in line]
     assert len(messages) == 2 and messages[0] == messages[1], errors
+
+
+def test_the_small_calls_table_says_whether_each_target_is_met():
+    from attention_multi.cli.bench.small import CASES, _row, small_table
+
+    case = next(iter(CASES))
+    missed = _row("numpy", case, "eval", (11.7e-6, 10e-6, 1.17, 100))  # a new user's NumPy
+    met = _row("numpy", case, "eval", (10e-6, 10e-6, 1.0, 100))
+    header, _, first, second = small_table([missed, met]).splitlines()
+    assert header.endswith("| Target | Met |")
+    assert first.endswith("| ≤ 1.10x | NO |") and second.endswith("| ≤ 1.10x | yes |")
+    assert (missed["met"], met["met"]) == (False, True)  # in the JSON too

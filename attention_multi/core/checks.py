@@ -297,6 +297,14 @@ def check_mask_array(
     batch, heads, q, k = shape
     against = shape if heads_axis or len(x.shape) == 4 else (batch, q, k)
     got = tuple(x.shape)
+    if heads_axis and len(got) == 3 and got[0] == batch == heads > 1:
+        # NumPy's rule would read the first axis as the heads; with 3-D inputs
+        # (a module's) it is the batch: refuse rather than guess
+        raise ValueError(
+            f"{name} of shape {got} is ambiguous with 4-D inputs of batch {batch} and "
+            f"{heads} heads: its first axis may be either; give it 4 axes, "
+            f"{(batch, 1, q, k)} for each batch element or {(1, heads, q, k)} for each head"
+        )
     if len(got) > len(against) or any(g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
         names = (
             ("batch", "heads", "queries", "keys")[-len(against) :]

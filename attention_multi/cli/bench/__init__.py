@@ -106,7 +106,7 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--packed-batch",
-        type=int,
+        type=nonnegative_int,
         default=None,
         help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
         "with --shapes 0; 0 skips it)",

@@ -1,0 +1,210 @@
+"""Markdown tables from one ``attention-multi bench --json`` run, for the
+performance guide, so that its figures are never edited by hand::
+
+    attention-multi bench --json run.json
+    python -m attention_multi.cli.bench.render run.json docs/guide/performance.md
+
+Every section of the JSON that is a list of rows becomes one table, whatever
+its rows hold: the columns are the rows' keys in the order they first appear
+(a row given as a list takes its section's names from ``LIST_COLUMNS``), times
+(keys ending in ``_s``) in one unit per column, a ratio of ``ours_s`` to
+``theirs_s`` added where a row has both and no ``ratio``. The run's date,
+load average, machine and versions head the tables. With a page, the text
+between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` is replaced
+(the page is written whole or not at all); without one, the tables are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from ...files import atomic_write
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+# The bench's sections, in the order the guide shows them; any other list the
+# JSON holds follows under its own name.
+TITLES = {
+    "rows": "Ours against the framework's own attention",
+    "small": "Small calls, at d2l's sizes (against the seeds' code)",
+    "packed": "Packed and programmable",
+    "memory": "Peak memory under autograd",
+    "long": "A long sequence",
+    "ring": "Ring attention",
+}
+# Rows the bench writes as lists instead of objects.
+LIST_COLUMNS = {
+    "packed": [
+        "backend",
+        "measured",
+        "against",
+        "ours_s",
+        "theirs_s",
+        "ratio",
+        "scores_computed",
+        "max_abs_diff",
+    ],
+}
+HIDDEN = {"key"}  # internal identifiers, repeated in readable columns
+NAMES = {
+    "ours_s": "ours",
+    "theirs_s": "theirs",
+    "max_abs_diff": "max abs diff",
+    "peak_rss_mib": "peak RSS (MiB)",
+    "rss_before_mib": "RSS before (MiB)",
+}
+
+
+def describe(machine: dict[str, Any], threads: Any) -> str:
+    """The sentence that heads the tables: when, how loaded, on what."""
+    load = machine.get("load_average")
+    versions = machine.get("versions") or {}
+    return (
+        f"Measured on {machine.get('date', 'an unrecorded date')}, "
+        f"load average {', '.join(map(str, load)) if load else 'not recorded'} "
+        f"(1, 5, 15 min); {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores "
+        f"({machine.get('platform', '?')}), torch threads {threads}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items())
+        + (f"; NumPy BLAS {machine['numpy_blas']}" if machine.get("numpy_blas") else "")
+        + "."
+    )
+
+
+def time_unit(values: list[float]) -> tuple[str, float]:
+    """One unit for a column of seconds: µs, ms or s."""
+    largest = max((abs(v) for v in values if isinstance(v, (int, float))), default=0.0)
+    if largest < 1e-3:
+        return "µs", 1e6
+    if largest < 1:
+        return "ms", 1e3
+    return "s", 1.0
+
+
+def number(x: float) -> str:
+    if isinstance(x, float) and math.isnan(x):
+        return "NaN"
+    if isinstance(x, int) or float(x).is_integer() and abs(x) >= 1:
+        return f"{x:.0f}" if abs(x) >= 1 else str(x)
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def cell(key: str, value: Any, scale: float = 1.0) -> str:
+    """One value as table text."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, (int, float)):
+        if key == "ratio" or key.endswith("_ratio"):
+            return f"{value:.2f}x"
+        if key.endswith("_s"):
+            return number(value * scale)
+        if key.endswith("_mib"):
+            return f"{value:.0f}"
+        if key == "scores_computed" and value <= 1:
+            return f"{value:.1%}"
+        if key == "max_abs_diff" or key.endswith("_diff"):
+            return f"{value:.1e}"
+        return number(value)
+    if isinstance(value, list):
+        return ", ".join(cell(key, v, scale) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={cell(k, v)}" for k, v in value.items())
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def as_dicts(section: str, rows: list[Any]) -> list[dict[str, Any]]:
+    names = LIST_COLUMNS.get(section, [])
+    out = []
+    for row in rows:
+        if isinstance(row, dict):
+            out.append(dict(row))
+        else:
+            row = list(row)
+            keys = names if len(names) == len(row) else [f"column {i + 1}" for i in range(len(row))]
+            out.append(dict(zip(keys, row)))
+    for row in out:  # the ratio of the two times, where the bench left it to the reader
+        if "ratio" not in row and isinstance(row.get("ours_s"), (int, float)):
+            theirs = row.get("theirs_s")
+            if isinstance(theirs, (int, float)) and theirs:
+                row["ratio"] = row["ours_s"] / theirs
+    return out
+
+
+def table(section: str, rows: list[Any]) -> list[str]:
+    """A section's rows as Markdown lines, every key of every row a column."""
+    dicts = as_dicts(section, rows)
+    columns: list[str] = []
+    for row in dicts:
+        columns += [k for k in row if k not in columns and k not in HIDDEN]
+    units = {k: time_unit([row.get(k) for row in dicts]) for k in columns if k.endswith("_s")}
+
+    def title(key: str) -> str:
+        name = NAMES.get(key, key.replace("_", " "))
+        if key in units:
+            name = name.removesuffix(" s") + f" ({units[key][0]})"
+        return name
+
+    lines = ["| " + " | ".join(title(k) for k in columns) + " |"]
+    lines.append("|" + "".join("---|" for _ in columns))
+    for row in dicts:
+        cells = [cell(k, row.get(k), units.get(k, ("", 1.0))[1]) for k in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(run: dict[str, Any]) -> str:
+    """The Markdown of a run: the heading sentence, then a table per section."""
+    lines = [describe(run.get("machine", {}), run.get("torch_threads", "?")), ""]
+    sections = [k for k in TITLES if run.get(k)]
+    sections += [k for k, v in run.items() if k not in TITLES and isinstance(v, list) and v]
+    for section in sections:
+        lines += [f"### {TITLES.get(section, section)}", "", *table(section, run[section]), ""]
+    if not sections:
+        lines += ["(The run measured nothing.)", ""]
+    return "\n".join(lines)
+
+
+def replace_between_markers(page: str, text: str) -> str:
+    if page.count(BEGIN) != 1 or page.count(END) != 1 or page.index(BEGIN) > page.index(END):
+        raise ValueError(f"the page needs one {BEGIN} line and one {END} line after it")
+    head, rest = page.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{BEGIN}\n{text.rstrip()}\n{END}{tail}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) not in (1, 2) or argv[0].startswith("-"):
+        print(
+            "usage: python -m attention_multi.cli.bench.render RUN.json [PAGE.md]",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        run = json.loads(Path(argv[0]).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"render: cannot read {argv[0]}: {exc}", file=sys.stderr)
+        return 1
+    text = render(run)
+    if len(argv) == 1:
+        print(text)
+        return 0
+    page = Path(argv[1])
+    try:
+        new = replace_between_markers(page.read_text(encoding="utf-8"), text)
+    except (OSError, ValueError) as exc:
+        print(f"render: {page}: {exc}", file=sys.stderr)
+        return 1
+    with atomic_write(page, "w", encoding="utf-8") as f:
+        f.write(new)
+    print(f"render: wrote the tables of {argv[0]} into {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
