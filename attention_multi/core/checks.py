@@ -117,6 +117,8 @@ def valid_lens_checked(
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
             host = np.asarray(valid_lens)
+            if host.dtype.kind not in "iuf":
+                raise TypeError(f"{name} must have an integer or float dtype, got {host.dtype}")
             _check_lens_values(name, host, host.dtype.kind)
             if host.size and host.max() > limit:
                 host = np.minimum(host, limit)
@@ -136,7 +138,10 @@ def valid_lens_checked(
             f"{shape}"
         )
     dtype = backend.dtype_name(valid_lens)
-    kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
+    try:
+        kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
+    except TypeError:  # a name NumPy does not know (MXNet's or a string array's)
+        kind = "?"
     if kind not in "iuf":
         raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
     known = None

@@ -24,6 +24,30 @@ else:
     _Native = object  # at run time the backend's module_base supplies the members
 
 
+def unexpected_keyword(cls: type, name: str) -> TypeError:
+    """The error for a keyword no form of ``cls``'s constructor takes: it names
+    the keyword, the closest valid one, and all of them."""
+    import difflib
+    import inspect
+    from typing import get_type_hints
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = list(getattr(cls, "_SEEDS", ()))  # the seeds' form first, in its order
+    for extra in (
+        *(p.name for p in params if p.kind in kinds and p.name != "self"),
+        *get_type_hints(ModuleOptions),
+    ):
+        if extra not in valid:
+            valid.append(extra)
+    close = difflib.get_close_matches(name, valid, n=1)
+    return TypeError(
+        f"{cls.__name__}() got an unexpected keyword argument {name!r}"
+        + (f" (did you mean {close[0]}=?)" if close else "")
+        + f"; its keywords: {', '.join(valid)}"
+    )
+
+
 class Module(_Native):
     """The base of every module. An instance is of a subclass native to its
     backend (``torch.nn.Module``, ``gluon.Block``, a JAX pytree or a plain
@@ -38,10 +62,16 @@ class Module(_Native):
         return object.__new__(cls)
 
     def _start(
-        self, backend: BackendLike = None, device: DeviceLike = None, dtype: FloatDType = "float32"
+        self,
+        backend: BackendLike = None,
+        device: DeviceLike = None,
+        dtype: FloatDType = "float32",
+        **unknown: Any,
     ) -> None:
         """Call first in ``__init__``: sets up the native base. (``backend``
         was already used by ``__new__`` to pick the native class.)"""
+        if unknown:
+            raise unexpected_keyword(type(self), next(iter(unknown)))
         self._native_init()
         self._device = native_device(self._backend, device)
         self._dtype = dtype
