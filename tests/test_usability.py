@@ -40,7 +40,7 @@ def test_help_shows_plain_defaults_whole_words_and_a_description():
     assert "default: all (numpy,torch,jax,mxnet)" in report and "['" not in report
     assert "Run every mechanism" in report  # a description line
     port = cli("port", "--help").stdout
-    assert "num_hiddens=8,num_heads=2,dropout=0,bias=True" in port  # not broken across lines
+    assert "num_hiddens=8,num_heads=2,bias=True" in port  # not broken across lines
     from attention_multi.cli import COMMANDS
 
     assert all(description for _, _, description, _ in list(COMMANDS.values())[1:])
