@@ -276,3 +276,13 @@ def test_reference_lists_every_constructor_argument():
         assert name in rows, f"no row for {name}"
         missing = [n for n in names if not re.search(rf"`[^`]*\b{n}\b", rows[name])]
         assert not missing, f"{name}: {missing} not on the reference page"
+
+
+def test_the_home_page_the_nav_and_the_readme_list_every_guide_page():
+    nav = (REPO / "mkdocs.yml").read_text()
+    index = (DOCS / "index.md").read_text()
+    readme = README.read_text()
+    for page in sorted((DOCS / "guide").glob("*.md")):
+        assert f"guide/{page.name}" in nav, page.name
+        assert f"(guide/{page.name}" in index, page.name
+        assert f"(docs/guide/{page.name}" in readme, page.name

@@ -2,6 +2,7 @@
 of a bad environment variable or a broken framework, the listed extras, the
 report's figures, and a clean torch.export."""
 
+import os
 import re
 import subprocess
 import sys
@@ -238,3 +239,33 @@ def test_the_small_calls_table_says_whether_each_target_is_met():
     assert header.endswith("| Target | Met |")
     assert first.endswith("| ≤ 1.10x | NO |") and second.endswith("| ≤ 1.10x | yes |")
     assert (missed["met"], met["met"]) == (False, True)  # in the JSON too
+
+
+def test_mxnet_imported_before_attention_multi_works_in_the_venvs_make_builds(tmp_path):
+    """MXNet 1.9.1 needs numpy.bool, gone in numpy 1.24-1.26: make installs a
+    .pth hook into each venv with MXNet that restores it before mxnet loads."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("mxnet") is None:
+        pytest.skip("MXNet is not installed in this stack")
+    hook = REPO / "requirements" / "numpy_bool_for_mxnet.pth"
+    makefile = (REPO / "Makefile").read_text()
+    assert f"cp requirements/{hook.name}" in makefile and 'grep -q "^mxnet"' in makefile
+    shutil.copy(hook, tmp_path)  # as make installs it: a .pth in a site directory
+    code = (
+        f"import site; site.addsitedir({str(tmp_path)!r})\n"
+        "from mxnet import np\n"  # first, as a d2l notebook does
+        "import attention_multi as am\n"
+        "x = np.ones((1, 2, 4))\n"
+        "print(am.DotProductAttention(0.0, backend='mxnet').eval()(x, x, x).shape)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},  # this checkout's library
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "(1, 2, 4)" in result.stdout, result.stderr

@@ -51,7 +51,16 @@ def unexpected_keyword(cls: type, name: str) -> TypeError:
 class Module(_Native):
     """The base of every module. An instance is of a subclass native to its
     backend (``torch.nn.Module``, ``gluon.Block``, a JAX pytree or a plain
-    object), which provides the members of ``backends.protocol.NativeModule``."""
+    object), which provides the members of
+    ``attention_multi.backends.protocol.NativeModule``, on every backend:
+
+    - ``eval()`` and ``train(mode=True)``: dropout off and on, returning the
+      module (modules start in training mode, as in PyTorch; on MXNet a module
+      follows ``autograd.record()`` until either is called, as Gluon's layers
+      do, and ``train(None)`` returns it to that);
+    - ``training``: the mode in force;
+    - ``attention_weights`` (attention modules): the weights of the last call.
+    """
 
     _backend: Any = None  # set on the native subclasses by Backend.native_class
     training: bool
