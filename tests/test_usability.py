@@ -269,3 +269,25 @@ def test_mxnet_imported_before_attention_multi_works_in_the_venvs_make_builds(tm
         timeout=300,
     )
     assert result.returncode == 0 and "(1, 2, 4)" in result.stdout, result.stderr
+
+
+def test_both_d2l_forms_are_typed_overloads_that_an_ide_shows():
+    import inspect
+    import typing
+
+    import attention_multi as am
+
+    for cls in (am.MultiHeadAttention, am.AdditiveAttention):
+        forms = typing.get_overloads(cls.__init__)
+        positional = [
+            [
+                p.name
+                for p in inspect.signature(form).parameters.values()
+                if p.kind == p.POSITIONAL_OR_KEYWORD and p.name != "self"
+            ]
+            for form in forms
+        ]
+        assert positional == [list(cls._SEEDS), list(cls._D2L10)], positional
+        for form in forms:  # each names the keywords too, not *args/**kwargs alone
+            keywords = inspect.signature(form).parameters
+            assert "memory_budget" in keywords and "options" in keywords

@@ -138,6 +138,7 @@ def valid_lens_checked(
             f"{shape}"
         )
     dtype = backend.dtype_name(valid_lens)
+    kind: str
     try:
         kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
     except TypeError:  # a name NumPy does not know (MXNet's or a string array's)

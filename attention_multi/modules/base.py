@@ -24,14 +24,14 @@ else:
     _Native = object  # at run time the backend's module_base supplies the members
 
 
-def unexpected_keyword(cls: type, name: str) -> TypeError:
+def unexpected_keyword(cls: type[Any], name: str) -> TypeError:
     """The error for a keyword no form of ``cls``'s constructor takes: it names
     the keyword, the closest valid one, and all of them."""
     import difflib
     import inspect
     from typing import get_type_hints
 
-    params = inspect.signature(cls.__init__).parameters.values()
+    params = inspect.signature(cls).parameters.values()  # __init__'s, without self
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     valid = list(getattr(cls, "_SEEDS", ()))  # the seeds' form first, in its order
     for extra in (

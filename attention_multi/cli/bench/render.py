@@ -74,7 +74,7 @@ def describe(machine: dict[str, Any], threads: Any) -> str:
     )
 
 
-def time_unit(values: list[float]) -> tuple[str, float]:
+def time_unit(values: list[Any]) -> tuple[str, float]:
     """One unit for a column of seconds: µs, ms or s."""
     largest = max((abs(v) for v in values if isinstance(v, (int, float))), default=0.0)
     if largest < 1e-3:
