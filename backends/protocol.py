@@ -329,6 +329,14 @@ class Backend:
         """``snapshot`` of each array, in as few framework calls as it can."""
         return tuple(self.snapshot(x) for x in arrays)
 
+    def keep(self, *arrays: Array) -> Callable[[], tuple[Array, ...]]:
+        """The arrays as they are now, for a later read: a function that
+        returns them. Here copies (``snapshots``); a framework that counts
+        in-place writes may keep the arrays themselves and refuse a read after
+        a write, as its autodiff does with what it saves."""
+        kept = self.snapshots(*arrays)
+        return lambda: kept
+
     def can_keep(self, x: Array) -> bool:
         """Whether ``x``, made during a call, may be kept for later calls in
         any mode (torch: not when made under ``inference_mode``, which

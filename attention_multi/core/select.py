@@ -174,10 +174,15 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:
-    """The weights of this call as a function, from copies of its inputs."""
+    """The weights of this call as a function, from its inputs as they are
+    now (``Backend.keep``; projections only this call holds, as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
-    if not call.private:
-        q, k = xp.snapshots(q, k)
+    kept = (lambda: (q, k)) if call.private else xp.keep(q, k)
     mask = call.mask.snapshot(xp)
-    return lambda: full.weights(xp, q, k, mask, call.scale)
+
+    def read() -> Array:
+        q, k = kept()
+        return full.weights(xp, q, k, mask, call.scale)
+
+    return read

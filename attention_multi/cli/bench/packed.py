@@ -14,7 +14,8 @@ Each row states the share of the scores ours computes (blocks not empty).
 
 import numpy as np
 
-from .timing import compare
+from .speed import format_calls
+from .timing import compare, torch_calls
 
 PACKED = {"batch": 4, "length": 4096, "heads": 8, "head_size": 64, "docs": (64, 1024)}
 
@@ -41,7 +42,9 @@ def _dense(ids):
 
 
 def run_packed(backends_wanted, seconds, shape=None):
-    """Rows ``(backend, measured, against, ours_s, theirs_s, ratio, fraction, err)``."""
+    """Rows ``(backend, measured, against, ours_s, theirs_s, ratio, fraction, err,
+    calls)``: ``calls`` the parallel regions of torch's pool per call, ours and
+    theirs (None where not counted)."""
     import attention_multi as am
     from attention_multi import backends
     from attention_multi.core import make_mask
@@ -63,13 +66,18 @@ def run_packed(backends_wanted, seconds, shape=None):
         a, b = ours(), theirs()
         err = float(np.abs(np.asarray(sync(a), np.float64) - np.asarray(sync(b))).max())
         t_ours, t_theirs, _ = compare(ours, theirs, seconds, sync)
-        rows.append((name, what, against, t_ours, t_theirs, t_ours / t_theirs, fraction, err))
+        calls = (torch_calls(ours), torch_calls(theirs)) if name == "torch" else (None, None)
+        rows.append(
+            (name, what, against, t_ours, t_theirs, t_ours / t_theirs, fraction, err, calls)
+        )
 
     def build_row(name, what, against, build, call):
         """The time to build a block classification against one call (the
         issue's target: at most 5%); no output to compare."""
         t_ours, t_theirs, _ = compare(build, call, seconds, lambda x: x)
-        rows.append((name, what, against, t_ours, t_theirs, t_ours / t_theirs, fraction, None))
+        rows.append(
+            (name, what, against, t_ours, t_theirs, t_ours / t_theirs, fraction, None, (None, None))
+        )
 
     if "torch" in backends_wanted:
         import torch
@@ -201,11 +209,12 @@ def packed_table(rows):
         "ratio",
         "scores computed",
         "max |diff|",
+        "calls",
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, what, against, a, b, r, f, e in rows:
+    for name, what, against, a, b, r, f, e, calls in rows:
         lines.append(
             f"| {name} | {what} | {against} | {a * 1e3:.1f} | {b * 1e3:.1f} | {r:.2f}x "
-            f"| {f:.1%} | {'–' if e is None else f'{e:.1e}'} |"
+            f"| {f:.1%} | {'–' if e is None else f'{e:.1e}'} | {format_calls(calls)} |"
         )
     return "\n".join(lines)
