@@ -286,3 +286,19 @@ def test_the_home_page_the_nav_and_the_readme_list_every_guide_page():
         assert f"guide/{page.name}" in nav, page.name
         assert f"(guide/{page.name}" in index, page.name
         assert f"(docs/guide/{page.name}" in readme, page.name
+
+
+def test_the_readmes_links_resolve():
+    """Every relative link of the README names a file, and a heading of it."""
+
+    def slug(heading):
+        return re.sub(r"[^\w\- ]", "", heading).strip().lower().replace(" ", "-")
+
+    links = re.findall(r"\]\(((?!https?:)[^)#\s]+)(?:#([^)\s]+))?\)", README.read_text())
+    assert len(links) >= 10, links
+    for target, anchor in links:
+        path = REPO / target
+        assert path.exists(), target
+        if anchor:
+            headings = {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in headings, (target, anchor, sorted(headings))

@@ -1,6 +1,5 @@
-"""The machine a bench ran on: when, its load, CPU, versions, NumPy's BLAS."""
+"""The machine a bench ran on: CPU, versions, NumPy's BLAS."""
 
-import datetime
 import os
 import platform
 import sys
@@ -27,10 +26,6 @@ def machine():
     from attention_multi.backends.numpy_threads import blas_config
 
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "load_average": [round(x, 2) for x in os.getloadavg()]
-        if hasattr(os, "getloadavg")
-        else None,
         "cpu": cpu,
         "cores": os.cpu_count(),
         "platform": platform.platform(),

@@ -35,6 +35,7 @@ TITLES = {
     "memory": "Peak memory under autograd",
     "long": "A long sequence",
     "ring": "Ring attention",
+    "busy": "A busy machine: the same rows beside one CPU-bound process",
 }
 # Rows the bench writes as lists instead of objects.
 LIST_COLUMNS = {
@@ -61,12 +62,17 @@ NAMES = {
 
 def describe(machine: dict[str, Any], threads: Any) -> str:
     """The sentence that heads the tables: when, how loaded, on what."""
-    load = machine.get("load_average")
+    loads = [  # load_average, or load_average_start, _end...: each the (1, 5, 15) minutes'
+        f"{key.removeprefix('load_average').strip('_') or 'load'} "
+        + ", ".join(f"{x:.2f}" for x in value)
+        for key, value in machine.items()
+        if key.startswith("load_average") and value
+    ]
     versions = machine.get("versions") or {}
     return (
         f"Measured on {machine.get('date', 'an unrecorded date')}, "
-        f"load average {', '.join(map(str, load)) if load else 'not recorded'} "
-        f"(1, 5, 15 min); {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores "
+        f"load average (1, 5, 15 min) {'; '.join(loads) if loads else 'not recorded'}; "
+        f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores "
         f"({machine.get('platform', '?')}), torch threads {threads}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items())
         + (f"; NumPy BLAS {machine['numpy_blas']}" if machine.get("numpy_blas") else "")
@@ -99,7 +105,7 @@ def cell(key: str, value: Any, scale: float = 1.0) -> str:
     if isinstance(value, bool):
         return "yes" if value else "NO"
     if isinstance(value, (int, float)):
-        if key == "ratio" or key.endswith("_ratio"):
+        if "ratio" in key.split("_") or "_over_" in key:
             return f"{value:.2f}x"
         if key.endswith("_s"):
             return number(value * scale)
@@ -127,11 +133,12 @@ def as_dicts(section: str, rows: list[Any]) -> list[dict[str, Any]]:
             row = list(row)
             keys = names if len(names) == len(row) else [f"column {i + 1}" for i in range(len(row))]
             out.append(dict(zip(keys, row)))
-    for row in out:  # the ratio of the two times, where the bench left it to the reader
-        if "ratio" not in row and isinstance(row.get("ours_s"), (int, float)):
-            theirs = row.get("theirs_s")
-            if isinstance(theirs, (int, float)) and theirs:
-                row["ratio"] = row["ours_s"] / theirs
+    for i, row in enumerate(out):  # the ratio of the times, where the bench left it out
+        ours, theirs = row.get("ours_s"), row.get("theirs_s")
+        if "ratio" not in row and isinstance(ours, (int, float)) and theirs:
+            keys = list(row)
+            at = keys.index("theirs_s") + 1
+            out[i] = dict([*row.items()][:at] + [("ratio", ours / theirs)] + [*row.items()][at:])
     return out
 
 
