@@ -44,10 +44,12 @@ def test_every_section_and_column_of_the_run_is_rendered():
     first = text.splitlines()[0]
     assert first.startswith("Measured on 2026-11-27 03:00 UTC, load average (1, 5, 15 min) ")
     assert "start 1.00, 2.50, 3.25; end 1.50, 2.00, 3.00" in first and "AMD EPYC, 2 cores" in first
-    assert "| backend | measured | ours (ms) | theirs (ms) | ratio | parallel regions |" in text
-    assert "| torch | DotProductAttention | 5.61 | 7.26 | 0.77x | 3 |" in text  # ratio derived
-    assert "| numpy | 14 | 13 | 1.07x | NO |" in text  # µs, the bench's ratio, met
-    assert "| torch | forward | flex | 180 | 255 | 0.71x | 11.5% | – |" in text  # a list row
+    assert "| backend | measured | ours | theirs | ratio | parallel regions |" in text
+    assert (
+        "| torch | DotProductAttention | 5.61 ms | 7.26 ms | 0.77x | 3 |" in text
+    )  # ratio derived
+    assert "| numpy | 14 µs | 13 µs | 1.07x | NO |" in text  # µs, the bench's ratio, met
+    assert "| torch | forward | flex | 180 ms | 255 ms | 0.71x | 11.5% | – |" in text  # a list row
     assert "### a_new_table" in text and "| 1.25x | a \\| b |" in text  # unknown: as it is
     assert "torch-dot" not in text and "### A long sequence" not in text  # ids, empty sections
 
@@ -77,4 +79,4 @@ def test_the_performance_guide_holds_one_rendered_run():
     assert "python -m attention_multi.cli.bench.render" in text
     # outside the markers no table of measured times: they are not edited by hand
     outside = text.replace(tables, "")
-    assert not [line for line in outside.splitlines() if line.startswith("|") and " ms |" in line]
+    assert not [line for line in outside.splitlines() if line.startswith("|") and "s |" in line]

@@ -68,7 +68,7 @@ def add_arguments(parser):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="in under 2 minutes: medium shapes only, 0.5 s per comparison, the long case "
+        help="a short run: medium shapes only, 0.5 s per comparison, the long case "
         "at T=2048; no ring, memory or packed tables (--ring-length and --packed-batch "
         "bring theirs back)",
     )

@@ -7,7 +7,7 @@ performance guide, so that its figures are never edited by hand::
 Every section of the JSON that is a list of rows becomes one table, whatever
 its rows hold: the columns are the rows' keys in the order they first appear
 (a row given as a list takes its section's names from ``LIST_COLUMNS``), times
-(keys ending in ``_s``) in one unit per column, a ratio of ``ours_s`` to
+(keys ending in ``_s``) each in the unit that suits it, a ratio of ``ours_s`` to
 ``theirs_s`` added where a row has both and no ``ratio``. The run's date,
 load average, machine and versions head the tables. With a page, the text
 between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` is replaced
@@ -80,14 +80,12 @@ def describe(machine: dict[str, Any], threads: Any) -> str:
     )
 
 
-def time_unit(values: list[Any]) -> tuple[str, float]:
-    """One unit for a column of seconds: µs, ms or s."""
-    largest = max((abs(v) for v in values if isinstance(v, (int, float))), default=0.0)
-    if largest < 1e-3:
-        return "µs", 1e6
-    if largest < 1:
-        return "ms", 1e3
-    return "s", 1.0
+def seconds(value: float) -> str:
+    """A time in the unit that suits it: µs, ms or s."""
+    for unit, scale in (("µs", 1e6), ("ms", 1e3)):
+        if abs(value) * scale < 1000:
+            return f"{number(value * scale)} {unit}"
+    return f"{number(value)} s"
 
 
 def number(x: float) -> str:
@@ -98,7 +96,7 @@ def number(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
 
 
-def cell(key: str, value: Any, scale: float = 1.0) -> str:
+def cell(key: str, value: Any) -> str:
     """One value as table text."""
     if value is None:
         return "–"
@@ -108,7 +106,7 @@ def cell(key: str, value: Any, scale: float = 1.0) -> str:
         if "ratio" in key.split("_") or "_over_" in key:
             return f"{value:.2f}x"
         if key.endswith("_s"):
-            return number(value * scale)
+            return seconds(value)
         if key.endswith("_mib"):
             return f"{value:.0f}"
         if key == "scores_computed" and value <= 1:
@@ -117,7 +115,7 @@ def cell(key: str, value: Any, scale: float = 1.0) -> str:
             return f"{value:.1e}"
         return number(value)
     if isinstance(value, list):
-        return ", ".join(cell(key, v, scale) for v in value)
+        return ", ".join(cell(key, v) for v in value)
     if isinstance(value, dict):
         return ", ".join(f"{k}={cell(k, v)}" for k, v in value.items())
     return str(value).replace("|", "\\|").replace("\n", " ")
@@ -148,18 +146,14 @@ def table(section: str, rows: list[Any]) -> list[str]:
     columns: list[str] = []
     for row in dicts:
         columns += [k for k in row if k not in columns and k not in HIDDEN]
-    units = {k: time_unit([row.get(k) for row in dicts]) for k in columns if k.endswith("_s")}
 
     def title(key: str) -> str:
-        name = NAMES.get(key, key.replace("_", " "))
-        if key in units:
-            name = name.removesuffix(" s") + f" ({units[key][0]})"
-        return name
+        return NAMES.get(key, key.removesuffix("_s").replace("_", " "))
 
     lines = ["| " + " | ".join(title(k) for k in columns) + " |"]
     lines.append("|" + "".join("---|" for _ in columns))
     for row in dicts:
-        cells = [cell(k, row.get(k), units.get(k, ("", 1.0))[1]) for k in columns]
+        cells = [cell(k, row.get(k)) for k in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
