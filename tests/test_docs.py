@@ -101,12 +101,9 @@ def run_doc(doc, tmp_path, select=None, prelude="", epilogue="", env_extra=()):
 
 
 def test_readme_snippets_run(tmp_path):
-    # README's "Scaling out" is docs/guide/scaling.md's code verbatim (torch.compile,
-    # ONNX, DDP, both rings: the slowest blocks); test_docs_page_snippets_run runs it,
-    # so only a block that differs from the page's runs here a second time.
-    scaling = {code for _, _, code in blocks(DOCS / "guide" / "scaling.md")}
-    out = run_doc(README, tmp_path, select=lambda code: code not in scaling)
+    out = run_doc(README, tmp_path)  # the tour: every framework, a mask function, a model
     assert out.count("[[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]]") >= 3
+    assert "(1, 4, 64, 8)" in out and "attention.W_q.weight" in out
 
 
 def test_porting_doc_snippets_run(tmp_path):
