@@ -152,6 +152,7 @@ class Backend:
     logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
     split: Callable[..., Array]  # (x, size, axis): a list of pieces of size along axis
     exp: Callable[..., Array]
+    log: Callable[..., Array]
     tanh: Callable[..., Array]
     sqrt: Callable[..., Array]
     where: Callable[..., Array]
