@@ -35,6 +35,7 @@ TITLES = {
     "memory": "Peak memory under autograd",
     "long": "A long sequence",
     "ring": "Ring attention",
+    "flex": "The flex API against torch's compiled flex_attention",
     "busy": "A busy machine: the same rows beside one CPU-bound process",
 }
 # Rows the bench writes as lists instead of objects.
@@ -50,6 +51,7 @@ LIST_COLUMNS = {
         "max_abs_diff",
     ],
 }
+LIST_COLUMNS["flex"] = LIST_COLUMNS["packed"]  # printed by the same packed_table
 HIDDEN = {"key"}  # internal identifiers, repeated in readable columns
 NAMES = {
     "ours_s": "ours",
