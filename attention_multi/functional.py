@@ -27,7 +27,7 @@ from .types import Array
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from .core import MaskForms
 
@@ -346,6 +346,8 @@ def ring_attention(
       of the whole sequence (query ``i`` sits at key position ``i + P (K -
       Q)``). Per step, a chunk of keys that no local query may see is
       skipped: no kernel call.
+    - ``scale``: the factor of the scores, as in ``dot_product_attention``
+      (default ``1 / sqrt(d)``).
     - ``group``: the torch process group (None: the default one);
       ``axis_name``: on JAX, the mesh axis the sequence is split over.
     - ``memory_budget``: bytes for the scores of one step, computed a block
