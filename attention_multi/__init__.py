@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends import available_backends
+from attention_multi.backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend
@@ -20,6 +20,9 @@ from .functional import (
     masked_softmax,
     nadaraya_watson,
     ring_attention,
+    ring_gather,
+    ring_order,
+    ring_shard,
     sequence_mask,
     transpose_output,
     transpose_qkv,
@@ -61,6 +64,9 @@ __all__ = [
     "nadaraya_watson",
     "port",
     "ring_attention",
+    "ring_gather",
+    "ring_order",
+    "ring_shard",
     "segments_from_cu_seqlens",
     "segments_from_lengths",
     "sequence_mask",

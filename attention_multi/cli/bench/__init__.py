@@ -49,7 +49,15 @@ from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
 from .packed import PACKED, packed_table, run_flex, run_packed
-from .ring import RING, RING_BUDGET, ring_table, run_ring
+from .ring import (
+    BALANCE,
+    RING,
+    RING_BUDGET,
+    balance_table,
+    ring_table,
+    run_balance,
+    run_ring,
+)
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
 from .timing import rss_now_mib
@@ -68,7 +76,9 @@ def add_arguments(parser):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="medium shapes only, shorter timing, long case at T=4096",
+        help="a short run: medium shapes only, 0.5 s per comparison, the long case "
+        "at T=2048; no ring, memory or packed tables (--ring-length and --packed-batch "
+        "bring theirs back)",
     )
     parser.add_argument(
         "--backends",
@@ -86,7 +96,7 @@ def add_arguments(parser):
         "--seconds",
         type=positive_float,
         default=None,
-        help="timing budget per comparison (default 3; --quick 1)",
+        help="timing budget per comparison (default 3; --quick 0.5)",
     )
     parser.add_argument(
         "--threads",
@@ -98,13 +108,13 @@ def add_arguments(parser):
         "--long-length",
         type=nonnegative_int,
         default=None,
-        help=f"T of the long-sequence case (default {LONG['length']}; --quick 4096; 0 skips it)",
+        help=f"T of the long-sequence case (default {LONG['length']}; --quick 2048; 0 skips it)",
     )
     parser.add_argument(
         "--ring-length",
         type=nonnegative_int,
         default=None,
-        help=f"T of the ring-attention case (default {RING['length']}; --quick 2048; 0 skips it)",
+        help=f"T of the ring-attention case (default {RING['length']}; --quick 0; 0 skips it)",
     )
     parser.add_argument(
         "--ring-processes",
@@ -114,10 +124,18 @@ def add_arguments(parser):
         "(default 1,2,4; T must be a multiple of 16 times each)",
     )
     parser.add_argument(
-        "--packed-batch",
-        type=int,
+        "--ring-balance-length",
+        type=nonnegative_int,
         default=None,
-        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
+        help=f"T of the ring's balance case: causal, contiguous against zigzag, over "
+        f"{BALANCE['processes']} processes (default {BALANCE['length']}; --quick 4096; "
+        "0 skips it)",
+    )
+    parser.add_argument(
+        "--packed-batch",
+        type=nonnegative_int,
+        default=None,
+        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 0; "
         "with --shapes 0; 0 skips it)",
     )
     parser.add_argument(
@@ -144,15 +162,13 @@ def add_arguments(parser):
 
 
 def main(args):
-    import backends
+    from attention_multi import backends
 
     wanted = args.backends
     available = backends.available_backends()
     shapes = args.shapes or (["medium"] if args.quick else list(DOT_SHAPES))
     ring_length = (
-        args.ring_length
-        if args.ring_length is not None
-        else (2048 if args.quick else RING["length"])
+        args.ring_length if args.ring_length is not None else (0 if args.quick else RING["length"])
     )
     uneven = [n for n in args.ring_processes if ring_length % (16 * n)]
     if ring_length and uneven:  # the ring splits T into 16-position blocks per process
@@ -163,11 +179,11 @@ def main(args):
             file=sys.stderr,
         )
         return 2
-    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    seconds = args.seconds or (0.5 if args.quick else 3.0)
     length = (
         args.long_length
         if args.long_length is not None
-        else (4096 if args.quick else LONG["length"])
+        else (2048 if args.quick else LONG["length"])
     )
     if args.json:
         check_writable(args.json)  # now, not after minutes of timing
@@ -188,8 +204,20 @@ def main(args):
             f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr, flush=True
         )
         ring_results = run_ring(ring_length, sizes, threads)
+    balance_length = (
+        args.ring_balance_length
+        if args.ring_balance_length is not None
+        else (4096 if args.quick else BALANCE["length"])
+    )
+    balance_results = []
+    if balance_length and "torch" in wanted and "torch" in available:
+        size = BALANCE["processes"]
+        print(
+            f"  ring balance T={balance_length}, {size} processes ...", file=sys.stderr, flush=True
+        )
+        balance_results = run_balance(balance_length, size, threads)
     memory_results = []
-    if not args.no_memory:
+    if not (args.no_memory or args.quick):
         cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
         print(f"  memory under autograd: {', '.join(cases)} ...", file=sys.stderr, flush=True)
         memory_results = run_memory(cases)
@@ -274,10 +302,20 @@ def main(args):
             f"(ru_maxrss) of the largest.\n"
         )
         print(ring_table(ring_results))
+    if balance_results:
+        print(
+            f"\nRing balance: causal, B={BALANCE['batch']}, {BALANCE['heads']} heads, head "
+            f"size {BALANCE['head_size']}, T={balance_length}, float32, forward, over "
+            f"{BALANCE['processes']} torch processes (gloo) with {threads}/P threads each; "
+            f"per participant the scores it computed (its chunks of keys that a local "
+            f"query sees), its kernel calls, the compute time of each step, the time it "
+            f"waited on the exchanges, and its time.\n"
+        )
+        print(balance_table(balance_results))
     packed_batch = (
         args.packed_batch
         if args.packed_batch is not None
-        else (0 if args.shapes else 1 if args.quick else PACKED["batch"])
+        else (0 if args.shapes or args.quick else PACKED["batch"])
     )
     packed_rows = []
     if packed_batch:
@@ -357,6 +395,7 @@ def main(args):
                     "long": long_results,
                     "memory": memory_results,
                     "ring": ring_results,
+                    "ring_balance": balance_results,
                     "packed": packed_rows,
                     "flex": flex_rows,
                     "busy": busy_results,

@@ -25,7 +25,7 @@ from .segments import make_segments
 from .spec import Form, Mask
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array, Window
 
@@ -50,7 +50,9 @@ class Where(NamedTuple):
     ``offset``: the position of query 0 among the keys (an int, or traced),
     ``offset_known`` its host value (None while traced), ``offset_given``
     whether the caller set it (a KV cache); ``dtype`` that of the queries;
-    ``heads_axis``: the inputs are 4-D (else masks are (batch, Q, K))."""
+    ``heads_axis``: the inputs are 4-D (else masks are (batch, Q, K));
+    ``query_base``: the index of query 0 that a function's ``q_idx`` counts
+    from (an int, or traced)."""
 
     xp: Backend
     batch: int
@@ -63,6 +65,7 @@ class Where(NamedTuple):
     dtype: str | None
     heads_axis: bool
     device: Any
+    query_base: Any
 
 
 def _intervals(
@@ -111,9 +114,8 @@ def _function(name: str, fn: Any) -> None:
 
 
 def _bases(where: Where) -> tuple[Any, Any, Any]:
-    """Where a function's indices start: ``q_idx`` at the given offset (the
-    KV cache's length), else at 0."""
-    return (0, where.offset if where.offset_given else 0, 0)
+    """Where a function's indices start: ``q_idx`` at ``query_base``."""
+    return (0, where.query_base, 0)
 
 
 def _mask_mod(where: Where, mask_mod: Any = None) -> Form | None:
@@ -193,6 +195,7 @@ def make_mask(
     dtype: str | None = None,
     heads_axis: bool = True,
     device: Any = None,
+    query_base: Any = None,
     **keywords: Any,
 ) -> Mask:
     """Check what the caller gave and normalize it into one ``Mask``.
@@ -203,8 +206,10 @@ def make_mask(
     (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
     multi-head attention); ``causal``; ``window`` int or (left, right);
     ``mask_mod``, ``score_mod``, ``segment_ids``. ``offset`` the position of
-    query 0 among the keys (default K - Q); ``dtype`` that of the queries (a
-    bias is cast to its compute dtype). Lists and NumPy arrays are placed on
+    query 0 among the keys (default K - Q); ``query_base`` the index of query
+    0 that a function's ``q_idx`` counts from (default: the given offset, the
+    KV cache's length, else 0); ``dtype`` that of the queries (a bias is cast
+    to its compute dtype). Lists and NumPy arrays are placed on
     ``device``.
     """
     offset_known: int | None = None
@@ -229,6 +234,7 @@ def make_mask(
         dtype,
         heads_axis,
         device,
+        (offset if offset_given else 0) if query_base is None else query_base,
     )
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():

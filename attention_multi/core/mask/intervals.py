@@ -19,7 +19,7 @@ from ..numerics import positions
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 
@@ -41,6 +41,7 @@ class Intervals(Form):
     window: tuple[int | None, ...] | None = None
     kind: ClassVar[str] = "intervals"
     gathers: ClassVar[bool] = True
+    cuts_traced: ClassVar[bool] = True
 
     @property
     def only_lens(self) -> bool:

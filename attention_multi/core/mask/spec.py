@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 import numpy as np
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 
@@ -55,6 +55,7 @@ class Form:
 
     kind: ClassVar[str] = ""
     restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
+    cuts_traced: ClassVar[bool] = False  # its region may start at a traced key position
     narrows: ClassVar[bool] = False  # its key_span narrows the keys of a row on the host
     gathers: ClassVar[bool] = False  # it takes batch elements in any order (``rows``)
 
@@ -338,16 +339,6 @@ class Mask:
                 break
         return state
 
-    def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
-        """Device bool (0-d): whether some query of the region may see some
-        key of it, every form together (None: no form says)."""
-        seen = None
-        for form in self.forms:
-            s = form.seen(xp, self, r, device)
-            if s is not None:
-                seen = s if seen is None else xp.logical_and(seen, s)
-        return seen
-
     def region(self, r: Region, state: int | None = None) -> Mask:
         """The Mask of the block ``r``, positions counted from its start. A
         block every query sees whole gets a Mask without forms."""
@@ -366,16 +357,35 @@ class Mask:
     def block_at(self, q0: Any, k0: Any, num_queries: int, num_keys: int) -> Mask:
         """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0,
         k0 + num_keys)`` of every batch element; ``q0`` and ``k0`` ints or
-        traced (a scan's block, ring attention under ``shard_map``), within
-        the mask (a traced start is clamped to it)."""
+        traced (a scan's block), within the mask (a traced start is clamped
+        to it). Every form cuts its arrays there (``Backend.read_slice``)."""
         r = Region(0, self.batch, q0, q0 + num_queries, k0, k0 + num_keys, (num_queries, num_keys))
         forms = tuple(f.region(self, r) for f in self.forms)
         return Mask(self.batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
 
     def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
-        an int or traced (``block_at``)."""
-        return self.block_at(0, k0, self.num_queries, size)
+        an int or traced (ring attention under ``shard_map``, scans). Only
+        for forms that cut at a traced position (``Form.cuts_traced``: all
+        but ``mask=`` and ``bias=``)."""
+        if not all(f.cuts_traced for f in self.forms):
+            raise ValueError(
+                "a block of keys at a traced position takes valid_lens, causal, window, "
+                "mask_mod, score_mod and segment_ids, not mask= or bias="
+            )
+        r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
+        forms = tuple(f.region(self, r) for f in self.forms)
+        return Mask(self.batch, self.heads, self.num_queries, size, forms, self.host, self.xp)
+
+    def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
+        """Device bool (0-d): whether some query of the region ``r`` may see
+        some key of it, by every form that can tell (None: none can)."""
+        seen = None
+        for form in self.forms:
+            s = form.seen(xp, self, r, device)
+            if s is not None:
+                seen = s if seen is None else xp.logical_and(seen, s)
+        return seen
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
         """Host: the keys ``[start, stop)`` narrowed by every form for the

@@ -35,7 +35,7 @@ from . import online
 from .call import Call, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 
