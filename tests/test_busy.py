@@ -80,3 +80,50 @@ def test_packed_rows_are_stacked_when_calls_wait(waits):
         )
         np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5)
     assert calls["busy"] < calls["idle"], calls
+
+
+def test_the_bench_counts_parallel_regions():
+    """The bench's call count: one for SDPA over the whole batch, none for
+    work below torch's grain or for views, one per compiled region."""
+    from attention_multi.cli.bench.timing import torch_calls
+
+    q = torch.randn(8, 2, 128, 32)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch_calls(lambda: sdpa(q, q, q)) == 1
+    assert torch_calls(lambda: q[:, :1].reshape(8, 128, 32).transpose(1, 2)) == 0
+    assert torch_calls(lambda: torch.ones(100) + 1) == 0  # (below the grain)
+    assert torch_calls(lambda: [sdpa(q[i : i + 1], q, q) for i in range(0, 8, 2)]) == 4
+
+
+def test_the_busy_table_pairs_each_row_with_its_idle_twin():
+    import os
+
+    from attention_multi.cli.bench.busy import busy_rows, busy_table, one_busy_process
+
+    def speed(key, ratio):
+        return (key, "torch", "DotProductAttention", (16, 512, 64), "tiled", "SDPA", ratio, 1.0)
+
+    def packed(what, ratio, err=1e-7):
+        return ("torch", what, "flex", ratio, 1.0, ratio, 0.1, err, (3, 1))
+
+    rows = busy_rows(
+        [speed("torch-dot-sdpa", 0.9), speed("torch-mha-train", 0.8)],
+        [speed("torch-dot-sdpa", 1.1), speed("torch-mha-train", 1.2)],
+        [packed("forward", 0.5), packed("block states", 0.01, err=None)],
+        [packed("forward", 0.6), packed("block states", 0.02, err=None)],
+    )
+    assert [(r["busy_ratio"], r["met"]) for r in rows] == [(1.1, False), (1.2, False), (0.6, True)]
+    assert rows[0]["busy_over_idle"] == pytest.approx(1.1 / 0.9)  # (met 1.3x; not 1.0x)
+    assert "| torch packed forward | flex | - | 0.50x | 0.60x | 1.20x |" in busy_table(rows)
+    with one_busy_process():
+        loops = [p for p in os.listdir("/proc") if p.isdigit() and _is_busy_loop(p)]
+        assert len(loops) == 1
+    assert not [p for p in loops if os.path.exists(f"/proc/{p}") and _is_busy_loop(p)]
+
+
+def _is_busy_loop(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"while True: pass" in f.read()
+    except OSError:
+        return False

@@ -32,6 +32,7 @@ baselines (the tests use the same copies).
 import json
 import os
 import sys
+import time
 
 from ...config import get_backend
 from ...files import atomic_write, check_writable
@@ -43,16 +44,24 @@ from ..arguments import (
     positive_int,
     positive_ints,
 )
+from .busy import busy_rows, busy_table, one_busy_process
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
-from .packed import PACKED, packed_table, run_packed
+from .packed import PACKED, packed_table, run_flex, run_packed
 from .ring import RING, RING_BUDGET, ring_table, run_ring
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
 from .timing import rss_now_mib
 
 EXIT_CANNOT_WRITE = 1
+
+
+def _load_average():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
 
 
 def add_arguments(parser):
@@ -118,6 +127,12 @@ def add_arguments(parser):
         "--no-small", action="store_true", help="skip the small-calls table (d2l's sizes)"
     )
     parser.add_argument(
+        "--no-busy",
+        action="store_true",
+        help="skip the busy-machine table (the large-batch and packed rows again, "
+        "beside one CPU-bound process)",
+    )
+    parser.add_argument(
         "--json",
         default=None,
         help="also write the results here (checked before the timing "
@@ -157,6 +172,8 @@ def main(args):
     if args.json:
         check_writable(args.json)  # now, not after minutes of timing
     info = machine()
+    info["date"] = time.strftime("%Y-%m-%d %H:%M %Z")
+    info["load_average_start"] = _load_average()
     threads = args.threads or os.cpu_count()
     long_results = []
     if length:  # first: Linux carries the parent's RSS over into a child's
@@ -273,6 +290,42 @@ def main(args):
             f"(segment_ids= + causal=True), float32.\n"
         )
         print(packed_table(packed_rows))
+    flex_rows = []
+    if packed_batch and "torch" in usable:
+        print("  flex API ...", file=sys.stderr, flush=True)
+        flex_rows = run_flex(seconds)
+        print(
+            "\nThe flex API (attention_multi.flex, eager, its BlockMask of blocks 128) against "
+            "torch's flex_attention compiled with its BlockMask, float32 forward; "
+            "create_block_mask of the document mask (documents as above).\n"
+        )
+        print(packed_table(flex_rows))
+    busy_results = []
+    large = [s for s in shapes if s != "small"]
+    if not args.no_busy and (large or packed_rows):
+        print(
+            "  busy machine: the large-batch and packed rows beside one CPU-bound process ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        speed_busy = []
+        with one_busy_process():
+            for shape_name in large:
+                for name in usable:
+                    for kind, bench in BENCHES[name]:
+                        shape = (DOT_SHAPES if kind == "dot" else MHA_SHAPES)[shape_name]
+                        speed_busy.extend(bench(shape, seconds))
+            packed_busy = (
+                run_packed(usable, seconds, {"batch": packed_batch}) if packed_rows else []
+            )
+        busy_results = busy_rows(rows, speed_busy, packed_rows, packed_busy)
+        print(
+            "\nA busy machine: the ratios above again with one CPU-bound process beside "
+            "this one (a busy loop the bench starts and stops); each row's ratio busy "
+            "against idle.\n"
+        )
+        print(busy_table(busy_results))
+    info["load_average_end"] = _load_average()
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
             json.dump(
@@ -291,8 +344,9 @@ def main(args):
                                     "against",
                                     "ours_s",
                                     "theirs_s",
-                                    "calls",
+                                    "timed_calls",
                                     "max_abs_diff",
+                                    "parallel_regions",
                                 ),
                                 r,
                             )
@@ -304,6 +358,8 @@ def main(args):
                     "memory": memory_results,
                     "ring": ring_results,
                     "packed": packed_rows,
+                    "flex": flex_rows,
+                    "busy": busy_results,
                 },
                 f,
                 indent=1,

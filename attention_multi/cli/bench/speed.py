@@ -3,7 +3,7 @@ seeds' d2l code, at three shapes, forward (eval) and, on torch, training."""
 
 import numpy as np
 
-from .timing import compare, random_lens, rng_inputs, train_step
+from .timing import compare, random_lens, rng_inputs, torch_calls, train_step
 
 TARGETS = {  # (row key) -> largest acceptable ratio; None: must be faster (< 1)
     "torch-dot-sdpa": 0.85,
@@ -54,6 +54,7 @@ def bench_torch_dot(shape, seconds):
                 "SDPA 4-D + (B,1,1,T) mask",
                 *compare(lambda: ours(q, k, v, lens), sdpa, seconds),
                 check,
+                (torch_calls(lambda: ours(q, k, v, lens)), torch_calls(sdpa)),
             )
         )
         rows.append(
@@ -66,6 +67,10 @@ def bench_torch_dot(shape, seconds):
                 "seed 000 d2l PyTorch",
                 *compare(lambda: ours(q, k, v, lens), lambda: seed(q, k, v, lens), seconds),
                 check,
+                (
+                    torch_calls(lambda: ours(q, k, v, lens)),
+                    torch_calls(lambda: seed(q, k, v, lens)),
+                ),
             )
         )
     return rows
@@ -102,6 +107,7 @@ def bench_torch_mha(shape, seconds):
                 "nn.MultiheadAttention",
                 *compare(lambda: ours(x, x, x, lens), nn_mha, seconds),
                 check,
+                (torch_calls(lambda: ours(x, x, x, lens)), torch_calls(nn_mha)),
             )
         ]
 
@@ -124,6 +130,10 @@ def bench_torch_dot_train(shape, seconds):
         )[:, 0]
 
     ours(q, k, v, lens)
+    ours_step, sdpa_step = (
+        train_step(lambda: ours(q, k, v, lens), q, k, v),
+        train_step(sdpa, q, k, v),
+    )
     return [
         (
             "torch-dot-train",
@@ -132,12 +142,9 @@ def bench_torch_dot_train(shape, seconds):
             shape,
             ours.last_path,
             "SDPA, dropout_p=0.1 + mask",
-            *compare(
-                train_step(lambda: ours(q, k, v, lens), q, k, v),
-                train_step(sdpa, q, k, v),
-                seconds,
-            ),
+            *compare(ours_step, sdpa_step, seconds),
             float("nan"),
+            (torch_calls(ours_step), torch_calls(sdpa_step)),
         )
     ]
 
@@ -154,6 +161,10 @@ def bench_torch_mha_train(shape, seconds):
     mha = torch.nn.MultiheadAttention(E, h, dropout=0.1, bias=False, batch_first=True).train()
     padding = torch.arange(T)[None, :] >= lens[:, None]
     ours(x, x, x, lens)
+    ours_step = train_step(lambda: ours(x, x, x, lens), *ours.parameters())
+    mha_step = train_step(
+        lambda: mha(x, x, x, key_padding_mask=padding, need_weights=False)[0], *mha.parameters()
+    )
     return [
         (
             "torch-mha-train",
@@ -162,15 +173,9 @@ def bench_torch_mha_train(shape, seconds):
             shape,
             ours.last_path,
             "nn.MultiheadAttention, dropout 0.1",
-            *compare(
-                train_step(lambda: ours(x, x, x, lens), *ours.parameters()),
-                train_step(
-                    lambda: mha(x, x, x, key_padding_mask=padding, need_weights=False)[0],
-                    *mha.parameters(),
-                ),
-                seconds,
-            ),
+            *compare(ours_step, mha_step, seconds),
             float("nan"),
+            (torch_calls(ours_step), torch_calls(mha_step)),
         )
     ]
 
@@ -211,6 +216,7 @@ def bench_jax_dot(shape, seconds):
                 sync=lambda x: x.block_until_ready(),
             ),
             check,
+            (1, 1),  # (one compiled executable each)
         )
     ]
 
@@ -247,6 +253,7 @@ def bench_mxnet_dot(shape, seconds):
             "seed 004 d2l MXNet (npx.batch_dot)",
             *compare(lambda: ours(q, k, v, lens), lambda: seed(q, k, v, flens), seconds, sync=sync),
             check,
+            (None, None),
         )
     ]
 
@@ -280,6 +287,7 @@ def bench_numpy_dot(shape, seconds):
                 "torch SDPA 4-D + mask",
                 *compare(lambda: ours(q, k, v, lens), sdpa, seconds),
                 check,
+                (None, torch_calls(sdpa)),
             )
         ]
 
@@ -303,12 +311,18 @@ def _fmt_shape(key, shape):
     return "B={} T={} E={} h={}".format(*shape)
 
 
+def format_calls(calls):
+    """``ours / theirs`` parallel regions per call ("–" where not counted)."""
+    return " / ".join("–" if c is None else str(c) for c in calls)
+
+
 def table(rows):
     lines = [
-        "| Measured | Shape | Path | Against | Ours (ms) | Theirs (ms) | Ratio | Target | Met |",
-        "|---|---|---|---|---:|---:|---:|---:|:-:|",
+        "| Measured | Shape | Path | Against | Ours (ms) | Theirs (ms) | Ratio | Target | Met "
+        "| Calls |",
+        "|---|---|---|---|---:|---:|---:|---:|:-:|---:|",
     ]
-    for key, backend, what, shape, path, against, ours, theirs, _, _ in rows:
+    for key, backend, what, shape, path, against, ours, theirs, _, _, calls in rows:
         ratio = ours / theirs
         target, met = TARGETS[key], "-"
         if shape in (DOT_SHAPES["medium"], MHA_SHAPES["medium"]):  # the targets' shapes
@@ -319,6 +333,6 @@ def table(rows):
         lines.append(
             f"| {backend} {what} | {_fmt_shape(key, shape)} | {path} | {against} | "
             f"{ours * 1e3:.2f} | {theirs * 1e3:.2f} | {ratio:.2f}x | "
-            f"{target} | {met} |"
+            f"{target} | {met} | {format_calls(calls)} |"
         )
     return "\n".join(lines)

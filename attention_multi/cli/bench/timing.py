@@ -104,3 +104,53 @@ def run_child(module, function, arg, env=None):
     if proc.returncode or not lines:
         return None, (proc.stderr.strip().splitlines() or ["?"])[-1]
     return json.loads(lines[-1]), None
+
+
+# Operations that only relabel memory (views, metadata): not counted as calls.
+_NO_WORK = {
+    "aten::alias",
+    "aten::as_strided",
+    "aten::detach",
+    "aten::expand",
+    "aten::lift_fresh",
+    "aten::permute",
+    "aten::reshape",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::select",
+    "aten::slice",
+    "aten::split",
+    "aten::split_with_sizes",
+    "aten::squeeze",
+    "aten::t",
+    "aten::transpose",
+    "aten::unbind",
+    "aten::unsqueeze",
+    "aten::view",
+}
+
+
+GRAIN = 32768
+"""torch's ``at::internal::GRAIN_SIZE``: an operation on fewer elements runs
+on the calling thread, without a parallel region."""
+
+
+def torch_calls(f):
+    """The parallel regions one call of ``f`` asks of torch's CPU pool: its
+    operations at the top of torch's profiler tree that do work (views
+    excepted) on at least ``GRAIN`` elements. Each waits for descheduled
+    threads on a busy machine. A compiled region counts as one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    f()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        f()
+    events = prof.events()
+    compiled = sum(e.name.startswith("Torch-Compiled Region") for e in events)
+    return compiled + sum(
+        e.name.startswith("aten::")
+        and e.name not in _NO_WORK
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        and max((int(np.prod(s)) for s in e.input_shapes if s), default=0) >= GRAIN
+        for e in events
+    )

@@ -101,7 +101,7 @@ def plan(call: Call) -> Plan | None:
     nor on a framework that compiles each new shape unless asked for by name;
     under autodiff every tile's scores are held at once: all must fit."""
     xp = call.xp
-    if not call.asks("tiled") or call.keyed_dropout:
+    if not call.asks("tiled") or call.keyed_dropout or call.lse:  # (kernels give no lse)
         return None
     if call.path != "tiled" and xp.compiles_per_shape:
         return None
