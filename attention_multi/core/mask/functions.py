@@ -172,7 +172,8 @@ def checked_mask(
     xp: Backend, mask_mod: Callable[..., Any], grid: tuple[Array, ...], device: Any
 ) -> Array:
     """``mask_mod(*grid)`` checked: a rank-4 bool array broadcasting to the grid."""
-    shape = tuple(int(n) for n in np.broadcast_shapes(*(tuple(g.shape) for g in grid)))
+    b, h, q, kv = grid  # (b varies along axis 0, h along 1, ...)
+    shape = (int(b.shape[0]), int(h.shape[1]), int(q.shape[2]), int(kv.shape[3]))
     return _evaluated(
         xp, "mask_mod", mask_mod, grid, shape, lambda out: _mask_answer(xp, out, shape, device)
     )
