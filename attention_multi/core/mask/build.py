@@ -50,7 +50,9 @@ class Where(NamedTuple):
     ``offset``: the position of query 0 among the keys (an int, or traced),
     ``offset_known`` its host value (None while traced), ``offset_given``
     whether the caller set it (a KV cache); ``dtype`` that of the queries;
-    ``heads_axis``: the inputs are 4-D (else masks are (batch, Q, K))."""
+    ``heads_axis``: the inputs are 4-D (else masks are (batch, Q, K));
+    ``query_base``: the index of query 0 that a function's ``q_idx`` counts
+    from (an int, or traced)."""
 
     xp: Backend
     batch: int
@@ -63,6 +65,7 @@ class Where(NamedTuple):
     dtype: str | None
     heads_axis: bool
     device: Any
+    query_base: Any
 
 
 def _intervals(
@@ -111,9 +114,8 @@ def _function(name: str, fn: Any) -> None:
 
 
 def _bases(where: Where) -> tuple[Any, Any, Any]:
-    """Where a function's indices start: ``q_idx`` at the KV cache's length
-    when decoding, else at 0 (flex's)."""
-    return (0, where.offset if where.offset_given else 0, 0)
+    """Where a function's indices start: ``q_idx`` at ``query_base``."""
+    return (0, where.query_base, 0)
 
 
 def _native(where: Where, name: str, fn: Any) -> Any:
@@ -156,10 +158,12 @@ def _segments(where: Where, segment_ids: Any = None) -> Form | None:
 
 def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
     """One place for a query in one call: a function's ``q_idx`` counts from
-    0 (flex's) where ``causal=``, ``window=`` and one ``segment_ids`` array
-    put query ``i`` at ``i + K - Q``; when these differ (Q != K, no KV cache)
-    a call giving both is refused, never read one way or the other."""
-    if where.offset_given or where.num_queries == where.num_keys:
+    ``query_base`` (0, flex's, unless decoding) where ``causal=``, ``window=``
+    and one ``segment_ids`` array put query 0 at key position ``offset``
+    (``K - Q``: bottom-right); when these differ a call giving both is
+    refused, never read one way or the other."""
+    base, offset = where.query_base, where.offset
+    if base is offset or not (_known_int(base) and _known_int(offset)) or base == offset:
         return
     functions = [n for n in ("mask_mod", "score_mod") if keywords.get(n) is not None]
     placed = [n for n in ("causal", "window") if keywords.get(n) not in (None, False)]
@@ -167,14 +171,17 @@ def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
     if ids is not None and not isinstance(ids, tuple):
         placed.append("segment_ids")
     if functions and placed:
-        shift = where.num_keys - where.num_queries
         raise ValueError(
             f"{' and '.join(functions)} with {' and '.join(placed)} when Q={where.num_queries} "
-            f"!= K={where.num_keys}: q_idx counts from 0 (flex's), while {placed[0]} puts query "
-            f"i at key position i + {shift} (bottom-right); "
-            f"write it in the function with q_idx + {shift}"
+            f"!= K={where.num_keys}: q_idx counts query 0 as {base} (flex's), while "
+            f"{placed[0]} puts it at key position {offset} (bottom-right); write it in the "
+            f"function with q_idx + {offset - base}"
             + (", or give segment_ids as a (query ids, key ids) pair" if ids is not None else "")
         )
+
+
+def _known_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer))
 
 
 class Keyword(NamedTuple):
@@ -226,6 +233,7 @@ def make_mask(
     dtype: str | None = None,
     heads_axis: bool = True,
     device: Any = None,
+    query_base: Any = None,
     **keywords: Any,
 ) -> Mask:
     """Check what the caller gave and normalize it into one ``Mask``.
@@ -236,8 +244,10 @@ def make_mask(
     (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
     multi-head attention); ``causal``; ``window`` int or (left, right);
     ``mask_mod``, ``score_mod``, ``segment_ids``. ``offset`` the position of
-    query 0 among the keys (default K - Q); ``dtype`` that of the queries (a
-    bias is cast to its compute dtype). Lists and NumPy arrays are placed on
+    query 0 among the keys (default K - Q); ``query_base`` the index of query
+    0 that a function's ``q_idx`` counts from (default: the given offset, the
+    KV cache's length, else 0); ``dtype`` that of the queries (a bias is cast
+    to its compute dtype). Lists and NumPy arrays are placed on
     ``device``.
     """
     offset_known: int | None = None
@@ -262,6 +272,7 @@ def make_mask(
         dtype,
         heads_axis,
         device,
+        (offset if offset_given else 0) if query_base is None else query_base,
     )
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():

@@ -41,6 +41,7 @@ class Intervals(Form):
     window: tuple[int | None, ...] | None = None
     kind: ClassVar[str] = "intervals"
     gathers: ClassVar[bool] = True
+    cuts_traced: ClassVar[bool] = True
 
     @property
     def only_lens(self) -> bool:
