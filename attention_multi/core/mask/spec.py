@@ -1,15 +1,11 @@
 """``Mask``: which keys each query may see, for (batch, heads, Q, K) attention,
-as immutable data: a shape and the forms the caller set.
+as immutable data: a shape and the forms the caller set (only those: "is
+anything set?" is asked of one list).
 
-A form (``Form``) is one family of mask keywords (``intervals.py``: lengths,
-causal, window; ``arrays.py``: ``mask``, ``bias``; ``functions.py``:
-``mask_mod``, ``score_mod``; ``segments.py``: ``segment_ids``), and answers
-the same few questions: which positions of the index grid it lets a query see
-(``visible``), what it does to the scores (``scores``), the state of a block
-of queries x keys on the host (``region_state``, ``states``), a device test
-of whether a block is seen (``seen``), and the form over a region (``region``).
-A mask holds only the forms that are set: "is anything set?" is asked of one
-list.
+A form (``Form``) is one family of mask keywords (``intervals.py``,
+``arrays.py``, ``functions.py``, ``segments.py``) and answers the same few
+questions: ``visible``, ``scores``, ``region_state``, ``states``, ``seen``
+and ``region`` (below).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ if TYPE_CHECKING:
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block states, the one encoding: no query of the block may see a key of it
-(skipped), some may (computed with the mask), each may see all (computed
-without a mask)."""
+(skipped), some may (computed with the mask), each sees all (no mask)."""
 
 
 class Region(NamedTuple):
@@ -42,9 +37,8 @@ class Region(NamedTuple):
 
 
 class Form:
-    """One family of mask keywords over a mask's region. Subclasses set
-    ``kind`` and override what their family answers; the defaults are those
-    of a form that cannot tell anything about a block on the host."""
+    """One family of mask keywords. Subclasses set ``kind`` and override what
+    their family answers; the defaults tell nothing about a block on the host."""
 
     kind: ClassVar[str] = ""
     restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
@@ -72,15 +66,13 @@ class Form:
         return None
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
-        """Device bool (0-d): some query of the region may see a key of it
-        by this form (None: it does not say)."""
+        """Device bool (0-d): some query of ``r`` may see a key of it (None: no answer)."""
         return None
 
     def key_span(
         self, mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
     ) -> tuple[int, int]:
-        """Host: the keys ``[start, stop)`` that element ``b``'s rows
-        ``[q0, q1)`` may see, narrowed by this form (``narrows``)."""
+        """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, narrowed."""
         return start, stop
 
     def region(self, mask: Mask, r: Region) -> Form:
@@ -88,8 +80,7 @@ class Form:
         raise NotImplementedError
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
-        """This form over the batch elements ``rows`` (host ints), in that
-        order (only where ``gathers``)."""
+        """This form over the batch elements ``rows`` (host ints), in that order."""
         raise NotImplementedError
 
     def snapshot(self, xp: Backend) -> Form:
@@ -107,18 +98,11 @@ def _taken(xp: Backend, x: Any, rows: np.ndarray) -> Any:
 
 
 def _sliced(x: Any, r: Region, keys: bool = True) -> Any:
-    """``x`` (4-D, size-1 axes broadcast) cut to the region ``r`` (its keys
-    too, unless ``keys`` is False)."""
+    """``x`` (4-D, size-1 axes broadcast) cut to ``r`` (its keys too, unless not ``keys``)."""
     if x is None:
         return None
-    index = [slice(None)] * 4
-    if x.shape[0] > 1:
-        index[0] = slice(r.b0, r.b1)
-    if x.shape[2] > 1:
-        index[2] = slice(r.q0, r.q1)
-    if keys and x.shape[3] > 1:
-        index[3] = slice(r.k0, r.k1)
-    return x[tuple(index)]
+    bounds = ((r.b0, r.b1), (None, None), (r.q0, r.q1), (r.k0, r.k1) if keys else (None, None))
+    return x[tuple(slice(*b) if n > 1 else slice(None) for n, b in zip(x.shape, bounds))]
 
 
 class Mask:
@@ -168,12 +152,18 @@ class Mask:
             self._cache[name] = compute()
         return self._cache[name]
 
+    def _with(self, forms: tuple[Form, ...], batch: int, num_queries: int, num_keys: int) -> Mask:
+        return Mask(batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
+
     def __repr__(self) -> str:
-        kinds = ", ".join(self._kinds) or "nothing"
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
-        return f"Mask({shape}, {kinds})"
+        return f"Mask({shape}, {', '.join(self._kinds) or 'nothing'})"
 
     # -- the forms ---------------------------------------------------------------------
+    def form(self, kind: str) -> Any:
+        """The form ``kind`` (a ``Form.kind``) when it is set, else None."""
+        return self._kinds.get(kind)
+
     @property
     def intervals(self) -> Any:
         """The lengths, causal and window form (``intervals.Intervals``) or None."""
@@ -182,29 +172,22 @@ class Mask:
     @property
     def bias(self) -> Array | None:
         """The float bias added to the scaled scores (4-D) or None."""
-        arrays = self.form("arrays")
-        return None if arrays is None else arrays.bias
+        return getattr(self.form("arrays"), "bias", None)
 
     @property
     def score_mod(self) -> Callable[..., Array] | None:
         """The ``score_mod`` function or None."""
-        form = self.form("score_mod")
-        return None if form is None else form.score_mod
-
-    def form(self, kind: str) -> Any:
-        """The form ``kind`` (a ``Form.kind``) when it is set, else None."""
-        return self._kinds.get(kind)
+        return getattr(self.form("score_mod"), "score_mod", None)
 
     # -- predicates ------------------------------------------------------------------
     @property
     def unmasked(self) -> bool:
         """Every query may see every key, and there is no bias."""
-        return len(self.forms) == 0
+        return not self.forms
 
     @property
     def dense(self) -> bool:
-        """Something beyond the row intervals is set (a block then needs the
-        mask's value, not only its intervals)."""
+        """Something beyond the row intervals is set (a block needs its values)."""
         return any(f.kind != "intervals" for f in self.forms)
 
     @property
@@ -215,8 +198,7 @@ class Mask:
     @property
     def only_lens(self) -> bool:
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        intervals = self.intervals
-        return len(self.forms) == 1 and intervals is not None and intervals.only_lens
+        return len(self.forms) == 1 and self.intervals is not None and self.intervals.only_lens
 
     @property
     def per_batch_lens(self) -> Array | None:
@@ -235,13 +217,13 @@ class Mask:
     def top_left_causal(self) -> bool:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
-        intervals = self.intervals
+        form = self.intervals
         return (
             len(self.forms) == 1
-            and intervals is not None
-            and intervals.only_causal
+            and form is not None
+            and form.only_causal
             and self.num_queries == self.num_keys
-            and intervals.offset_known == 0
+            and form.offset_known == 0
         )
 
     def known_on_host(self) -> bool:
@@ -290,8 +272,7 @@ class Mask:
         return xp.where(visible, 0.0 if self.bias is None else self.bias, fill(xp, dtype, device))
 
     def scores(self, xp: Backend, s: Array, work: str) -> Array:
-        """The scaled scores ``s`` after every form that changes them (bias,
-        then ``score_mod``), in the compute dtype ``work``."""
+        """The scaled scores ``s`` after every form (bias, then ``score_mod``), in ``work``."""
         for form in self.forms:
             s = form.scores(xp, self, s, work)
         return s
@@ -313,19 +294,18 @@ class Mask:
         return state
 
     def region(self, r: Region, state: int | None = None) -> Mask:
-        """The Mask of the block ``r``, positions counted from its start. A
+        """The Mask of the block ``r``, positions counted from its start; a
         block every query sees whole gets a Mask without forms."""
         if state is None:
             state = self.block_state(r)
         forms = () if state == FULL else tuple(f.region(self, r) for f in self.forms)
-        return Mask(r.b1 - r.b0, self.heads, r.q1 - r.q0, r.k1 - r.k0, forms, self.host, self.xp)
+        return self._with(forms, r.b1 - r.b0, r.q1 - r.q0, r.k1 - r.k0)
 
     def rows(self, rows: np.ndarray) -> Mask:
         """The Mask of the batch elements ``rows`` (host ints), in that order;
         every form must gather (``Form.gathers``)."""
-        xp = self.xp
-        forms = tuple(f.rows(xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
-        return Mask(len(rows), self.heads, self.num_queries, self.num_keys, forms, self.host, xp)
+        forms = tuple(f.rows(self.xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
+        return self._with(forms, len(rows), self.num_queries, self.num_keys)
 
     def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
@@ -338,11 +318,10 @@ class Mask:
             )
         r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
         forms = tuple(f.region(self, r) for f in self.forms)
-        return Mask(self.batch, self.heads, self.num_queries, size, forms, self.host, self.xp)
+        return self._with(forms, self.batch, self.num_queries, size)
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
-        """Host: the keys ``[start, stop)`` narrowed by every form for the
-        rows ``[q0, q1)`` of element ``b``."""
+        """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, every form's."""
         for form in self.forms:
             if stop <= start:
                 return 0, 0
@@ -350,9 +329,6 @@ class Mask:
         return start, stop
 
     def snapshot(self, xp: Backend) -> Mask:
-        """This Mask over copies of its arrays, which the caller's later
-        in-place writes do not reach."""
+        """This Mask over copies of its arrays, out of reach of the caller's in-place writes."""
         forms = tuple(f.snapshot(xp) for f in self.forms)
-        return Mask(
-            self.batch, self.heads, self.num_queries, self.num_keys, forms, self.host, self.xp
-        )
+        return self._with(forms, self.batch, self.num_queries, self.num_keys)
