@@ -1,13 +1,9 @@
-"""What every path must do about what a query may not see.
-
-- **Masked weights** are exactly 0 (``masked_softmax``).
-- **Empty rows**: a query that may see no key gets zero weights and a zero
-  output, with finite gradients (``zero_empty_rows``).
-- **NaN**: NaN in the inputs propagates, except from key and value rows that
-  no query of that batch element may see; those are zeroed before any kernel
-  reads them (``guard_unused``). A framework's kernel that adds the mask to
-  the scores is guarded around (``kernel_inputs``).
-"""
+"""What every path must do about what a query may not see (the rules of
+``mask/__init__.py``): masked weights are exactly 0 (``masked_softmax``);
+empty rows get zero weights and output, finite gradients (``zero_empty_rows``);
+NaN propagates except from key and value rows no query of that batch element
+may see, zeroed before any kernel reads them (``guard_unused``,
+``kernel_inputs``)."""
 
 from __future__ import annotations
 
@@ -91,10 +87,9 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
 def guard_unused(
     xp: Backend, mask: Mask, keys: Array, values: Array, guard_keys: bool = True
 ) -> tuple[Array, Array]:
-    """Zero key and value rows that no query may see (NaN there must not
-    leak into the product); ``keys``/``values`` (batch, heads, K, d).
-    ``guard_keys=False``: the values only (for a caller that masks the
-    scores by ``where`` and computes no gradient through the keys)."""
+    """Zero key and value rows (batch, heads, K, d) that no query may see (no
+    NaN leaks from them); ``guard_keys=False``: the values only (for a caller
+    that masks the scores by ``where``, no gradient through the keys)."""
     big = size(keys) + size(values) >= xp.finite_check_min
     if mask.restricted and big and all_finite(xp, keys, values):  # (no dense mask to build)
         return keys, values
@@ -114,15 +109,12 @@ def kernel_inputs(
     keys_finite: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
     """``(keys, values, finish)`` for a framework's kernel: unused key and
-    value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
-    For a kernel without ``Backend.fused_keeps_nan`` the NaN rules are
-    enforced around it, on the device (no host read): NaN in a query row comes
-    back into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query
-    mask, which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
-    are zeroed before it and the rows that may see one are NaN after it.
-    ``queries_finite``, ``keys_finite``: the caller checked that no query,
-    or no key and value, is NaN or infinite: the passes that guard against
-    them are skipped."""
+    value rows zeroed; ``finish(out)`` zeroes empty rows. Without
+    ``Backend.fused_keeps_nan`` the NaN rules are kept around the kernel, on
+    the device: a query row's NaN comes back (``sum(q * 0)``), and under a
+    per-query mask NaN keys are zeroed before it and the rows that may see one
+    are NaN after it. ``queries_finite``, ``keys_finite``: the caller checked
+    them finite (those passes are skipped)."""
     if not keys_finite:
         keys, values = guard_unused(xp, mask, keys, values)
     if xp.fused_keeps_nan:
@@ -147,13 +139,10 @@ def kernel_inputs(
 
 
 def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out: Array) -> bool:
-    """Whether the output of a kernel run without the NaN guards (empty rows
-    zeroed) is the contract's: read on the host, False while traced. It is
-    when the output and the queries are finite (no NaN reached an output, no
-    query's NaN was dropped) and, under autodiff, the keys and values too (a
-    NaN the mask hides from the output would still reach the gradients).
-    Otherwise the caller runs the guarded way; the guards cost several passes
-    over the inputs, this check one read of the output and of the queries."""
+    """Whether a kernel's output without the NaN guards is the contract's
+    (host read; False while traced): output and queries finite and, under
+    autodiff, keys and values too (a hidden NaN would reach the gradients).
+    Else the caller runs guarded."""
     if not all_finite(xp, out, queries):
         return False
     differentiated = any(xp.may_differentiate(x) for x in (queries, keys, values))
@@ -161,9 +150,8 @@ def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out
 
 
 def _sees_nan_keys(xp: Backend, mask: Mask, queries: Array, keys: Array) -> Array | None:
-    """bool (batch, heads, Q, 1): the query may see a key with a NaN;
-    None when every query sees every key. One product of the visible keys
-    (as 0/1, heads of a one-head mask in its columns, batch broadcast) with
+    """bool (batch, heads, Q, 1): the query may see a key with a NaN (None:
+    every query sees every key); one product of the visible keys (0/1) with
     each key's NaN flag."""
     batch, heads, num_q = queries.shape[:3]
     work = compute_dtype(xp.dtype_name(queries))
@@ -203,19 +191,12 @@ def masked_softmax(
     Returns the dtype of ``scores``.
 
     What the caller knows makes it cheaper, never different:
-    ``empty_rows=False``, every row sees a key (masked weights are then 0
-    without a second ``where``: exp of the fill against a visible score
-    underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
-    nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
-    broadcast mask of 0 and the fill is added instead of a ``where`` over
-    every score (fill + score rounds to the fill, or to -inf: weight 0).
-    ``before_product``: the weights are multiplied by the values next and
-    reach users only through ``Backend.nan_rows``
-    (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
-    was made from (``intervals.lengths_visible``), for
-    ``Backend.below_lengths``; ``visible`` may then be a function that makes
-    it (the straight line). ``dtype`` and ``device``: those of ``scores``,
-    where the caller has them."""
+    ``empty_rows=False``, every row sees a key (no second ``where``);
+    ``hidden_finite``, no hidden score is NaN (where ``Backend.masks_by_adding``
+    the fill is added, not put by ``where``); ``before_product``, the weights
+    meet the values next (``Backend.softmax_before_product``); ``lens``, the
+    lengths ``visible`` came from (``Backend.below_lengths``; ``visible`` may
+    then be a function that makes it); ``dtype``, ``device``: of ``scores``."""
     if dtype is None:
         dtype = xp.dtype_name(scores)
     work = compute_dtype(dtype)
