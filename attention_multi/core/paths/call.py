@@ -3,6 +3,7 @@ what a path would do with it, and what that costs."""
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
@@ -16,15 +17,12 @@ if TYPE_CHECKING:
     from ..mask import Mask
 
 Weights = Literal["never", "later", "now"]
-"""When the caller reads the weights: never (no copies kept), later (kept as
-a function of copies of the inputs), now (the next read is certain: a path
-that keeps them is worth a second pass)."""
+"""When the caller reads the weights: never (no copies kept), later (a function
+of copies of the inputs), now (certain: a path that keeps them is worth it)."""
 
 AUTODIFF_HELD = 4
-"""Score-sized arrays a materialized softmax holds for its backward pass
-(measured: JAX's jitted gradient keeps 4.05 for one of scores); a call under
-autodiff counts its scores this many times against ``memory_budget`` before
-taking a path that materializes them (``Backend.is_differentiated``)."""
+"""Score-sized arrays a materialized softmax holds for its backward pass (JAX's
+jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 
 
 class Call:
@@ -72,8 +70,7 @@ class Call:
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""
-        call = Call.__new__(Call)
-        call.__dict__.update(self.__dict__)
+        call = copy.copy(self)
         call.path = "auto"
         return call
 
@@ -83,9 +80,8 @@ class Call:
 
 
 class Plan(NamedTuple):
-    """What a path would do: ``cost`` in scores' worth of work (each kernel
-    call counting ``Backend.call_cost()``), and the path's own
-    ``detail`` for its ``run``."""
+    """What a path would do: ``cost`` in scores (each kernel call counting
+    ``Backend.call_cost()``) and the path's own ``detail`` for its ``run``."""
 
     cost: float
     detail: Any = None
@@ -104,11 +100,7 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     folded from ``key`` (None when the rate is 0)."""
     if not rate:
         return None
-
-    def drop(w: Array, index: Any = None) -> Array:  # (callers pass an int index)
-        return xp.dropout(w, rate, xp.fold_key(key, index))
-
-    return drop
+    return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
 
 
 def grouped(
@@ -120,13 +112,11 @@ def grouped(
     most: int,
     gather: bool,
 ) -> list[tuple[np.ndarray, int, int, bool]]:
-    """``(elements, k0, k1, whole)`` groups, each one kernel call over the
-    keys ``[k0, k1)`` that its elements see together (``starts``, ``stops``:
-    each element's), that minimize the scores computed (``rows`` per element
-    and key) plus ``call_cost`` per group, at most ``most`` elements each:
-    consecutive elements, or the elements sorted by the keys they see when
-    ``gather``. Elements that see no key form one group of their own, last
-    (no kernel call)."""
+    """``(elements, k0, k1, whole)`` groups of at most ``most`` elements, each
+    one kernel call over the keys its elements see together (``starts``,
+    ``stops``: each element's), at least scores (``rows`` per element and key)
+    plus ``call_cost`` per group: consecutive, or sorted by keys when
+    ``gather``. Elements that see no key: one group, last (no kernel call)."""
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:
