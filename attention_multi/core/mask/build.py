@@ -188,15 +188,12 @@ def make_mask(
     device: Any = None,
     **keywords: Any,
 ) -> Mask:
-    """Check what the caller gave and normalize it into one ``Mask``.
-
-    ``keywords``: ``valid_lens`` (batch,) or (batch, Q) and the ``MaskForms``
-    (``mask`` bool and ``bias`` float broadcast to (batch, heads, Q, K) when
-    ``heads_axis`` (4-D inputs), else to (batch, Q, K), a 4-D one then being
-    (batch, heads, Q, K)). ``offset``: query 0's position among the keys
-    (default K - Q); ``dtype`` the queries' (a bias is cast to its compute
-    dtype). Lists and NumPy arrays are placed on ``device``.
-    """
+    """Check what the caller gave and normalize it into one ``Mask``:
+    ``valid_lens`` (batch,) or (batch, Q) and the ``MaskForms`` (``mask``,
+    ``bias`` broadcast to (batch, heads, Q, K) when ``heads_axis``, else to
+    (batch, Q, K) or a 4-D one); ``offset`` query 0's key position (default
+    K - Q); ``dtype`` the queries' (a bias takes its compute dtype). Lists and
+    NumPy arrays are placed on ``device``."""
     offsets = _offset(xp, offset, num_queries, num_keys)
     where = Where(xp, batch, heads, num_queries, num_keys, *offsets, dtype, heads_axis, device)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}

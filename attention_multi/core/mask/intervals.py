@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Union
 
 import numpy as np
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from ...types import Array
 
 SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+Sides = Union[tuple[Union[int, None], ...], None]  # a window's (left, right), None: no limit
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +40,7 @@ class Intervals(Form):
     offset: Any = 0
     offset_known: int | None = 0
     causal: bool = False
-    window: tuple[int | None, ...] | None = None
+    window: Sides = None
     kind: ClassVar[str] = "intervals"
     gathers: ClassVar[bool] = True
 
@@ -146,12 +147,7 @@ class Intervals(Form):
         return replace(self, valid_lens=xp.snapshot(lens))
 
 
-def window_within(
-    window: tuple[int | None, ...] | None,
-    num_queries: int,
-    num_keys: int,
-    offset_known: int | None,
-) -> tuple[int | None, ...] | None:
+def window_within(window: Sides, num_queries: int, num_keys: int, offset_known: Any) -> Sides:
     """A window side that reaches past every key for every query is no limit
     (None), so positions never near 2**31 (int32 wraps); traced offset: sides
     clamped to ``SIDE_MAX``."""
@@ -318,11 +314,9 @@ def _intervals_seen(
 def lengths_visible(
     xp: Backend, lens: Array, ndim: int, num_keys: int, device: Any
 ) -> tuple[Array, Array]:
-    """Key ``j`` is visible to a query when ``j`` is below its length.
-    ``lens`` (batch,) or (batch, Q), integer or float32/float64 with whole
-    values; ``ndim`` that of the inputs, 3 or 4. Returns ``(visible, used)``:
-    bool (batch, [1,] Q|1, K), and bool (batch, [1,] K, 1) where some query
-    of the batch element sees the key."""
+    """Key ``j`` is visible to a query when below its length (``lens`` (batch,)
+    or (batch, Q), integers or whole floats; ``ndim`` the inputs', 3 or 4):
+    ``(visible, used)``, bool (batch, [1,] Q|1, K) and (batch, [1,] K, 1)."""
     dtype = xp.dtype_name(lens)
     if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
         lens, dtype = xp.astype(lens, "int32"), "int32"

@@ -21,23 +21,18 @@ if TYPE_CHECKING:
     from ...types import Array
 
 
-def rows_with_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
-    """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
-    None when every query is known to see one."""
-    form = mask.intervals
-    if not mask.restricted:
-        if form is None:
-            return None if mask.num_keys else xp.zeros((1, 1, 1, 1), "bool", device)
-        if rows_nonempty(mask):
-            return None
-        lo, hi = form.bounds(xp, mask, device)
-        return hi > (0 if lo is None else lo)
-    return xp.any(mask.boolean(xp, device), -1, keepdims=True)
-
-
 def zero_empty_rows(xp: Backend, mask: Mask, out: Array) -> Array:
     """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
-    rows = rows_with_keys(xp, mask, xp.device_of(out))
+    form, device = mask.intervals, xp.device_of(out)
+    if mask.restricted:  # (rows with keys: bool (batch|1, heads|1, Q, 1), None: all)
+        rows = xp.any(mask.boolean(xp, device), -1, keepdims=True)
+    elif form is None:
+        rows = None if mask.num_keys else xp.zeros((1, 1, 1, 1), "bool", device)
+    elif rows_nonempty(mask):
+        rows = None
+    else:
+        lo, hi = form.bounds(xp, mask, device)
+        rows = hi > (0 if lo is None else lo)
     return out if rows is None else xp.where(rows, out, 0.0)
 
 
@@ -108,13 +103,11 @@ def kernel_inputs(
     queries_finite: bool = False,
     keys_finite: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
-    """``(keys, values, finish)`` for a framework's kernel: unused key and
-    value rows zeroed; ``finish(out)`` zeroes empty rows. Without
-    ``Backend.fused_keeps_nan`` the NaN rules are kept around the kernel, on
-    the device: a query row's NaN comes back (``sum(q * 0)``), and under a
-    per-query mask NaN keys are zeroed before it and the rows that may see one
-    are NaN after it. ``queries_finite``, ``keys_finite``: the caller checked
-    them finite (those passes are skipped)."""
+    """``(keys, values, finish)`` for a kernel: unused key and value rows zeroed,
+    ``finish(out)`` zeroes empty rows. Without ``Backend.fused_keeps_nan`` the
+    NaN rules are kept around it on the device (a query row's NaN comes back;
+    under a per-query mask, rows that may see a NaN key are NaN).
+    ``queries_finite``, ``keys_finite``: checked finite by the caller."""
     if not keys_finite:
         keys, values = guard_unused(xp, mask, keys, values)
     if xp.fused_keeps_nan:
@@ -197,8 +190,7 @@ def masked_softmax(
     meet the values next (``Backend.softmax_before_product``); ``lens``, the
     lengths ``visible`` came from (``Backend.below_lengths``; ``visible`` may
     then be a function that makes it); ``dtype``, ``device``: of ``scores``."""
-    if dtype is None:
-        dtype = xp.dtype_name(scores)
+    dtype = dtype or xp.dtype_name(scores)
     work = compute_dtype(dtype)
     x = xp.astype(scores, work) if work != dtype else scores
     softmax = xp.softmax_before_product if before_product else xp.softmax
@@ -217,10 +209,8 @@ def masked_softmax(
         else:
             x = xp.where(visible, x, fill_against(xp, work, device))
         weights = softmax(x, -1)
-        if empty_rows:
-            weights = (
-                xp.below_lengths(weights, visible, lens, 0.0, -1)
-                if by_lengths
-                else xp.where(visible, weights, 0.0)
-            )
+        if empty_rows and by_lengths:
+            weights = xp.below_lengths(weights, visible, lens, 0.0, -1)
+        elif empty_rows:
+            weights = xp.where(visible, weights, 0.0)
     return weights if work == dtype else xp.astype(weights, dtype)

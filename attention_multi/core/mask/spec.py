@@ -1,12 +1,7 @@
-"""``Mask``: which keys each query may see, for (batch, heads, Q, K) attention,
-as immutable data: a shape and the forms the caller set (only those: "is
-anything set?" is asked of one list).
-
-A form (``Form``) is one family of mask keywords (``intervals.py``,
-``arrays.py``, ``functions.py``, ``segments.py``) and answers the same few
-questions: ``visible``, ``scores``, ``region_state``, ``states``, ``seen``
-and ``region`` (below).
-"""
+"""``Mask``: which keys each query may see, as immutable data: a shape and the
+forms set (only those). A ``Form``, one family of mask keywords, answers the
+same few questions (``visible``, ``scores``, ``region_state``, ``states``,
+``seen``, ``region``)."""
 
 from __future__ import annotations
 
@@ -106,14 +101,10 @@ def _sliced(x: Any, r: Region, keys: bool = True) -> Any:
 
 
 class Mask:
-    """Which keys each query may see, for (batch, heads, Q, K) attention.
-
-    ``forms``: the forms set, in the keyword list's order (``build.py``).
-    ``host``: False while host NumPy code is itself traced
-    (``Backend.host_code_traced``), when nothing is decided on the host.
-    ``xp``: the backend (a ``mask_mod`` is evaluated on it for block states).
-    Nothing writes into a Mask: a block of it is a new Mask (``region``).
-    """
+    """Which keys each query may see, for (batch, heads, Q, K) attention:
+    ``forms`` in the keyword list's order; ``host`` False while host code is
+    traced (``Backend.host_code_traced``: nothing decided on the host); ``xp``
+    the backend. Nothing writes into a Mask: a block is a new one (``region``)."""
 
     __slots__ = (
         "batch",
@@ -233,9 +224,8 @@ class Mask:
     @property
     def every_row_sees_a_key(self) -> bool:
         """Known on the host: no query is left with no visible key."""
-        if self.unmasked:
-            return True
-        return self.only_lens and self.known_on_host() and self.intervals.least_length(self) > 0
+        known = self.only_lens and self.known_on_host()
+        return self.unmasked or (known and self.intervals.least_length(self) > 0)
 
     # -- the dense rendering: the AND of the forms ------------------------------------
     def boolean(self, xp: Backend, device: Any) -> Array | None:
@@ -278,10 +268,6 @@ class Mask:
         return s
 
     # -- blocks -----------------------------------------------------------------------
-    def whole(self) -> Region:
-        """The region of every batch element, query and key."""
-        return Region(0, self.batch, 0, self.num_queries, 0, self.num_keys)
-
     def block_state(self, r: Region) -> int:
         """The state of a region on the host, every form together (traced: PARTIAL)."""
         if not self.known_on_host():

@@ -26,14 +26,11 @@ jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 
 
 class Call:
-    """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch,
-    kv_heads, K, d|dv); ``mask`` the normalized ``Mask``; ``scale``;
-    ``dropout`` the rate on the weights (0: none), ``key`` the PRNG key
-    where the framework needs one (JAX); ``path`` the one asked for
-    (``"auto"``: the cheapest plan); ``budget`` bytes of score-sized
-    intermediates; ``chunk_size`` queries and keys per block, or None;
-    ``weights``: when the caller reads them; ``private``: queries and keys
-    only this call holds (projections), kept for the weights without copies."""
+    """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
+    K, d|dv); ``mask``; ``scale``; ``dropout`` the weights' rate, ``key`` the
+    PRNG key where needed (JAX); ``path`` asked for (``"auto"``: cheapest);
+    ``budget`` bytes of score-sized intermediates; ``chunk_size`` or None;
+    ``weights``; ``private``: arrays only this call holds (kept without copies)."""
 
     def __init__(
         self,

@@ -92,19 +92,14 @@ def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
     (a jitted call draws as an eager one), nor, unless named, where each new
     shape compiles; under autodiff every tile's scores must fit at once."""
-    xp = call.xp
-    if not call.asks("tiled") or call.keyed_dropout:
-        return None
-    if call.path != "tiled" and xp.compiles_per_shape:
+    xp, named, cost = call.xp, call.path == "tiled", call.call_cost
+    if not call.asks("tiled") or call.keyed_dropout or (not named and xp.compiles_per_shape):
         return None
     budget = max(1, call.budget // call.held)
-    cost = call.call_cost
     tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
-    if tiles is None:
+    held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
+    if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    if call.held > 1 and call.path != "tiled":
-        if tiles.scores * call.itemsize * call.held > call.budget:
-            return None
     return Plan((tiles.scores + cost * calls(tiles)) / TILED_WORK_MAX, tiles)
 
 
@@ -175,11 +170,8 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
         return out
 
     indices = range(len(groups))
-    outs = (
-        xp.parallel_map(tile, indices)
-        if call.scores >= PARALLEL_MIN_SCORES
-        else [tile(i) for i in indices]
-    )
+    parallel = call.scores >= PARALLEL_MIN_SCORES
+    outs = xp.parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
     for block in tiles.groups:
         done, i = outs[i : i + len(block)], i + len(block)
