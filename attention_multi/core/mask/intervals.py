@@ -140,11 +140,10 @@ class Intervals(Form):
         lens, known = self.valid_lens, self.valid_lens_known
         if lens is None:
             return self
-        if known is not None:  # (the host copy is the mask's own: no framework call)
-            return replace(
-                self, valid_lens=xp.asarray(known.astype(np.int32), device=xp.device_of(lens))
-            )
-        return replace(self, valid_lens=xp.snapshot(lens))
+        if known is None:
+            return replace(self, valid_lens=xp.snapshot(lens))
+        copy = xp.asarray(known.astype(np.int32), device=xp.device_of(lens))  # (no framework read)
+        return replace(self, valid_lens=copy)
 
 
 def window_within(window: Sides, num_queries: int, num_keys: int, offset_known: Any) -> Sides:
@@ -197,6 +196,12 @@ def host_bounds(
     )
 
 
+def _known_lens(mask: Mask) -> Any:
+    """The intervals form when it is lengths alone, known on the host; else None."""
+    form = mask.intervals
+    return form if form is not None and form.only_lens and mask.known_on_host() else None
+
+
 def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
     """``compute(mask)`` as a bool, once per Mask (``Mask._once``)."""
 
@@ -210,11 +215,11 @@ def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
 @_host_fact
 def sees_all(mask: Mask) -> bool:
     """Known on the host: every row's interval is all the keys."""
-    form = mask.intervals
-    if form is None:
+    if mask.intervals is None:
         return True
-    if form.only_lens:  # (one reduction, not the rows' intervals)
-        return mask.known_on_host() and form.least_length(mask) >= mask.num_keys
+    lens = _known_lens(mask)
+    if lens is not None:  # (one reduction, not the rows' intervals)
+        return lens.least_length(mask) >= mask.num_keys
     known = host_bounds(mask)
     return known is not None and bool((known[0] <= 0).all() and (known[1] >= mask.num_keys).all())
 
@@ -222,9 +227,9 @@ def sees_all(mask: Mask) -> bool:
 @_host_fact
 def rows_nonempty(mask: Mask) -> bool:
     """Known on the host: every row's interval holds a key."""
-    form = mask.intervals
-    if form is not None and form.only_lens and mask.known_on_host():
-        return mask.num_keys > 0 and form.least_length(mask) > 0
+    lens = _known_lens(mask)
+    if lens is not None:
+        return mask.num_keys > 0 and lens.least_length(mask) > 0
     known = host_bounds(mask)
     return known is not None and bool((known[1] > known[0]).all())
 
@@ -233,14 +238,9 @@ def rows_nonempty(mask: Mask) -> bool:
 def keys_all_used(mask: Mask) -> bool:
     """Known on the host: each batch element's rows together see every key
     (their intervals overlap or touch: the union is [least lo, last hi))."""
-    form = mask.intervals
-    if (
-        form is not None
-        and form.only_lens
-        and form.valid_lens.shape[2] == 1
-        and mask.known_on_host()
-    ):
-        return form.least_length(mask) >= mask.num_keys
+    lens = _known_lens(mask)
+    if lens is not None and lens.valid_lens.shape[2] == 1:
+        return lens.least_length(mask) >= mask.num_keys
     known = host_bounds(mask)
     if known is None:
         return False

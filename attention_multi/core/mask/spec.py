@@ -208,14 +208,9 @@ class Mask:
     def top_left_causal(self) -> bool:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
-        form = self.intervals
-        return (
-            len(self.forms) == 1
-            and form is not None
-            and form.only_causal
-            and self.num_queries == self.num_keys
-            and form.offset_known == 0
-        )
+        form, square = self.intervals, self.num_queries == self.num_keys
+        causal = form is not None and form.only_causal and form.offset_known == 0
+        return len(self.forms) == 1 and causal and square
 
     def known_on_host(self) -> bool:
         """Whether every form is known on the host (not traced)."""

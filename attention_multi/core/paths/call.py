@@ -123,15 +123,12 @@ def grouped(
     best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
     for j in range(1, n + 1):  # best[j]: the first j elements, grouped
         i = np.arange(max(0, j - most), j)
-        span = (
-            np.maximum.accumulate(stops[order[i]][::-1])[::-1]
-            - np.minimum.accumulate(starts[order[i]][::-1])[::-1]
-        )
+        back = order[i][::-1]  # (the keys that elements i..j-1 see together, for each i)
+        span = np.maximum.accumulate(stops[back])[::-1] - np.minimum.accumulate(starts[back])[::-1]
         cost = best[i] + (j - i) * rows * span + per_group
         cut[j] = i[np.argmin(cost)]
         best[j] = cost.min()
-    out = []
-    j = n
+    out, j = [], n
     while j > 0:
         members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
         k0, k1 = int(starts[members].min()), int(stops[members].max())

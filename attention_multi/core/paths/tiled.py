@@ -9,10 +9,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..mask import Mask
 from ..mask.intervals import element_ranges
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
-from ..mask.spec import Region
+from ..mask.spec import Mask, Region
 from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled, work_itemsize
 from . import fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
@@ -156,10 +155,8 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
             sub = None if g.whole else mask.region(region)
         else:
             rows = xp.asarray(g.rows, "int32", device)
-            args = (
-                xp.take(q, rows, 0)[:, :, g.q0 : g.q1],
-                *(xp.take(x, rows, 0)[:, :, g.k0 : g.k1] for x in (k, v)),
-            )
+            q_rows, k_rows, v_rows = (xp.take(x, rows, 0) for x in (q, k, v))
+            args = (q_rows[:, :, g.q0 : g.q1], k_rows[:, :, g.k0 : g.k1], v_rows[:, :, g.k0 : g.k1])
             sub = None if g.whole else mask.rows(g.rows).region(Region(0, n, *g[1:5]))
         if sub is None:
             sub = Mask(n, heads, g.q1 - g.q0, g.k1 - g.k0)
