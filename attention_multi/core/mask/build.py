@@ -27,10 +27,8 @@ if TYPE_CHECKING:
 
 
 class MaskForms(TypedDict, total=False):
-    """The mask keywords of the API, besides ``valid_lens``: what
-    ``dot_product_attention`` and the modules' ``forward`` take as
-    ``**forms`` and hand, as one dict, to ``make_mask`` (meanings in
-    ``dot_product_attention``'s docstring)."""
+    """The mask keywords besides ``valid_lens``, that ``dot_product_attention`` and
+    the modules' ``forward`` take as ``**forms`` (meanings: in their docstrings)."""
 
     mask: Array | None
     bias: Array | None

@@ -53,10 +53,9 @@ class Intervals(Form):
         return self.causal and self.valid_lens is None and self.window is None
 
     def known(self) -> bool:
-        return not (
-            (self.valid_lens is not None and self.valid_lens_known is None)
-            or ((self.causal or self.window is not None) and self.offset_known is None)
-        )
+        lens_known = self.valid_lens is None or self.valid_lens_known is not None
+        offset_read = self.causal or self.window is not None
+        return lens_known and not (offset_read and self.offset_known is None)
 
     def least_length(self, mask: Mask) -> int:
         """The least known length (host)."""
@@ -147,9 +146,8 @@ class Intervals(Form):
 
 
 def window_within(window: Sides, num_queries: int, num_keys: int, offset_known: Any) -> Sides:
-    """A window side that reaches past every key for every query is no limit
-    (None), so positions never near 2**31 (int32 wraps); traced offset: sides
-    clamped to ``SIDE_MAX``."""
+    """A window side past every key for every query is no limit (None): positions
+    never near 2**31 (int32 wraps); traced offset: sides clamped to ``SIDE_MAX``."""
     if window is None or window == (None, None):
         return window
     if offset_known is None:
@@ -164,8 +162,6 @@ def window_within(window: Sides, num_queries: int, num_keys: int, offset_known: 
 
 
 # -- host planning: the rows' intervals, known on the host --------------------------------
-
-
 def host_bounds(
     mask: Mask, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
 ) -> Any:  # (lo, hi) or None
@@ -309,8 +305,6 @@ def _intervals_seen(
 
 
 # -- the lengths rule without a Mask (the straight line of small calls) ---------------------
-
-
 def lengths_visible(
     xp: Backend, lens: Array, ndim: int, num_keys: int, device: Any
 ) -> tuple[Array, Array]:

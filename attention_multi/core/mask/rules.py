@@ -143,9 +143,8 @@ def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out
 
 
 def _sees_nan_keys(xp: Backend, mask: Mask, queries: Array, keys: Array) -> Array | None:
-    """bool (batch, heads, Q, 1): the query may see a key with a NaN (None:
-    every query sees every key); one product of the visible keys (0/1) with
-    each key's NaN flag."""
+    """bool (batch, heads, Q, 1): the query may see a key with a NaN (None: sees
+    every key); one product of the visible keys (0/1) with each key's NaN flag."""
     batch, heads, num_q = queries.shape[:3]
     work = compute_dtype(xp.dtype_name(queries))
     bad = xp.astype(xp.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)

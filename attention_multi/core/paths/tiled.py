@@ -119,8 +119,7 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
     """The groups of ``plan`` on ``Backend.parallel_map``, back in batch order;
-    eager, first without the NaN guards if one check of the output allows
-    (``fused.trusting``)."""
+    eager, unguarded first where one check of the output allows (``fused.trusting``)."""
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
     if xp.has_fused_attention and fused.trusting(xp, q, k, v):
         out = _groups(call, plan.detail, guarded=False)
@@ -181,13 +180,7 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
 
 
 def softmax_product(
-    xp: Backend,
-    q: Array,
-    k: Array,
-    v: Array,
-    mask: Mask,
-    scale: float,
-    dropout: Any = None,
+    xp: Backend, q: Array, k: Array, v: Array, mask: Mask, scale: float, dropout: Any = None
 ) -> Array:
     """``softmax(scale q k^T) v`` of one tile; ``dropout`` (a function of the
     probabilities) applies to the product only. Where Cauchy-Schwarz bounds
