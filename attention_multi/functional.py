@@ -10,6 +10,7 @@ from .core import masked_softmax as _masked_softmax
 from .core.checks import (
     backend_of,
     check_array,
+    check_bool,
     check_dropout,
     check_float,
     check_heads,
@@ -18,6 +19,7 @@ from .core.checks import (
     valid_lens_array,
 )
 from .core.paths import small
+from .core.paths.online import add_sinks
 from .types import Array, Window
 
 if TYPE_CHECKING:
@@ -71,8 +73,10 @@ def dot_product_attention(
     scale: float | None = None,
     dropout: float = 0.0,
     key: Any = None,
+    sinks: Array | None = None,
+    return_lse: bool = False,
     **forms: Unpack[MaskForms],
-) -> Array:
+) -> Array | tuple[Array, Array]:
     """Scaled dot-product attention, functional, on any backend.
 
     ``queries`` (batch, Q, d) or (batch, heads, Q, d); ``keys``/``values``
@@ -105,10 +109,35 @@ def dot_product_attention(
     Everything combines by AND; a query with no allowed key gets a zero output.
     ``scale``: default ``1 / sqrt(d)``; ``dropout`` on the weights (JAX needs
     ``key=``).
+
+    - ``sinks``: (heads,) float, learnable attention sinks (gpt-oss): one
+      logit per head added to each row's softmax denominator only, as if a
+      key of that score and a zero value were always visible; the output is
+      ``out * sigmoid(lse - sink)``. A row with no allowed key stays zero.
+      Differentiable (its gradient reaches ``sinks``).
+    - ``return_lse=True``: returns ``(output, lse)``, ``lse`` (batch, [heads,]
+      Q) the natural log of each row's softmax denominator: ``log(sum(exp(s)))``
+      over the allowed keys of the scaled scores ``s`` after ``bias`` and
+      ``score_mod`` (and ``+ exp(sink)`` with ``sinks``), in float32 for half
+      precision; ``-inf`` for a row with no allowed key (the sink with
+      ``sinks``). Differentiable; a framework's fused kernel does not give
+      it, so another path computes such calls.
     """
     checked_forms("dot_product_attention", forms)
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
+    return_lse = check_bool("return_lse", return_lse)
+    if sinks is not None:
+        check_array(B, "sinks", sinks, 1, "(heads,)")
+        check_float(B, "sinks", sinks)
+        if tuple(sinks.shape) != (heads,):
+            raise ValueError(
+                f"sinks must have shape ({heads},) (one per head), got {tuple(sinks.shape)}"
+            )
+    if sinks is not None or return_lse:
+        return _with_lse(
+            B, q, k, v, valid_lens, scale, dropout, key, sinks, return_lse, ndim, forms
+        )
     line = straight_line(B, "auto", q, k, v, valid_lens, forms)
     if line is not None:
         dropout = check_dropout("dropout", dropout)
@@ -132,6 +161,48 @@ def dot_product_attention(
     scale = check_scale(scale)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+
+
+def _with_lse(
+    B: Backend,
+    q: Array,
+    k: Array,
+    v: Array,
+    valid_lens: Any,
+    scale: Any,
+    dropout: Any,
+    key: Any,
+    sinks: Array | None,
+    return_lse: bool,
+    ndim: int,
+    forms: Any,
+) -> Array | tuple[Array, Array]:
+    """``dot_product_attention`` with ``sinks`` or ``return_lse`` (4-D views)."""
+    batch, heads, num_q, _ = q.shape
+    m = make_mask(
+        B,
+        batch,
+        heads,
+        num_q,
+        k.shape[2],
+        valid_lens=valid_lens,
+        dtype=B.dtype_name(q),
+        heads_axis=ndim == 4,
+        device=B.device_of(q),
+        **forms,
+    )
+    dropout = check_dropout("dropout", dropout)
+    scale = check_scale(scale)
+    out, lse, _ = attend(
+        B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never", lse=True
+    )
+    if sinks is not None:
+        out, lse = add_sinks(B, out, lse, sinks)
+    if ndim == 3:
+        out = out.reshape((batch,) + tuple(out.shape[2:]))
+    if not return_lse:
+        return out
+    return out, lse.reshape((batch, heads, num_q) if ndim == 4 else (batch, num_q))
 
 
 def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:

@@ -211,12 +211,18 @@ def attention(
     score_mod=None,
     segment_ids=None,
     q_base=0,
+    sinks=None,
+    return_lse=False,
 ):
     """softmax(scale Q K^T + bias, restricted to ``allowed_keys``) V for
     queries (B, H, Q, d), keys and values (B, H_kv, K, d|dv), ``H % H_kv == 0``.
     A query with no allowed key gets zero weights and a zero output.
     ``score_mod(score, b, h, q_idx, kv_idx)`` maps the scores (after the bias).
-    Returns (output (B, H, Q, dv), weights (B, H, Q, K))."""
+    ``sinks`` (H,): one more column of scores, the head's sink, in every
+    row's softmax, then dropped (its value is zero). Returns (output
+    (B, H, Q, dv), weights (B, H, Q, K)), and with ``return_lse`` the
+    log-sum-exp (B, H, Q) of each row's allowed scores (and sink): -inf for
+    a row with none."""
     q, k, v = _f64(queries, keys, values)
     B, H, Q, d = q.shape
     K = k.shape[2]
@@ -232,8 +238,21 @@ def attention(
         grid = np.ix_(np.arange(B), np.arange(H), np.arange(Q) + q_base, np.arange(K))
         scores = np.asarray(score_mod(scores, *grid), np.float64)
         scores = np.where(ok, scores, 0.0)
+    if sinks is not None:
+        column = np.broadcast_to(np.asarray(sinks, np.float64)[None, :, None, None], (B, H, Q, 1))
+        scores = np.concatenate([scores, column], -1)
+        ok = np.concatenate([ok, np.ones((B, H, Q, 1), bool)], -1)
     weights = softmax_where(scores, ok)
-    return np.einsum("bhqk,bhkv->bhqv", weights, v), weights
+    if sinks is not None:
+        weights = weights[..., :K]
+    out = np.einsum("bhqk,bhkv->bhqv", weights, v)
+    if not return_lse:
+        return out, weights
+    top = np.where(ok, scores, -np.inf).max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.where(ok, np.exp(np.where(ok, scores - top, 0.0)), 0.0).sum(-1))
+    return out, weights, lse + top[..., 0]
 
 
 def attention_gradients(

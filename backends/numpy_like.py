@@ -15,6 +15,7 @@ from .types import Array, DType, Shape
 # that spells one differently defines a method of that name.
 SAME_SPELLING = (
     "exp",
+    "log",
     "tanh",
     "sqrt",
     "where",

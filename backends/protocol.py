@@ -152,6 +152,7 @@ class Backend:
     logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
     split: Callable[..., Array]  # (x, size, axis): a list of pieces of size along axis
     exp: Callable[..., Array]
+    log: Callable[..., Array]
     tanh: Callable[..., Array]
     sqrt: Callable[..., Array]
     where: Callable[..., Array]
@@ -328,6 +329,14 @@ class Backend:
     def snapshots(self, *arrays: Array) -> tuple[Array, ...]:
         """``snapshot`` of each array, in as few framework calls as it can."""
         return tuple(self.snapshot(x) for x in arrays)
+
+    def keep(self, *arrays: Array) -> Callable[[], tuple[Array, ...]]:
+        """The arrays as they are now, for a later read: a function that
+        returns them. Here copies (``snapshots``); a framework that counts
+        in-place writes may keep the arrays themselves and refuse a read after
+        a write, as its autodiff does with what it saves."""
+        kept = self.snapshots(*arrays)
+        return lambda: kept
 
     def can_keep(self, x: Array) -> bool:
         """Whether ``x``, made during a call, may be kept for later calls in

@@ -215,6 +215,29 @@ class TorchBackend(NumpyLike):
         parts = torch.split(flat, [x.numel() for x in arrays])
         return tuple(p.view(x.shape) for p, x in zip(parts, arrays))
 
+    def keep(self, *arrays):
+        """The arrays themselves and their version counters: no copy (a
+        parallel region each, waiting on a busy CPU); a read after an in-place
+        write raises, as autograd does for what it saved. Tensors made under
+        ``inference_mode`` count no writes: copied."""
+        if self.is_tracing() or not all(self.is_concrete(x) for x in arrays):
+            return super().keep(*arrays)
+        try:
+            versions = [x._version for x in arrays]
+        except RuntimeError:  # (inference tensors)
+            return super().keep(*arrays)
+
+        def read():
+            if any(x._version != v for x, v in zip(arrays, versions)):
+                raise RuntimeError(
+                    "attention_weights: the queries or keys of the call that made them "
+                    "were modified in place since; read the weights before writing into "
+                    "the call's inputs, or pass copies"
+                )
+            return arrays
+
+        return read
+
     def can_keep(self, x):
         return not x.is_inference()
 

@@ -187,10 +187,14 @@ def attention(
     causal=False,
     window=None,
     scale=None,
+    sinks=None,
+    return_lse=False,
 ):
     """Loops over (batch, head, query): queries (B, H, Q, d), keys/values
     (B, H_kv, K, d|dv), kv head ``h // (H // H_kv)`` for query head ``h``.
-    ``mask``/``bias`` given as full (B, H, Q, K). Returns (output, weights)."""
+    ``mask``/``bias`` given as full (B, H, Q, K). ``sinks`` (H,): a term
+    ``exp(sink)`` more in each row's denominator. Returns (output, weights),
+    and the rows' log-sum-exp (-inf: no key, no sink) with ``return_lse``."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
     B, H, Q, d = q.shape
     kv_heads, K = k.shape[1], k.shape[2]
@@ -202,6 +206,7 @@ def attention(
     )
     out = np.zeros((B, H, Q, v.shape[3]))
     weights = np.zeros((B, H, Q, K))
+    lse = np.full((B, H, Q), -math.inf)
     for b in range(B):
         for h in range(H):
             g = h // (H // kv_heads)
@@ -211,15 +216,17 @@ def attention(
                     for j in range(K)
                     if visible(b, h, i, j, Q, K, lens, mask, bias, causal, window)
                 ]
-                if not seen:
-                    continue  # no allowed key: zeros
                 scores = {}
                 for j in seen:
                     s = sum(q[b, h, i, t] * k[b, g, j, t] for t in range(d)) * scale
                     scores[j] = s + (0.0 if bias is None else float(bias[b][h][i][j]))
-                top = max(scores.values())
-                total = sum(math.exp(s - top) for s in scores.values())
+                terms = list(scores.values()) + ([] if sinks is None else [float(sinks[h])])
+                if not terms:
+                    continue  # no allowed key: zeros
+                top = max(terms)
+                total = sum(math.exp(s - top) for s in terms)
+                lse[b, h, i] = top + math.log(total)
                 for j in seen:
                     weights[b, h, i, j] = math.exp(scores[j] - top) / total
                     out[b, h, i] += weights[b, h, i, j] * v[b, g, j]
-    return out, weights
+    return (out, weights, lse) if return_lse else (out, weights)

@@ -124,6 +124,7 @@ def _set_forms(backend):
 
 
 NOT_FORMS = {"self", "queries", "keys", "values", "valid_lens", "key", "cache", "scale", "dropout"}
+NOT_FORMS |= {"sinks", "return_lse"}  # (the softmax's denominator, not a mask: tests/test_flex.py)
 
 
 def _callers(backend):

@@ -2,6 +2,8 @@
 caller writes into its arrays afterwards; a module whose weights are read
 computes them in the same pass on its next call."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -31,12 +33,19 @@ ARRAYS = {
 }
 
 
-@pytest.mark.parametrize("name", ["numpy", "torch"])
+@pytest.mark.parametrize("name", ["numpy", "torch-inference"])
 @pytest.mark.parametrize("path", ["fused", "tiled", "chunked"])
 def test_weights_are_those_of_the_call(name, path):
     """Writes into the queries, keys, lengths or mask after the call leave
-    the reported weights as they were (they come from copies)."""
+    the reported weights as they were (they come from copies: NumPy, and
+    torch tensors made under ``inference_mode``, which count no writes)."""
+    name, _, inference = name.partition("-")
     pytest.importorskip(name)
+    with _torch().inference_mode() if inference else contextlib.nullcontext():
+        _check_weights_survive_writes(name, path)
+
+
+def _check_weights_survive_writes(name, path):
     a = ARRAYS[name]
     for form in ("lens", "mask"):
         m = am.DotProductAttention(0.0, backend=name, path=path).eval()
@@ -55,6 +64,28 @@ def test_weights_are_those_of_the_call(name, path):
         mask[:] = True
         got = m.attention_weights
         np.testing.assert_allclose(np.asarray(got), expected, **TOL)
+
+
+@pytest.mark.parametrize("path", ["fused", "tiled", "chunked"])
+def test_torch_keeps_its_inputs_and_refuses_a_read_after_a_write(path):
+    """torch keeps the tensors themselves (no copy: a parallel region on a
+    busy CPU) with their version counters; a read after an in-place write
+    raises, as autograd does for what it saved, and one before it is right."""
+    torch = pytest.importorskip("torch")
+    m = am.DotProductAttention(0.0, backend="torch", path=path).eval()
+    q, k, v, lens = (torch.tensor(x) for x in (Q, K, V, LENS))
+    expected = oracle.dot_product_attention(Q, K, V, LENS)[1]
+    m(q, k, v, lens)
+    np.testing.assert_allclose(m.attention_weights.numpy(), expected, **TOL)
+    m(q, k, v, lens)
+    assert m.last_path != "full"
+    with torch.inference_mode():  # (writes under inference_mode count too)
+        k.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified in place since"):
+        m.attention_weights  # noqa: B018
+    lens[:] = 1  # (the lengths are copied: small)
+    m(q, k, v, torch.tensor(LENS))
+    m.attention_weights  # noqa: B018
 
 
 @pytest.mark.parametrize("name", ["numpy", "torch"])

@@ -20,7 +20,7 @@ from . import paths
 from .checks import check_choice, check_positive_int
 from .mask import no_forms
 from .numerics import DEFAULT_MEMORY_BUDGET, default_scale, work_itemsize, zeros_for_empty
-from .paths import PATHS, full, small
+from .paths import PATHS, full, online, small
 from .paths.call import AUTODIFF_HELD, Call, Weights
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ def attend(
     chunk_size: int | None = None,
     weights: Weights = "later",
     private: bool = False,
+    lse: bool = False,
 ) -> tuple[Array, Any, TakenPath]:
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
@@ -113,7 +114,10 @@ def attend(
     the tiles). ``weights``: ``"now"`` (the caller will read them: the full
     path is worth it within the budget), ``"later"`` (kept as a function of
     copies of the inputs; with ``private``, queries and keys only this call
-    holds are kept as they are), ``"never"``.
+    holds are kept as they are), ``"never"``. ``lse``: return each row's
+    log-sum-exp (batch, heads, Q, 1), in the compute dtype, ``-inf`` where a
+    row sees no key, in place of the weights (on a path that gives it:
+    ``Call.lse``).
 
     Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
     a function computing them or None, path taken)``. When an axis is empty
@@ -132,6 +136,11 @@ def attend(
     num_k = keys.shape[2]
     if 0 in (batch, heads, num_q, num_k):  # nothing to attend: no kernel is called
         out = zeros_for_empty(xp, (batch, heads, num_q, values.shape[-1]), queries, keys, values)
+        if lse:
+            rows = zeros_for_empty(xp, (batch, heads, num_q, 1), queries)
+            if batch * heads * num_q:  # (no key: -inf; no kernel sees a zero-size array)
+                rows = rows + online.minus_inf(xp, xp.dtype_name(rows), xp.device_of(rows))
+            return out, rows, "empty"
         return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
     call = Call(
         xp,
@@ -147,14 +156,15 @@ def attend(
         chunk_size,
         weights,
         private,
+        lse,
     )
     if path == "auto" and full.fits(call) and (call.scores <= SMALL_SCORES or weights == "now"):
-        out, kept = full.run(call)
-        return out, kept, "full"
+        ran = full.run(call)
+        return ran[0], ran[-1], "full"
     done = _cheapest(call) or _cheapest(call.auto())
     assert done is not None  # (the full or chunked path always has a plan under "auto")
     out, kept, taken = done
-    if kept is None and weights != "never":
+    if kept is None and weights != "never" and not lse:
         kept = _kept_weights(call)
     return out, kept, taken
 
@@ -168,16 +178,21 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
             plans.append((plan.cost, order, module, plan))
     for _, _, module, plan in sorted(plans, key=lambda p: p[:2]):
         done = module.run(call, plan)
-        if done is not None:
-            return done[0], done[1], module.NAME
+        if done is not None:  # (the log-sum-exp in place of the weights, when asked for)
+            return done[0], done[2] if call.lse else done[1], module.NAME
     return None
 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:
-    """The weights of this call as a function, from copies of its inputs."""
+    """The weights of this call as a function, from its inputs as they are
+    now (``Backend.keep``; projections only this call holds, as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
-    if not call.private:
-        q, k = xp.snapshots(q, k)
+    kept = (lambda: (q, k)) if call.private else xp.keep(q, k)
     mask = call.mask.snapshot(xp)
-    return lambda: full.weights(xp, q, k, mask, call.scale)
+
+    def read() -> Array:
+        q, k = kept()
+        return full.weights(xp, q, k, mask, call.scale)
+
+    return read

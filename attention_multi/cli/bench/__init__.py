@@ -48,7 +48,7 @@ from .busy import busy_rows, busy_table, one_busy_process
 from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
-from .packed import PACKED, packed_table, run_packed
+from .packed import PACKED, packed_table, run_flex, run_packed
 from .ring import RING, RING_BUDGET, ring_table, run_ring
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
@@ -290,6 +290,16 @@ def main(args):
             f"(segment_ids= + causal=True), float32.\n"
         )
         print(packed_table(packed_rows))
+    flex_rows = []
+    if packed_batch and "torch" in usable:
+        print("  flex API ...", file=sys.stderr, flush=True)
+        flex_rows = run_flex(seconds)
+        print(
+            "\nThe flex API (attention_multi.flex, eager, its BlockMask of blocks 128) against "
+            "torch's flex_attention compiled with its BlockMask, float32 forward; "
+            "create_block_mask of the document mask (documents as above).\n"
+        )
+        print(packed_table(flex_rows))
     busy_results = []
     large = [s for s in shapes if s != "small"]
     if not args.no_busy and (large or packed_rows):
@@ -348,6 +358,7 @@ def main(args):
                     "memory": memory_results,
                     "ring": ring_results,
                     "packed": packed_rows,
+                    "flex": flex_rows,
                     "busy": busy_results,
                 },
                 f,

@@ -39,19 +39,66 @@ class BlockMask:
         self.mask_mod, self.states = mask_mod, states
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
+        self.all_full = bool((states == FULL).all())  # (a host bool: read under traces too)
 
     def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.mask_mod(b, h, q_idx, kv_idx)
 
+    # -- what FlexAttention's users read (host NumPy arrays) ---------------------------------
     @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(batch, heads, Q, K) it was built for (1 where the function ignores the axis)."""
+        return (self.batch, self.heads, self.num_queries, self.num_keys)
+
+    @property
+    def BLOCK_SIZE(self) -> tuple[int, int]:  # noqa: N802 (FlexAttention's name)
+        """(queries, keys) per block."""
+        return (self.block_q, self.block_k)
+
     def sparsity(self) -> float:
-        """The share of blocks that are empty (as FlexAttention's ``BlockMask.sparsity``)."""
-        return float((self.states == EMPTY).mean())
+        """The percentage of blocks that are empty (never computed), as
+        FlexAttention's ``BlockMask.sparsity()``."""
+        return 100.0 * float((self.states == EMPTY).mean())
+
+    def to_dense(self) -> np.ndarray:
+        """int32 (batch, heads, Q blocks, K blocks): 1 where a block is computed."""
+        shape = (self.batch, self.heads) + tuple(self.states.shape[2:])
+        return np.broadcast_to(self.states != EMPTY, shape).astype(np.int32)
+
+    def _listed(self, state: int) -> tuple[np.ndarray, np.ndarray]:
+        """FlexAttention's (num_blocks, indices) of the blocks in ``state``:
+        per (batch, heads, row of blocks), their count and their indices
+        first, ascending, then the other blocks' indices."""
+        shape = (self.batch, self.heads) + tuple(self.states.shape[2:])
+        hit = np.broadcast_to(self.states == state, shape)
+        order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
+        return hit.sum(-1).astype(np.int32), order
+
+    @property
+    def kv_num_blocks(self) -> np.ndarray:
+        """int32 (batch, heads, Q blocks): the partial blocks of each row
+        (computed with the mask; the full ones are ``full_kv_num_blocks``)."""
+        return self._listed(PARTIAL)[0]
+
+    @property
+    def kv_indices(self) -> np.ndarray:
+        """int32 (batch, heads, Q blocks, K blocks): each row's partial blocks first."""
+        return self._listed(PARTIAL)[1]
+
+    @property
+    def full_kv_num_blocks(self) -> np.ndarray:
+        """int32 (batch, heads, Q blocks): the full blocks of each row (no mask needed)."""
+        return self._listed(FULL)[0]
+
+    @property
+    def full_kv_indices(self) -> np.ndarray:
+        """int32 (batch, heads, Q blocks, K blocks): each row's full blocks first."""
+        return self._listed(FULL)[1]
 
     def __repr__(self) -> str:
         return (
-            f"BlockMask(shape={(self.batch, self.heads, self.num_queries, self.num_keys)}, "
-            f"block=({self.block_q}, {self.block_k}), sparsity={self.sparsity:.3f})"
+            f"BlockMask(shape={self.shape}, block=({self.block_q}, {self.block_k}), "
+            f"sparsity={self.sparsity():.2f}%)"
         )
 
     def check(self, batch: int, num_queries: int, num_keys: int) -> None:

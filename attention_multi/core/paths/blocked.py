@@ -107,7 +107,7 @@ def _seen(xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
     return seen
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None]:
+def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced)."""
     xp, q, mask, scale, work, device = (
@@ -128,6 +128,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
     # not on a framework that compiles each new shape: the spans vary)
     kernel = (
         table is not None
+        and not call.lse  # (kernels give no log-sum-exp)
         and xp.has_fused_attention
         and mask.score_mod is None
         and not xp.compiles_per_shape
@@ -143,7 +144,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
     if kernel:
         autodiff = any(xp.may_differentiate(x) for x in (q, k, v))
         cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k), autodiff)
-    outs = []
+    outs, lses = [], []
     starts = range(0, num_q, block_q)
     for b0, b1 in groups:
         done: dict[int, Array] = {}  # first row -> the output of its rows
@@ -176,7 +177,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
                     )
                 if out is not None:
                     done[first] = in_dtype(xp, out, work)
-        rows = []
+        rows, lse_rows = [], []
         qi = 0
         while qi < len(starts):
             if qi in done:
@@ -197,11 +198,20 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
                 state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)
             if state is None:
                 rows.append(xp.zeros((b1 - b0, heads, q1 - q0, dv), work, device))
+                if call.lse:
+                    shape = (b1 - b0, heads, q1 - q0)
+                    lse_rows.append(online.unseen_lse(xp, shape, work, device))
             else:
                 rows.append(online.finish(xp, state))
+                if call.lse:
+                    lse_rows.append(online.log_sum_exp(xp, state))
             qi += 1
         outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
+        if call.lse:
+            lses.append(online.joined(xp, lse_rows))
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
+    if call.lse:
+        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses, 0)
     return in_dtype(xp, out, call.dtype), None
 
 

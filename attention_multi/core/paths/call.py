@@ -30,7 +30,10 @@ class Call:
     K, d|dv); ``mask``; ``scale``; ``dropout`` the weights' rate, ``key`` the
     PRNG key where needed (JAX); ``path`` asked for (``"auto"``: cheapest);
     ``budget`` bytes of score-sized intermediates; ``chunk_size`` or None;
-    ``weights``; ``private``: arrays only this call holds (kept without copies)."""
+    ``weights``; ``private``: arrays only this call holds (kept without copies);
+    ``lse``: the caller reads each row's log-sum-exp (``online.log_sum_exp``): a
+    path's ``run`` returns it third, (batch, heads, Q, 1) in the compute dtype,
+    and a path that cannot (a framework's kernel) has no plan."""
 
     def __init__(
         self,
@@ -47,12 +50,14 @@ class Call:
         chunk_size: int | None = None,
         weights: Weights = "later",
         private: bool = False,
+        lse: bool = False,
     ) -> None:
         self.xp, self.mask, self.scale = xp, mask, scale
         self.queries, self.keys, self.values = queries, keys, values
         self.dropout, self.key, self.path = dropout, key, path
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
         self.chunk_size, self.weights, self.private = chunk_size, weights, private
+        self.lse = lse
         self.batch, self.heads, self.num_queries = queries.shape[:3]
         self.num_keys = keys.shape[2]
         self.dtype = xp.dtype_name(queries)

@@ -46,7 +46,7 @@ def plan(call: Call) -> Plan | None:
     return None
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None]:
+def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Blocks of ``chunk_size`` queries and keys, or up to 1024 keys and the
     queries that fill a sixteenth of the budget (square blocks of up to 256
     under causal or window masks: those past the diagonal are skipped)."""
@@ -71,7 +71,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
     # keys: unrolled, its compiler may keep every block's scores alive at once)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
-    outs = []
+    outs, lses = [], []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
         qs = scaled(xp, q[:, :, q0:q1], scale=call.scale, work=work)
@@ -110,9 +110,15 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
         if state is None:  # no query of this block may see any key
             shape = (batch, heads, q1 - q0, v.shape[-1])
             outs.append(empty_rows(xp, shape, work, call.device, qs, k, v))
+            if call.lse:
+                lses.append(online.unseen_lse(xp, shape, work, call.device))
         else:
             outs.append(online.finish(xp, state))
+            if call.lse:
+                lses.append(online.log_sum_exp(xp, state))
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
+    if call.lse:
+        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses)
     return in_dtype(xp, out, call.dtype), None
 
 

@@ -5,10 +5,11 @@ within the memory budget."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..mask.rules import guard_unused, masked_softmax
-from ..numerics import compute_dtype, scaled
+from ..numerics import compute_dtype, in_dtype, scaled
+from . import online
 from .call import Call, Plan, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
@@ -74,12 +75,14 @@ def plan(call: Call) -> Plan | None:
     return None
 
 
-def run(call: Call, plan: Plan | None = None) -> tuple[Array, Callable[[], Array]]:
+def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
     """``(output, weights)``, weights (batch * heads, Q, K) before dropout,
     as a function that reshapes them when they are read (a reshape is an
     operator call: MXNet's cost about as much as a small product)."""
     xp, q, mask = call.xp, call.queries, call.mask
     k, v = expand_kv(xp, call.keys, call.values, call.heads)
+    if call.lse:
+        return with_lse(call, k, v)
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
     guard = xp.may_differentiate(q) or (xp.masks_by_adding and mask.per_batch_lens is not None)
     k, v = guard_unused(xp, mask, k, v, guard_keys=guard)
@@ -87,3 +90,14 @@ def run(call: Call, plan: Plan | None = None) -> tuple[Array, Callable[[], Array
     drop = dropout_fn(xp, call.dropout, call.key)
     out = xp.matmul(w4 if drop is None else drop(w4), v)
     return out, lambda: xp.nan_rows(flat(w4))
+
+
+def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:
+    """``(output, None, log-sum-exp)``: every key as one online-softmax
+    block, whose state gives both (``k``, ``v`` expanded)."""
+    xp, q, mask, work = call.xp, call.queries, call.mask, call.work
+    k, v = guard_unused(xp, mask, k, v)
+    drop = dropout_fn(xp, call.dropout, call.key)
+    state = online.softmax_block(xp, scaled(xp, q, call.scale, work), k, v, mask, work, drop)
+    out = in_dtype(xp, online.finish(xp, state), call.dtype)
+    return out, None, online.log_sum_exp(xp, state)

@@ -56,9 +56,10 @@ def trusting(xp: Backend, *arrays: Array) -> bool:
 def plan(call: Call) -> Plan | None:
     """One kernel call over every score (half of them for top-left causal,
     where the kernel skips the rest), when the backend has a kernel that can
-    take the case; it may still decline at run time (memory, layout)."""
+    take the case; it may still decline at run time (memory, layout). Not
+    when the log-sum-exp is asked for: kernels do not give it."""
     xp, mask = call.xp, call.mask
-    if not (call.asks("fused") and xp.has_fused_attention and mask.score_mod is None):
+    if call.lse or not (call.asks("fused") and xp.has_fused_attention and mask.score_mod is None):
         return None
     if call.dropout and not xp.fused_dropout:
         return None

@@ -2,13 +2,17 @@
 accumulator)`` of a block of queries over one block of keys, merged into a
 running state, recomputed in the backward pass under autodiff
 (``Backend.checkpoint``) and skipped at run time when the block is not seen
-(``Backend.cond``)."""
+(``Backend.cond``). Its state also gives the log-sum-exp of each row
+(``log_sum_exp``), and attention sinks are one more term of the row sum
+(``add_sinks``)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..numerics import fill, fill_against, in_dtype, normalize
+import numpy as np
+
+from ..numerics import constant, fill, fill_against, in_dtype, normalize
 
 if TYPE_CHECKING:
     from backends import Backend
@@ -98,3 +102,51 @@ def step(
     if seen is None:
         return xp.checkpoint(block, state, qs, k, v)
     return xp.cond(seen, lambda s: xp.checkpoint(block, s, qs, k, v), lambda s: s, state)
+
+
+def minus_inf(xp: Backend, work: str, device: Any) -> Array:
+    """``-inf`` as a 0-d array of ``work``: the log-sum-exp of a row that sees no key."""
+    return constant(
+        xp,
+        ("-inf", work),
+        device,
+        lambda: xp.asarray(np.asarray(-np.inf, np.dtype(work)), device=device),
+    )
+
+
+def log_sum_exp(xp: Backend, state: State) -> Array:
+    """(batch, heads, Q, 1): ``log(sum(exp(scores)))`` over the keys each row
+    saw (natural log, scaled scores after ``score_mod``): row max + log(row
+    sum); ``-inf`` for a row that saw no key, with a zero gradient there."""
+    row_max, row_sum, _ = state
+    seen = row_sum != 0  # (NaN is seen: it propagates)
+    total = xp.log(xp.where(seen, row_sum, 1.0))
+    return xp.where(
+        seen, row_max + total, minus_inf(xp, xp.dtype_name(row_sum), xp.device_of(row_sum))
+    )
+
+
+def unseen_lse(xp: Backend, shape: tuple[int, ...], work: str, device: Any) -> Array:
+    """The log-sum-exp of rows (``shape[:3]``) that see no key: ``-inf``."""
+    return xp.zeros(tuple(shape[:3]) + (1,), work, device) + minus_inf(xp, work, device)
+
+
+def joined(xp: Backend, parts: list[Array], axis: int = 2) -> Array:
+    """The log-sum-exp of blocks of rows, put back together along ``axis``."""
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
+
+
+def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
+    """Attention sinks: one logit per head added to each row's softmax
+    denominator only (gpt-oss): ``out * exp(lse - lse')`` with ``lse' =
+    logaddexp(lse, sink)``, which is ``out * sigmoid(lse - sink)``.
+    ``out`` (batch, heads, Q, dv); ``lse`` (batch, heads, Q, 1) of the
+    compute dtype; ``sinks`` (heads,). Returns ``(out, lse')``: a row that
+    sees no key keeps a zero output, and its ``lse'`` is the sink."""
+    work = xp.dtype_name(lse)
+    sink = xp.astype(sinks, work) if xp.dtype_name(sinks) != work else sinks
+    sink = sink.reshape((1, sink.shape[0], 1, 1))
+    top = xp.maximum(lse, sink)  # (finite: the sink is)
+    total = top + xp.log(xp.exp(lse - top) + xp.exp(sink - top))
+    kept = xp.exp(lse - total)
+    return out * in_dtype(xp, kept, xp.dtype_name(out)), total

@@ -89,10 +89,13 @@ def plan_tiles(
 
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
-    (a jitted call draws as an eager one), nor, unless named, where each new
-    shape compiles; under autodiff every tile's scores must fit at once."""
+    (a jitted call draws as an eager one) or ``lse`` (kernels give none), nor,
+    unless named, where each new shape compiles; under autodiff every tile's
+    scores must fit at once."""
     xp, named, cost = call.xp, call.path == "tiled", call.call_cost
-    if not call.asks("tiled") or call.keyed_dropout or (not named and xp.compiles_per_shape):
+    if not call.asks("tiled") or call.keyed_dropout or call.lse:
+        return None
+    if not named and xp.compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
     tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)

@@ -37,7 +37,7 @@ def plan(call: Call) -> Plan | None:
     return Plan(SKIPPED_SHARE * call.scores)
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None]:
+def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Per batch element, its blocks of keys (at most 16, within the budget;
     ``chunk_size`` keys each when given), each skipped when no query of the
     element sees it."""
@@ -58,7 +58,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
     # unrolled, its compiler may keep every block's scores alive at once)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
-    outs = []
+    outs, lses = [], []
     for b in range(batch):
         lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
 
@@ -89,5 +89,9 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
             cut = (slice(b, b + 1), slice(None), slice(k0, k1))
             state = online.step(xp, state, qs, k, v, sub, work, cut=cut, seen=seen(k0, k1))
         outs.append(online.finish(xp, state))
+        if call.lse:
+            lses.append(online.log_sum_exp(xp, state))
     out = outs[0] if batch == 1 else xp.concatenate(outs, 0)
+    if call.lse:
+        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses, 0)
     return in_dtype(xp, out, call.dtype), None

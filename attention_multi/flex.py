@@ -1,0 +1,289 @@
+"""torch's FlexAttention API by name and signature, on every backend.
+
+A FlexAttention script switches with one import::
+
+    # from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+    from attention_multi.flex import flex_attention, create_block_mask
+
+``flex_attention`` takes (B, H, L, E) arrays of torch, JAX, MXNet or NumPy;
+it runs eager (no compilation), under ``torch.compile(fullgraph=True)`` and
+``jax.jit``, forward and backward on CPU. It is ``dot_product_attention``
+with ``mask_mod`` (the block mask's function) and ``score_mod``; where it
+differs from torch's:
+
+- Index arguments are flex's: ``q_idx`` and ``kv_idx`` count from 0 and
+  ``b``, ``h`` are the batch element and the query head. A function gets
+  them as integer arrays that broadcast over (B, H, L, S), not as scalars
+  under ``vmap``, so it runs once per block row instead of once per score;
+  elementwise code (``&``, ``|``, ``where``, indexing a captured array) is
+  unchanged.
+- The block mask's fields are host NumPy arrays.
+- ``sinks=`` (one logit per query head in every softmax denominator) is
+  ours; gradients reach what a ``score_mod`` captures (a bias table, ALiBi
+  slopes), on CPU too.
+- ``return_lse``: the natural-log log-sum-exp (B, H, L) of the scaled
+  scores after ``score_mod``, ``-inf`` for a query that sees no key (whose
+  output is zeros, as flex's).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+
+import backends
+
+from .config import get_backend, native_device
+from .core.mask.blocks import BlockMask
+from .core.mask.functions import block_mask as _block_mask
+from .core.mask.functions import index_grid
+from .core.mask.spec import EMPTY, FULL, PARTIAL
+from .functional import dot_product_attention
+from .types import Array
+
+__all__ = [
+    "BlockMask",
+    "and_masks",
+    "create_block_mask",
+    "create_mask",
+    "flex_attention",
+    "noop_mask",
+    "or_masks",
+]
+
+_CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch BlockMask -> ours
+
+
+def flex_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    score_mod: Callable[..., Array] | None = None,
+    block_mask: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: Any = None,
+    *,
+    sinks: Array | None = None,
+) -> Array | tuple[Array, Array]:
+    """torch's ``flex_attention``: ``query`` (B, Hq, L, E), ``key`` (B, Hkv,
+    S, E), ``value`` (B, Hkv, S, Ev); ``Hq != Hkv`` needs ``enable_gqa``.
+    ``block_mask``: a ``BlockMask`` of ``create_block_mask`` (ours or
+    torch's). ``score_mod(score, b, h, q_idx, kv_idx)``; ``scale`` default
+    ``1/sqrt(E)``. Returns the output (B, Hq, L, Ev), and with
+    ``return_lse`` the log-sum-exp (B, Hq, L). ``kernel_options`` is
+    accepted and ignored (no kernel to tune); ``sinks`` (Hq,): attention
+    sinks (``dot_product_attention``'s)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (B, H, L, E), got shape {tuple(x.shape)}")
+    if not enable_gqa and query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"query has {query.shape[1]} heads and key {key.shape[1]}: "
+            f"pass enable_gqa=True for grouped-query attention"
+        )
+    forms: dict[str, Any] = {}
+    blocks = as_block_mask(block_mask)
+    if blocks is not None and not blocks.all_full:
+        forms["mask_mod"] = blocks
+    if score_mod is not None:
+        forms["score_mod"] = score_mod
+    return dot_product_attention(
+        query, key, value, scale=scale, sinks=sinks, return_lse=return_lse, **forms
+    )
+
+
+def as_block_mask(block_mask: Any) -> BlockMask | None:
+    """Ours as it is; torch's as ours (its function and block states), made once."""
+    if block_mask is None or isinstance(block_mask, BlockMask):
+        return block_mask
+    if not _is_torch_block_mask(block_mask):
+        raise TypeError(
+            f"block_mask must be a BlockMask of create_block_mask (ours or torch's), "
+            f"got {type(block_mask).__name__}"
+        )
+    ours = _CONVERTED.get(block_mask)
+    if ours is None:
+        ours = _CONVERTED[block_mask] = _from_torch(block_mask)
+    return ours
+
+
+def _is_torch_block_mask(x: Any) -> bool:
+    return type(x).__module__.startswith("torch.") and hasattr(x, "kv_indices")
+
+
+def _from_torch(bm: Any) -> BlockMask:
+    """torch's BlockMask as ours: its ``mask_mod``, shape and block states."""
+    num_q, num_k = (int(n) for n in bm.seq_lengths)
+    block_q, block_k = (int(n) for n in bm.BLOCK_SIZE)
+    batch, heads = (int(n) for n in bm.kv_num_blocks.shape[:2])
+    nqb, nkb = -(-num_q // block_q), -(-num_k // block_k)
+    states = np.full((batch, heads, nqb, nkb), EMPTY, np.int8)
+    listed: list[tuple[Any, Any, int]] = [(bm.kv_num_blocks, bm.kv_indices, PARTIAL)]
+    if bm.full_kv_num_blocks is not None:
+        listed.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
+    for count, indices, state in listed:
+        count = count.detach().cpu().numpy()[:, :, :nqb]
+        indices = indices.detach().cpu().numpy()[:, :, :nqb]
+        b, h, i, j = np.nonzero(np.arange(indices.shape[-1]) < count[..., None])
+        cols = indices[b, h, i, j]
+        inside = cols < nkb
+        states[b[inside], h[inside], i[inside], cols[inside]] = state
+    return BlockMask(bm.mask_mod, states, (batch, heads, num_q, num_k), block_q, block_k)
+
+
+def create_block_mask(
+    mask_mod: Callable[..., Array],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+    _compile: bool = False,
+    *,
+    backend: Any = None,
+) -> BlockMask:
+    """torch's ``create_block_mask``: the block states of ``mask_mod`` over
+    (B, H, Q_LEN, KV_LEN), ``B`` or ``H`` None when the function ignores
+    the axis, blocks of ``BLOCK_SIZE`` (an int or (queries, keys)).
+    Evaluated one block row at a time on ``backend``: by default that of the
+    arrays the function captures, else the current one; ``device`` a device
+    name of it (default: the current device). ``_compile`` is ignored."""
+    xp = _backend_for(mask_mod, backend)
+    return _block_mask(
+        mask_mod,
+        1 if B is None else B,
+        1 if H is None else H,
+        Q_LEN,
+        KV_LEN,
+        block=BLOCK_SIZE,
+        backend=xp,
+        device=native_device(xp, device),
+    )
+
+
+def create_mask(
+    mod_fn: Callable[..., Array],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any = None,
+    *,
+    backend: Any = None,
+) -> Array:
+    """torch's ``create_mask``: the dense (B, H, Q_LEN, KV_LEN) boolean mask
+    of a ``mask_mod``, or the scores a ``score_mod`` makes of zeros, as an
+    array of ``backend`` (as ``create_block_mask`` picks it)."""
+    xp = _backend_for(mod_fn, backend)
+    dev = native_device(xp, device)
+    shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
+    grid = index_grid(xp, shape, (0, 0, 0), dev)
+    if _is_score_mod(mod_fn):
+        return xp.broadcast_to(mod_fn(xp.zeros(shape, "float32", dev), *grid), shape)
+    out = mod_fn(*grid)
+    if not xp.is_array(out):
+        out = xp.asarray(np.asarray(out, bool), device=dev)
+    elif xp.dtype_name(out) != "bool":
+        out = xp.astype(out, "bool")
+    return xp.broadcast_to(out.reshape((1,) * (4 - len(out.shape)) + tuple(out.shape)), shape)
+
+
+def noop_mask(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
+    """Every query sees every key."""
+    return kv_idx == kv_idx
+
+
+def and_masks(*mask_mods: Callable[..., Array]) -> Callable[..., Array]:
+    """A ``mask_mod`` True where all of ``mask_mods`` are (``noop_mask`` for none)."""
+    return _combined(mask_mods, "and_masks", "logical_and")
+
+
+def or_masks(*mask_mods: Callable[..., Array]) -> Callable[..., Array]:
+    """A ``mask_mod`` True where any of ``mask_mods`` is (none: no key is seen)."""
+    return _combined(mask_mods, "or_masks", "logical_or")
+
+
+def _combined(mask_mods: tuple, name: str, how: str) -> Callable[..., Array]:
+    for m in mask_mods:
+        if not callable(m):
+            raise TypeError(f"{name} takes mask_mod functions, got {type(m).__name__}")
+
+    def combined(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
+        if not mask_mods:
+            seen = noop_mask(b, h, q_idx, kv_idx)
+            return seen if how == "logical_and" else seen != seen
+        result = mask_mods[0](b, h, q_idx, kv_idx)
+        for m in mask_mods[1:]:
+            result = _logical(result, m(b, h, q_idx, kv_idx), how)
+        return result
+
+    combined.__name__ = name
+    return combined
+
+
+def _logical(a: Any, b: Any, how: str) -> Any:
+    """``a`` AND/OR ``b`` of the backend of either (Python bools too)."""
+    for x in (a, b):
+        try:
+            xp = backends.backend_of_array(x)
+        except TypeError:
+            continue
+        a, b = _as_bool(xp, a, x), _as_bool(xp, b, x)
+        if how == "logical_and":
+            return xp.logical_and(a, b)
+        return xp.astype(a, "int32") + xp.astype(b, "int32") > 0
+    return (a and b) if how == "logical_and" else (a or b)
+
+
+def _as_bool(xp: Any, v: Any, like: Array) -> Array:
+    if not xp.is_array(v):
+        return xp.asarray(np.asarray(v, bool), device=xp.device_of(like))
+    return v if xp.dtype_name(v) == "bool" else xp.astype(v, "bool")
+
+
+def _is_score_mod(fn: Callable[..., Any]) -> bool:
+    """Five positional parameters (score, b, h, q_idx, kv_idx), as torch tells them apart."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.default is inspect.Parameter.empty for p in params) == 5
+
+
+def _backend_for(fn: Callable[..., Any], backend: Any) -> Any:
+    """``backend``, else that of an array ``fn`` captures (in its closure
+    or its functions' closures, as ``and_masks`` makes them), else the current one."""
+    if backend is not None:
+        return get_backend(backend)
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        captured = []
+        for cell in getattr(f, "__closure__", None) or ():
+            try:
+                captured.append(cell.cell_contents)
+            except ValueError:  # (an empty cell)
+                continue
+        code, names = getattr(f, "__code__", None), getattr(f, "__globals__", {})
+        captured += [names[n] for n in (code.co_names if code else ()) if n in names]
+        for value in captured:
+            values = value if isinstance(value, (tuple, list)) else (value,)
+            for x in values:
+                if callable(x) and not isinstance(x, np.ndarray):
+                    todo.append(x)
+                elif not isinstance(x, (np.ndarray, np.generic, int, float, bool, str)):
+                    try:
+                        return backends.backend_of_array(x)
+                    except TypeError:
+                        pass
+    return get_backend()

@@ -1,0 +1,336 @@
+"""torch's FlexAttention API (``attention_multi.flex``) on every backend,
+the log-sum-exp and attention sinks on every path, and gradients to what a
+``score_mod`` captures: against the float64 oracle
+(``attention_multi.reference.attention``), gradients against its central
+differences; one test against torch's own compiled ``flex_attention``."""
+
+import numpy as np
+import pytest
+
+import attention_multi as am
+from attention_multi import flex
+from attention_multi import reference as oracle
+from attention_multi.core import attend, make_mask
+from attention_multi.core.paths.online import add_sinks
+
+B_, H, KV, T, D = 2, 4, 2, 11, 4
+SLOPES = np.array([0.5, 0.25, 0.125, 0.0625])
+SINKS = np.array([0.3, -1.0, 2.0, 0.0])
+PATHS = ("full", "chunked", "tiled", "fused")
+
+
+def _inputs(B, dtype="float32", kv=KV, nq=T, nk=T, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((B_, H, nq, D), (B_, kv, nk, D), (B_, kv, nk, D))
+    return [B.asarray(rng.normal(size=s), dtype) for s in shapes]
+
+
+def _np(B, *xs):
+    return [B.to_numpy(x).astype(np.float64) for x in xs]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def _near(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx <= 3
+
+
+def _first_two(b, h, q_idx, kv_idx):
+    return kv_idx < 2
+
+
+def _numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(*x.shape):
+        d = np.zeros_like(x)
+        d[i] = eps
+        g[i] = (f(x + d) - f(x - d)) / (2 * eps)
+    return g
+
+
+def test_flex_api_on_every_backend(backend):
+    """The flex functions by name and signature: a block mask of ``and_masks``
+    / ``or_masks``, a ``score_mod`` indexing a captured array, grouped heads
+    (``enable_gqa``), ``return_lse``; ``create_mask``; flex's block fields."""
+    q, k, v = _inputs(backend)
+    slopes = backend.asarray(SLOPES, "float32")
+    mask_mod = flex.and_masks(_causal, flex.or_masks(_near, _first_two))
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def alibi_np(score, b, h, q_idx, kv_idx):
+        return score + SLOPES[h] * (kv_idx - q_idx)
+
+    def mask_np(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx <= 3) | (kv_idx < 2))
+
+    block = flex.create_block_mask(mask_mod, B_, None, T, T, device="cpu", BLOCK_SIZE=4)
+    assert block.shape == (B_, 1, T, T) and block.BLOCK_SIZE == (4, 4)
+    dense = oracle.allowed_keys(B_, 1, T, T, mask_mod=mask_np)
+    tiles = np.pad(dense, ((0, 0), (0, 0), (0, 1), (0, 1))).reshape(B_, 1, 3, 4, 3, 4)
+    seen = tiles.any((3, 5))
+    np.testing.assert_array_equal(block.to_dense(), seen.astype(np.int32))
+    assert block.sparsity() == pytest.approx(100 * (1 - seen.mean()))
+    np.testing.assert_array_equal(block.kv_num_blocks + block.full_kv_num_blocks, seen.sum(-1))
+    assert block.full_kv_num_blocks.sum() == 0  # (causal: no block is full)
+    np.testing.assert_array_equal(block.kv_indices[0, 0, 2], [0, 1, 2])
+
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flex.flex_attention(q, k, v, block_mask=block)
+    out, lse = flex.flex_attention(
+        q, k, v, score_mod=alibi, block_mask=block, enable_gqa=True, return_lse=True
+    )
+    want, _, want_lse = oracle.attention(
+        *_np(backend, q, k, v), mask_mod=mask_np, score_mod=alibi_np, return_lse=True
+    )
+    assert tuple(out.shape) == (B_, H, T, D) and tuple(lse.shape) == (B_, H, T)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_allclose(backend.to_numpy(lse), want_lse, rtol=3e-5, atol=3e-5)
+
+    got = flex.create_mask(mask_mod, B_, 1, T, T, device="cpu", backend=backend)
+    np.testing.assert_array_equal(backend.to_numpy(got), dense)
+    everything = flex.create_block_mask(flex.noop_mask, 1, 1, T, T, device="cpu", BLOCK_SIZE=4)
+    assert everything.sparsity() == 0.0
+    out = flex.flex_attention(q, k, v, block_mask=everything, scale=0.3, enable_gqa=True)
+    want, _ = oracle.attention(*_np(backend, q, k, v), scale=0.3)
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lse_and_sinks_every_path(backend, path):
+    """``return_lse`` and ``sinks`` on every path (a kernel path declines and
+    another gives the log-sum-exp), with lengths, causal, a ``mask_mod`` and
+    a row that sees no key (lse ``-inf``; with sinks, the sink)."""
+    dtype = "float64" if "float64" in backend.float_dtypes else "float32"
+    tol = 1e-10 if dtype == "float64" else 3e-5
+    q, k, v = _inputs(backend, dtype, nq=7)
+    lens = np.array([9, 0])
+    sinks = backend.asarray(SINKS, dtype)
+    for forms, ref in (
+        ({"causal": True}, {"causal": True}),
+        ({"mask_mod": _near, "valid_lens": backend.asarray(lens)}, None),
+    ):
+        ref = ref or {"mask_mod": _near, "valid_lens": lens}
+        m = make_mask(backend, B_, H, 7, T, dtype=dtype, **forms)
+        out, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=3, lse=True)
+        qn, kn, vn = _np(backend, q, k, v)
+        want, _, want_lse = oracle.attention(qn, kn, vn, return_lse=True, **ref)
+        assert tuple(lse.shape) == (B_, H, 7, 1)
+        np.testing.assert_allclose(backend.to_numpy(out), want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(backend.to_numpy(lse)[..., 0], want_lse, rtol=tol, atol=tol)
+        out, lse = add_sinks(backend, out, lse, sinks)
+        want, _, want_lse = oracle.attention(qn, kn, vn, sinks=SINKS, return_lse=True, **ref)
+        np.testing.assert_allclose(backend.to_numpy(out), want, rtol=tol, atol=tol)
+        np.testing.assert_allclose(backend.to_numpy(lse)[..., 0], want_lse, rtol=tol, atol=tol)
+    assert np.isneginf(want_lse[1] - SINKS[:, None]).sum() == 0  # (row with no key: the sink)
+
+
+def test_sinks_and_lse_gradients(backend):
+    """Gradients of ``sum(out * R) + sum(lse * S)`` with sinks, to the
+    queries, keys, values and sinks, on every path, against central
+    differences of the float64 oracle; a row that sees no key gives finite ones."""
+    if not backend.autodiff:
+        pytest.skip(f"the {backend.name} backend has no autodiff")
+    dtype = "float64" if "float64" in backend.float_dtypes else "float32"
+    tol = 1e-6 if dtype == "float64" else 3e-4
+    q, k, v = _inputs(backend, dtype, nq=5, nk=6)
+    lens = np.array([4, 0])
+    rng = np.random.default_rng(3)
+    R, S = rng.normal(size=(B_, H, 5, D)), rng.normal(size=(B_, H, 5))
+
+    def loss_np(qn, kn, vn, sinks):
+        out, _, lse = oracle.attention(
+            qn, kn, vn, valid_lens=lens, causal=True, sinks=sinks, return_lse=True
+        )
+        return (out * R).sum() + (lse * S).sum()
+
+    args = _np(backend, q, k, v) + [SINKS]
+    want = []
+    for i, x in enumerate(args):
+        want.append(_numeric_grad(lambda y, i=i: loss_np(*args[:i], y, *args[i + 1 :]), x))
+    dummy = am.DotProductAttention(0.0, backend=backend, dtype=dtype)
+    Rb, Sb = backend.asarray(R, dtype), backend.asarray(S, dtype)
+    for path in ("full", "chunked", "tiled"):
+
+        def f(module, q, k, v, sinks, path=path):
+            m = make_mask(backend, B_, H, 5, 6, valid_lens=backend.asarray(lens), causal=True)
+            out, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=2, lse=True)
+            out, lse = add_sinks(backend, out, lse, sinks)
+            total = backend.sum((out * Rb).reshape((-1,)), 0)
+            return total + backend.sum((lse[..., 0] * Sb).reshape((-1,)), 0)
+
+        sinks = backend.asarray(SINKS, dtype)
+        _, _, grads = backend.gradients(f, dummy, q, k, v, sinks)
+        for name, g, w in zip(("queries", "keys", "values", "sinks"), grads, want):
+            g = backend.to_numpy(g).astype(np.float64)
+            assert np.isfinite(g).all(), (path, name)
+            np.testing.assert_allclose(g, w, rtol=tol, atol=tol, err_msg=f"{path} d{name}")
+
+
+def test_sinks_and_lse_through_the_api(backend):
+    """``dot_product_attention(sinks=, return_lse=)``, 3-D and 4-D, and a
+    wrong-shaped ``sinks`` named in the error."""
+    q, k, v = _inputs(backend, kv=H)
+    sinks = backend.asarray(SINKS, "float32")
+    out, lse = am.dot_product_attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    want, _, want_lse = oracle.attention(
+        *_np(backend, q, k, v), causal=True, sinks=SINKS, return_lse=True
+    )
+    np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_allclose(backend.to_numpy(lse), want_lse, rtol=3e-5, atol=3e-5)
+    out, lse = am.dot_product_attention(q[:, 0], k[:, 0], v[:, 0], return_lse=True)
+    want, _, want_lse = oracle.attention(
+        *_np(backend, q[:, :1], k[:, :1], v[:, :1]), return_lse=True
+    )
+    assert tuple(lse.shape) == (B_, T)
+    np.testing.assert_allclose(backend.to_numpy(lse), want_lse[:, 0], rtol=3e-5, atol=3e-5)
+    with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
+        am.dot_product_attention(q, k, v, sinks=sinks[:2])
+
+
+def test_lse_traced_paths_jax():
+    """Under ``jax.jit`` with traced lengths (the traced tiles) and traced
+    segment ids (the block-sparse path's conds), the log-sum-exp agrees."""
+    jax = pytest.importorskip("jax")
+    B = am.get_backend("jax")
+    q, k, v = _inputs(B, nq=300, nk=300, kv=H)
+    lens = np.array([120, 0])
+    ids = np.zeros((B_, 300), np.int32)
+    ids[:, 100:] = 1
+    ids[1, 250:] = -1
+
+    @jax.jit
+    def by_lengths(q, k, v, lens):
+        return am.dot_product_attention(q, k, v, lens, causal=True, return_lse=True)
+
+    @jax.jit
+    def by_segments(q, k, v, ids):
+        return am.dot_product_attention(q, k, v, segment_ids=ids, causal=True, return_lse=True)
+
+    qn, kn, vn = _np(B, q, k, v)
+    for fn, arg, ref in (
+        (by_lengths, lens, {"valid_lens": lens, "causal": True}),
+        (by_segments, ids, {"segment_ids": ids, "causal": True}),
+    ):
+        out, lse = fn(q, k, v, B.asarray(arg))
+        want, _, want_lse = oracle.attention(qn, kn, vn, return_lse=True, **ref)
+        np.testing.assert_allclose(np.asarray(out), want, rtol=3e-5, atol=3e-5)
+        np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=3e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("what", ["bias_table", "alibi_slopes"])
+def test_gradients_to_what_score_mod_captures(backend, what):
+    """A learnable relative-position bias table, or ALiBi slopes, captured
+    by a ``score_mod`` and passed as an input of the differentiated
+    function, gets its gradient on every path: equal to central differences
+    of the float64 oracle, and the same bits on a second run."""
+    if not backend.autodiff:
+        pytest.skip(f"the {backend.name} backend has no autodiff")
+    dtype = "float64" if "float64" in backend.float_dtypes else "float32"
+    tol = 1e-6 if dtype == "float64" else 3e-4
+    q, k, v = _inputs(backend, dtype, kv=H, nq=6, nk=6)
+    rng = np.random.default_rng(4)
+    R = rng.normal(size=(B_, H, 6, D))
+    if what == "bias_table":  # table[h, q - k + 5]
+        param_np = rng.normal(size=(H, 11))
+
+        def mod_np(table):
+            return lambda s, b, h, qi, ki: s + table[h, qi - ki + 5]
+    else:
+        param_np = SLOPES.copy()
+
+        def mod_np(slopes):
+            return lambda s, b, h, qi, ki: s + slopes[h] * (ki - qi)
+
+    def loss_np(param):
+        out, _ = oracle.attention(*_np(backend, q, k, v), causal=True, score_mod=mod_np(param))
+        return (out * R).sum()
+
+    want = _numeric_grad(loss_np, param_np)
+    dummy = am.DotProductAttention(0.0, backend=backend, dtype=dtype)
+    Rb = backend.asarray(R, dtype)
+    for path in ("full", "chunked", "tiled"):
+
+        def f(module, param, path=path):
+            if what == "bias_table":
+                mod = lambda s, b, h, qi, ki: s + param[h, qi - ki + 5]  # noqa: E731
+            else:
+                mod = lambda s, b, h, qi, ki: s + param[h] * (ki - qi)  # noqa: E731
+            m = make_mask(backend, B_, H, 6, 6, dtype=dtype, causal=True, score_mod=mod)
+            out, _, _ = attend(backend, q, k, v, m, path=path, chunk_size=2)
+            return backend.sum((out * Rb).reshape((-1,)), 0)
+
+        runs = [
+            backend.to_numpy(backend.gradients(f, dummy, backend.asarray(param_np, dtype))[2][0])
+            for _ in range(2)
+        ]
+        np.testing.assert_array_equal(runs[0], runs[1], err_msg=f"{path}: not deterministic")
+        np.testing.assert_allclose(runs[0], want, rtol=tol, atol=tol, err_msg=path)
+
+
+def test_flex_compiled_and_backward_torch():
+    """``torch.compile(flex_attention, fullgraph=True)`` with a block mask
+    and a ``score_mod``, forward and backward on CPU, against the oracle
+    (forward) and eager (gradients, which flex cannot give on CPU)."""
+    torch = pytest.importorskip("torch")
+    B = am.get_backend("torch")
+    q, k, v = (x.requires_grad_() for x in _inputs(B, kv=H))
+    table = torch.tensor(np.random.default_rng(5).normal(size=(H, 2 * T - 1)), dtype=torch.float32)
+    table.requires_grad_()
+
+    def rel(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + T - 1]
+
+    block = flex.create_block_mask(_causal, 1, 1, T, T, device="cpu", BLOCK_SIZE=4)
+    compiled = torch.compile(flex.flex_attention, fullgraph=True)
+    got = compiled(q, k, v, score_mod=rel, block_mask=block)
+    tn = table.detach().numpy().astype(np.float64)
+    want, _ = oracle.attention(
+        *_np(B, q.detach(), k.detach(), v.detach()),
+        causal=True,
+        score_mod=lambda s, b, h, qi, ki: s + tn[h, qi - ki + T - 1],
+    )
+    np.testing.assert_allclose(got.detach().numpy(), want, rtol=3e-5, atol=3e-5)
+    got.square().sum().backward()
+    compiled_grads = [x.grad.clone() for x in (q, k, v, table)]
+    for x in (q, k, v, table):
+        x.grad = None
+    flex.flex_attention(q, k, v, score_mod=rel, block_mask=block).square().sum().backward()
+    for a, x in zip(compiled_grads, (q, k, v, table)):
+        np.testing.assert_allclose(a.numpy(), x.grad.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_same_answers_as_torch_flex_attention():
+    """One small case against torch's own ``flex_attention`` (compiled on
+    CPU: its first call takes ~30 s): document + causal masking and a
+    ``score_mod``; our block fields equal torch's; a torch ``BlockMask`` is
+    accepted (its function and block states)."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("torch.nn.attention.flex_attention")
+    n = 256
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 8, generator=gen) for _ in range(3))
+    doc = torch.zeros(2, n, dtype=torch.int64)
+    doc[:, 100:] = 1
+    doc[1, 200:] = 2
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx)
+
+    def slope(score, b, h, q_idx, kv_idx):
+        return score + 0.1 * (h + 1) * (kv_idx - q_idx)
+
+    theirs = tf.create_block_mask(doc_causal, 2, None, n, n, device="cpu")
+    ours = flex.create_block_mask(doc_causal, 2, None, n, n, device="cpu")
+    for field in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field).numpy())
+    np.testing.assert_array_equal(ours.to_dense(), theirs.to_dense().numpy())
+    assert ours.sparsity() == pytest.approx(theirs.sparsity())
+    assert ours.shape == tuple(theirs.shape)
+    want = torch.compile(tf.flex_attention)(q, k, v, score_mod=slope, block_mask=theirs)
+    for block in (ours, theirs):
+        got = flex.flex_attention(q, k, v, score_mod=slope, block_mask=block)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
