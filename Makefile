@@ -59,7 +59,7 @@ peers: $(PEERS)/ready
 	exit $$status
 
 # One line per package while pip works (several venvs build at once with -j).
-.venv-%/ready: requirements/%.txt pyproject.toml
+.venv-%/ready: requirements/%.txt pyproject.toml requirements/numpy_bool_for_mxnet.pth
 	@echo "[venv $*] building .venv-$* from requirements/$*.txt"
 	@start=$$(date +%s); set -o pipefail; \
 	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$* && \
@@ -68,4 +68,8 @@ peers: $(PEERS)/ready
 		| { grep --line-buffered -E "^(Collecting|Installing|Successfully)" || true; } \
 		| sed -u -e "s/^/[venv $*] /" -e "s/ (from -r .*//" && \
 	.venv-$*/bin/python -m pip install -q --no-deps -e . && \
+	if grep -q "^mxnet" requirements/$*.txt; then \
+		cp requirements/numpy_bool_for_mxnet.pth "$$(.venv-$*/bin/python -c \
+			'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"; \
+	fi && \
 	touch $@ && echo "[venv $*] ready in $$(( $$(date +%s) - start )) s"

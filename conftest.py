@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-import backends
+from attention_multi import backends
 
 # One JAX compilation cache for the whole run, made by the first process (the
 # xdist controller) and inherited through the environment: the workers and the

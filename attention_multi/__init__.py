@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backends import available_backends
+from attention_multi.backends import available_backends
 
 from . import port
 from .config import get_backend, set_backend, use_backend

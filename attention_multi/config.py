@@ -13,9 +13,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import backends
-from backends import Backend
-from backends.types import DeviceKind
+from attention_multi import backends
+from attention_multi.backends import Backend
+from attention_multi.backends.types import DeviceKind
 
 BACKEND_ENV = "ATTENTION_MULTI_BACKEND"
 DEVICE_ENV = "ATTENTION_MULTI_DEVICE"

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-import backends
+from attention_multi import backends
 
 from .config import get_backend, native_device
 from .core.mask.blocks import BlockMask

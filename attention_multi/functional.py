@@ -25,7 +25,7 @@ from .types import Array, Window
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from .core import MaskForms
 
@@ -329,6 +329,8 @@ def ring_attention(
       ``dot_product_attention``, positions counted in the whole sequence
       (bottom-right aligned: query ``i`` of participant ``r`` sits at key
       position ``r Q + i + P (K - Q)``).
+    - ``scale``: the factor of the scores, as in ``dot_product_attention``
+      (default ``1 / sqrt(d)``).
     - ``group``: the torch process group (None: the default one);
       ``axis_name``: on JAX, the mesh axis the sequence is split over.
     - ``memory_budget``: bytes for the scores of one step, computed a block

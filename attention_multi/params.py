@@ -7,8 +7,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-import backends
-from backends.types import Array
+from attention_multi import backends
+from attention_multi.backends.types import Array
 
 _M = TypeVar("_M", bound=Any)  # an attention_multi module of any backend
 

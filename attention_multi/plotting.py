@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-import backends
+from attention_multi import backends
 
 
 def show_heatmaps(
@@ -17,11 +17,13 @@ def show_heatmaps(
     titles: Sequence[str] | None = None,
     figsize: tuple[float, float] = (2.5, 2.5),
     cmap: str = "Reds",
+    colorbar_label: str = "attention weight",
 ) -> Any:
-    """d2l's heatmap grid for ``matrices`` (rows, cols, height, width).
+    """d2l's heatmap grid for ``matrices`` (rows, cols, height, width), with a
+    colorbar labelled ``colorbar_label``.
 
     Accepts any backend's array (or a NumPy array) and returns the matplotlib
-    Figure.
+    Figure, laid out so that no title or label is clipped or covered.
     """
     try:
         import matplotlib.pyplot as plt
@@ -39,7 +41,13 @@ def show_heatmaps(
     if titles is not None and len(titles) < num_cols:
         raise ValueError(f"titles has {len(titles)} entries for {num_cols} columns")
     fig, axes = plt.subplots(
-        num_rows, num_cols, figsize=figsize, sharex=True, sharey=True, squeeze=False
+        num_rows,
+        num_cols,
+        figsize=figsize,
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+        layout="constrained",  # room for the titles, labels and colorbar
     )
     for i, (row_axes, row_matrices) in enumerate(zip(axes, matrices)):
         for j, (ax, matrix) in enumerate(zip(row_axes, row_matrices)):
@@ -50,5 +58,5 @@ def show_heatmaps(
                 ax.set_ylabel(ylabel)
             if titles:
                 ax.set_title(titles[j])
-    fig.colorbar(pcm, ax=axes, shrink=0.6)
+    fig.colorbar(pcm, ax=axes, shrink=0.6, label=colorbar_label)
     return fig

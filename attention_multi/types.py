@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict, Union
 
-from backends import Backend
-from backends.types import Array, DeviceKind, DType, FloatDType, Shape
+from attention_multi.backends import Backend
+from attention_multi.backends.types import Array, DeviceKind, DType, FloatDType, Shape
 
 __all__ = [
     "Array",

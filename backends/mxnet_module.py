@@ -3,6 +3,33 @@
 import mxnet as mx
 from mxnet import autograd, gluon, npx
 
+# The init objects of a bare ``initialize()``: Gluon's own default arguments.
+_BARE_INITS = (
+    gluon.Block.initialize.__defaults__[0],
+    gluon.ParameterDict.initialize.__defaults__[0],
+)
+
+
+class _Parameter(gluon.Parameter):
+    """A parameter of ours, drawn at construction. A parent block's
+    ``initialize(init)`` re-draws it with ``init`` (on its contexts), a bare
+    ``initialize()`` keeps it; either silently, where Gluon would warn
+    "already initialized, ignoring"."""
+
+    chosen = False  # a parent's initialize(init) chose the draw (kept at a lazy first call)
+
+    def initialize(self, init=None, ctx=None, default_init=_BARE_INITS[1], force_reinit=False):
+        bare = init is None and any(default_init is b for b in _BARE_INITS)
+        if init is None and not bare:
+            self.chosen = True
+        if self._data is not None and not force_reinit:
+            if bare:
+                if ctx is not None:
+                    self.reset_ctx(ctx)
+                return None
+            force_reinit, ctx = True, ctx or self.list_ctx()
+        return super().initialize(init, ctx, default_init, force_reinit)
+
 
 class GluonModule(gluon.Block):
     """Native base: a Gluon ``Block``; ``save_parameters`` gives d2l names.
@@ -37,6 +64,9 @@ class GluonModule(gluon.Block):
 
     def _add_param(self, name, value):
         param = self.params.get(name, shape=value.shape, dtype=value.dtype)
+        param.__class__ = _Parameter  # a parent's initialize(init) re-draws it
+        if name.endswith("bias"):
+            param.init = "zeros"  # as Gluon's Dense: a weight's init is not a bias's
         param.initialize(init=mx.init.Zero(), ctx=value.ctx)  # Uniform fails on float64
         param.set_data(value)
         setattr(self, name, param)
@@ -51,6 +81,9 @@ class GluonModule(gluon.Block):
             dtype=self._dtype,
             allow_deferred_init=not known,
         )
+        param.__class__ = _Parameter
+        if name.endswith("bias"):
+            param.init = "zeros"
         param.initialize(init=mx.init.Zero(), ctx=self._device)
         setattr(self, name, param)
 
@@ -60,7 +93,8 @@ class GluonModule(gluon.Block):
             if param._deferred_init:
                 param.shape = tuple(value.shape)
                 param._finish_deferred_init()
-            param.set_data(value)
+            if not getattr(param, "chosen", False):  # else Gluon drew it with that init
+                param.set_data(value)
 
     def _unsized(self):
         return [n for n, p in self._collect_params_with_prefix().items() if p._data is None]

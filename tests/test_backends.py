@@ -4,8 +4,8 @@ checked against NumPy float64 computed here."""
 import numpy as np
 import pytest
 
-import backends
-from backends.protocol import Backend, NativeModule
+from attention_multi import backends
+from attention_multi.backends.protocol import Backend, NativeModule
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
@@ -46,7 +46,7 @@ def test_its_row_of_the_table_agrees_with_its_class(backend):
     without importing it (autodiff, CUDA): they must agree."""
     (spec,) = [s for s in backends.BACKENDS if s.name == backend.name]
     assert type(backend).__name__ == spec.class_name
-    assert type(backend).__module__ == f"backends.{spec.module}"
+    assert type(backend).__module__ == f"attention_multi.backends.{spec.module}"
     assert backend.autodiff == spec.autodiff
     if not spec.cuda:
         with pytest.raises(ValueError, match="not available"):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from backends import available_backends
+from attention_multi.backends import available_backends
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -101,12 +101,9 @@ def run_doc(doc, tmp_path, select=None, prelude="", epilogue="", env_extra=()):
 
 
 def test_readme_snippets_run(tmp_path):
-    # README's "Scaling out" is docs/guide/scaling.md's code verbatim (torch.compile,
-    # ONNX, DDP, both rings: the slowest blocks); test_docs_page_snippets_run runs it,
-    # so only a block that differs from the page's runs here a second time.
-    scaling = {code for _, _, code in blocks(DOCS / "guide" / "scaling.md")}
-    out = run_doc(README, tmp_path, select=lambda code: code not in scaling)
+    out = run_doc(README, tmp_path)  # the tour: every framework, a mask function, a model
     assert out.count("[[[2.0, 3.0, 4.0, 5.0]], [[10.0, 11.0, 12.0, 13.0]]]") >= 3
+    assert "(1, 4, 64, 8)" in out and "attention.W_q.weight" in out
 
 
 def test_porting_doc_snippets_run(tmp_path):
@@ -216,7 +213,11 @@ def test_every_public_module_has_a_reference_page():
     """Every module and package of attention_multi (cli/: the tools, documented
     in the guide) and backends' package and protocol are rendered."""
     package = REPO / "attention_multi"
-    public = {"attention_multi", "backends", "backends.protocol", "backends.types"}
+    public = {
+        "attention_multi",
+        "attention_multi.backends.protocol",
+        "attention_multi.backends.types",
+    }
     public |= {
         f"attention_multi.{p.stem}" for p in package.glob("*.py") if not p.name.startswith("_")
     }
@@ -272,3 +273,29 @@ def test_reference_lists_every_constructor_argument():
         assert name in rows, f"no row for {name}"
         missing = [n for n in names if not re.search(rf"`[^`]*\b{n}\b", rows[name])]
         assert not missing, f"{name}: {missing} not on the reference page"
+
+
+def test_the_home_page_the_nav_and_the_readme_list_every_guide_page():
+    nav = (REPO / "mkdocs.yml").read_text()
+    index = (DOCS / "index.md").read_text()
+    readme = README.read_text()
+    for page in sorted((DOCS / "guide").glob("*.md")):
+        assert f"guide/{page.name}" in nav, page.name
+        assert f"(guide/{page.name}" in index, page.name
+        assert f"(docs/guide/{page.name}" in readme, page.name
+
+
+def test_the_readmes_links_resolve():
+    """Every relative link of the README names a file, and a heading of it."""
+
+    def slug(heading):
+        return re.sub(r"[^\w\- ]", "", heading).strip().lower().replace(" ", "-")
+
+    links = re.findall(r"\]\(((?!https?:)[^)#\s]+)(?:#([^)\s]+))?\)", README.read_text())
+    assert len(links) >= 10, links
+    for target, anchor in links:
+        path = REPO / target
+        assert path.exists(), target
+        if anchor:
+            headings = {slug(h) for h in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+            assert anchor in headings, (target, anchor, sorted(headings))

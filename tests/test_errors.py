@@ -84,6 +84,34 @@ def test_valid_lens_problems(backend, dot, lens, error, pattern):
             am.masked_softmax(arr(backend, 2, 3, 5), given)
 
 
+def test_string_valid_lens_are_named(backend, dot):
+    q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4)
+    pattern = r"valid_lens must have an integer or float dtype, got (<U1|str32)"
+    for given in (["2", "3"], np.array(["2", "3"])):
+        with pytest.raises(TypeError, match=pattern):
+            dot(q, k, v, given)
+        with pytest.raises(TypeError, match=pattern):
+            am.dot_product_attention(q, k, v, given)
+
+
+def test_a_misspelt_keyword_is_named_with_the_valid_ones():
+    with pytest.raises(
+        TypeError,
+        match=r"MultiHeadAttention\(\) got an unexpected keyword argument 'backed' "
+        r"\(did you mean backend=\?\); its keywords: key_size, query_size, value_size, "
+        r"num_hiddens, num_heads, dropout, bias, .*backend, device, dtype$",
+    ):
+        am.MultiHeadAttention(8, 2, 0.1, backed="numpy")
+    for cls, args in (
+        (am.DotProductAttention, (0.0,)),
+        (am.AdditiveAttention, (8, 0.1)),
+        (am.PositionalEncoding, (8, 0.1)),
+        (am.Linear, (3, 4)),
+    ):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got an unexpected keyword "):
+            cls(*args, backed="numpy")
+
+
 def test_integer_valued_float_lens_are_accepted(backend, dot):
     q, k, v = arr(backend, 2, 3, 4), arr(backend, 2, 5, 4), arr(backend, 2, 5, 4)
     a = dot(q, k, v, backend.asarray(np.array([2.0, 3.0], np.float32)))
@@ -190,6 +218,32 @@ def test_non_array_inputs(backend):
 
 
 # -- the modern forms: mask, bias, causal, window, grouped-query heads ---------------------
+
+
+def test_a_3d_mask_is_refused_where_its_first_axis_may_be_batch_or_heads(backend):
+    """With 4-D inputs and batch == heads a (B, Q, K) mask could be per batch
+    element (as a module's 3-D inputs read it) or per head (NumPy's rule)."""
+    q4, k4 = arr(backend, 2, 2, 3, 4), arr(backend, 2, 2, 5, 4)
+    shape = r"\(2, 3, 5\) is ambiguous with 4-D inputs of batch 2 and 2 heads"
+    fix = r"give it 4 axes, \(2, 1, 3, 5\) for each batch element or \(1, 2, 3, 5\) for each head"
+    with pytest.raises(ValueError, match=rf"mask of shape {shape}: .*; {fix}"):
+        am.dot_product_attention(q4, k4, k4, mask=backend.asarray(np.ones((2, 3, 5), bool)))
+    with pytest.raises(ValueError, match=rf"bias of shape {shape}"):
+        am.dot_product_attention(q4, k4, k4, bias=arr(backend, 2, 3, 5))
+    # one reading each, unambiguous: 3 heads, and a module's 3-D inputs (the batch)
+    q3 = arr(backend, 2, 3, 3, 4)
+    am.dot_product_attention(
+        q3,
+        arr(backend, 2, 3, 5, 4),
+        arr(backend, 2, 3, 5, 4),
+        mask=backend.asarray(np.ones((3, 3, 5), bool)),
+    )
+    am.DotProductAttention(0.0, backend=backend).eval()(
+        arr(backend, 2, 3, 4),
+        arr(backend, 2, 5, 4),
+        arr(backend, 2, 5, 4),
+        mask=backend.asarray(np.ones((2, 3, 5), bool)),
+    )
 
 
 def test_mask_must_be_boolean_and_broadcast(backend, dot, mha):

@@ -298,7 +298,7 @@ def test_jax_export_serialize_round_trip(name):
 
 @needs_jax
 def test_jax_export_serialized_names_are_stable():
-    from backends import jax_module
+    from attention_multi.backends import jax_module
 
     mha = make("mha", "jax")
     assert (

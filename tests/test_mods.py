@@ -347,7 +347,7 @@ def test_interval_block_states_match_the_dense_mask(seed):
     """``mask.host_table`` classifies the blocks of interval masks (lengths
     per query, causal with an offset, windows; rows that see nothing; blocks
     past Q or K cut short) as the dense mask says."""
-    import backends
+    from attention_multi import backends
 
     B = backends.load("numpy")
     rng = np.random.default_rng(seed)

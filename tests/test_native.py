@@ -233,6 +233,31 @@ def test_mxnet_modules_are_blocks_with_params_and_gradients():
         assert np.abs(p.grad().asnumpy()).sum() > 0, name
 
 
+def test_a_parent_gluon_blocks_initialize_redraws_ours_and_a_bare_one_keeps_them():
+    load_backend("mxnet")
+    import warnings
+
+    from mxnet import gluon, init
+
+    class Parent(gluon.Block):  # a d2l model holding one of our blocks
+        def __init__(self):
+            super().__init__()
+            self.attention = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, bias=True, backend="mxnet")
+
+    net = Parent()
+    drawn = am.get_params(net.attention)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        net.initialize()  # d2l's bare call: ours are kept
+        kept = am.get_params(net.attention)
+        net.initialize(init.Xavier())  # an init: ours are re-drawn with it
+    redrawn = am.get_params(net.attention)
+    assert all((kept[n] == drawn[n]).all() for n in drawn)
+    assert all((redrawn[n] != drawn[n]).any() for n in drawn if n.endswith("weight"))
+    assert all((redrawn[n] == 0).all() for n in drawn if n.endswith("bias"))  # Xavier's biases
+    assert not [w for w in caught if "already initialized" in str(w.message)]
+
+
 def test_mxnet_save_and_load_parameters_use_d2l_names(tmp_path):
     B = load_backend("mxnet")
     from attention_multi.port import load_mxnet_params
@@ -293,7 +318,9 @@ def test_mxnet_initialize_keeps_weights_unless_an_init_is_given():
     for n, value in am.get_params(m).items():
         np.testing.assert_array_equal(value, before[n])
     m.initialize(init=mx.init.Constant(0.5), force_reinit=True)
-    assert all((value == 0.5).all() for value in am.get_params(m).values())
+    params = am.get_params(m)  # an init draws the weights; biases are zeros, as in Gluon's Dense
+    assert all((params[n] == 0.5).all() for n in params if n.endswith("weight"))
+    assert all((params[n] == 0).all() for n in params if n.endswith("bias"))
     m.initialize(mx.init.Normal(0.01))  # an init re-draws
     weight = am.get_params(m)["W_o.weight"]
     assert abs(weight.std() - 0.01) < 0.001 and not (weight == 0.5).any()
@@ -439,10 +466,11 @@ def test_gradients_match_torch(name, make):
 
 def test_numpy_modules_are_plain_objects_that_cannot_train():
     B = load_backend("numpy")
-    from backends.plain_module import PlainModule
+    from attention_multi.backends.plain_module import PlainModule
 
     m = mha(B)
-    bases = [c for c in type(m).__mro__ if c.__module__.split(".")[0] not in ("attention_multi",)]
+    ours = ("attention_multi.modules", "attention_multi.core")
+    bases = [c for c in type(m).__mro__ if not c.__module__.startswith(ours)]
     assert bases == [PlainModule, object]
     assert all(isinstance(x, np.ndarray) for x in am.get_params(m).values())
     nw = am.NWKernelRegression(backend=B)

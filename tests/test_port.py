@@ -215,7 +215,7 @@ def test_cli_additive_to_torch(tmp_path):
         "--module",
         "AdditiveAttention",
         "--args",
-        "key_size=2,query_size=20,num_hiddens=8,dropout=0",
+        "key_size=2,query_size=20,num_hiddens=8",  # dropout has no shape: not needed
     )
     assert result.returncode == 0, result.stderr
     module = am.AdditiveAttention(**ADDITIVE, backend="torch")
@@ -365,7 +365,7 @@ def test_cli_corrupt_and_missing_files_exit_2(tmp_path):
         (
             "MultiHeadAttention",
             "key_size=5",
-            "missing required arguments 'num_hiddens', 'num_heads', 'dropout'",
+            "missing required arguments 'num_hiddens', 'num_heads'",
         ),
         ("MultiHeadAttention", "key_size", "--args: expected KEY=VALUE, got 'key_size'"),
         ("MultiHeadAttention", MHA_SPEC + ",num_heads=3", "num_heads"),

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-import backends
-from attention_multi import config
+from attention_multi import backends, config
 from conftest import load_backend
 
 
@@ -58,7 +57,7 @@ def test_aliases():
 def test_uninstalled_backend_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` fail
     monkeypatch.delitem(backends._loaded, "jax", raising=False)
-    monkeypatch.delitem(sys.modules, "backends.jax_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "attention_multi.backends.jax_backend", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'attention-multi\[jax\]'"):
         am.set_backend("jax")
 

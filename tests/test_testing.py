@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
-import backends
+from attention_multi import backends
 from attention_multi.testing import assert_close, default_tolerances
 from tests.test_selection import _imported_after
 

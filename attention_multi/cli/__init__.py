@@ -7,7 +7,7 @@ import argparse
 import sys
 import textwrap
 
-import backends
+from attention_multi import backends
 
 from ..config import get_backend
 from ..files import WriteError

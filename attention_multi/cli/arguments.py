@@ -5,7 +5,7 @@ and exits with status 2 before any work."""
 
 import argparse
 
-import backends
+from attention_multi import backends
 
 
 def names(text, check, what):

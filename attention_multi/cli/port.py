@@ -50,7 +50,8 @@ def add_arguments(parser):
         metavar="K=V,...",
         default="",
         help="the module's keyword arguments, comma-separated without spaces, "
-        "e.g. num_hiddens=8,num_heads=2,dropout=0,bias=True",
+        "e.g. num_hiddens=8,num_heads=2,bias=True (dropout, which has no weights, "
+        "defaults to 0)",
     )
     parser.add_argument(
         "--like",
@@ -125,6 +126,9 @@ def _module_from_spec(name, args):
     cls, kwargs = getattr(am, name), _parse_args(args)
     if {"backend", "device"} & set(kwargs):
         raise _CliError("--args: backend and device are not module arguments here", _EXIT_BAD_INPUT)
+    takes = {*inspect.signature(cls.__init__).parameters, *getattr(cls, "_SEEDS", ())}
+    if "dropout" in takes:  # only the shapes matter, and dropout has none
+        kwargs.setdefault("dropout", 0.0)
     try:
         return cls(**kwargs, backend="numpy")
     except (TypeError, ValueError) as exc:

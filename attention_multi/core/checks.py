@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import backends
+from attention_multi import backends
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ..types import Array
 
@@ -117,6 +117,8 @@ def valid_lens_checked(
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
             host = np.asarray(valid_lens)
+            if host.dtype.kind not in "iuf":
+                raise TypeError(f"{name} must have an integer or float dtype, got {host.dtype}")
             _check_lens_values(name, host, host.dtype.kind)
             if host.size and host.max() > limit:
                 host = np.minimum(host, limit)
@@ -136,7 +138,11 @@ def valid_lens_checked(
             f"{shape}"
         )
     dtype = backend.dtype_name(valid_lens)
-    kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
+    kind: str
+    try:
+        kind = np.dtype("float32" if dtype == "bfloat16" else dtype).kind
+    except TypeError:  # a name NumPy does not know (MXNet's or a string array's)
+        kind = "?"
     if kind not in "iuf":
         raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
     known = None
@@ -297,6 +303,14 @@ def check_mask_array(
     batch, heads, q, k = shape
     against = shape if heads_axis or len(x.shape) == 4 else (batch, q, k)
     got = tuple(x.shape)
+    if heads_axis and len(got) == 3 and got[0] == batch == heads > 1:
+        # NumPy's rule would read the first axis as the heads; with 3-D inputs
+        # (a module's) it is the batch: refuse rather than guess
+        raise ValueError(
+            f"{name} of shape {got} is ambiguous with 4-D inputs of batch {batch} and "
+            f"{heads} heads: its first axis may be either; give it 4 axes, "
+            f"{(batch, 1, q, k)} for each batch element or {(1, heads, q, k)} for each head"
+        )
     if len(got) > len(against) or any(g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
         names = (
             ("batch", "heads", "queries", "keys")[-len(against) :]

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from backends.protocol import HALF_DTYPES
+from attention_multi.backends.protocol import HALF_DTYPES
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ..types import Array
 

@@ -24,7 +24,7 @@ from .paths import PATHS, full, online, small
 from .paths.call import AUTODIFF_HELD, Call, Weights
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ..types import Array, TakenPath
     from .mask import Mask

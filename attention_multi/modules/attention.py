@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -108,7 +108,7 @@ def _count(low: int, high: int) -> str:
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ..core import Mask, MaskForms
 
@@ -258,6 +258,31 @@ class AdditiveAttention(_Attention):
 
     _SEEDS = ("key_size", "query_size", "num_hiddens", "dropout")
     _D2L10 = ("num_hiddens", "dropout")
+
+    # The two forms, for type checkers and IDEs (bind_editions tells them apart)
+    @overload
+    def __init__(
+        self,
+        key_size: int | None,
+        query_size: int | None,
+        num_hiddens: int,
+        dropout: float,
+        *,
+        memory_budget: int | None = None,
+        **options: Unpack[ModuleOptions],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        num_hiddens: int,
+        dropout: float,
+        *,
+        key_size: int | None = None,
+        query_size: int | None = None,
+        memory_budget: int | None = None,
+        **options: Unpack[ModuleOptions],
+    ) -> None: ...
 
     def __init__(self, *args: Any, memory_budget: int | None = None, **kwargs: Any) -> None:
         a, options = bind_editions(
@@ -523,6 +548,43 @@ class MultiHeadAttention(_Attention):
     _SEEDS = ("key_size", "query_size", "value_size", "num_hiddens", "num_heads", "dropout", "bias")
     _SIZED_LAYER = "W_o"
     _D2L10 = ("num_hiddens", "num_heads", "dropout", "bias")
+
+    # The two forms, for type checkers and IDEs (bind_editions tells them apart)
+    @overload
+    def __init__(
+        self,
+        key_size: int | None,
+        query_size: int | None,
+        value_size: int | None,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float,
+        bias: bool = False,
+        *,
+        num_kv_heads: int | None = None,
+        path: AttentionPath = "auto",
+        memory_budget: int | None = None,
+        chunk_size: int | None = None,
+        **options: Unpack[ModuleOptions],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float,
+        bias: bool = False,
+        *,
+        key_size: int | None = None,
+        query_size: int | None = None,
+        value_size: int | None = None,
+        num_kv_heads: int | None = None,
+        path: AttentionPath = "auto",
+        memory_budget: int | None = None,
+        chunk_size: int | None = None,
+        **options: Unpack[ModuleOptions],
+    ) -> None: ...
 
     def __init__(
         self,

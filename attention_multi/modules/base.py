@@ -18,16 +18,49 @@ from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from backends import Backend
-    from backends.protocol import NativeModule as _Native
+    from attention_multi.backends import Backend
+    from attention_multi.backends.protocol import NativeModule as _Native
 else:
     _Native = object  # at run time the backend's module_base supplies the members
+
+
+def unexpected_keyword(cls: type[Any], name: str) -> TypeError:
+    """The error for a keyword no form of ``cls``'s constructor takes: it names
+    the keyword, the closest valid one, and all of them."""
+    import difflib
+    import inspect
+    from typing import get_type_hints
+
+    params = inspect.signature(cls).parameters.values()  # __init__'s, without self
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    valid = list(getattr(cls, "_SEEDS", ()))  # the seeds' form first, in its order
+    for extra in (
+        *(p.name for p in params if p.kind in kinds and p.name != "self"),
+        *get_type_hints(ModuleOptions),
+    ):
+        if extra not in valid:
+            valid.append(extra)
+    close = difflib.get_close_matches(name, valid, n=1)
+    return TypeError(
+        f"{cls.__name__}() got an unexpected keyword argument {name!r}"
+        + (f" (did you mean {close[0]}=?)" if close else "")
+        + f"; its keywords: {', '.join(valid)}"
+    )
 
 
 class Module(_Native):
     """The base of every module. An instance is of a subclass native to its
     backend (``torch.nn.Module``, ``gluon.Block``, a JAX pytree or a plain
-    object), which provides the members of ``backends.protocol.NativeModule``."""
+    object), which provides the members of
+    ``attention_multi.backends.protocol.NativeModule``, on every backend:
+
+    - ``eval()`` and ``train(mode=True)``: dropout off and on, returning the
+      module (modules start in training mode, as in PyTorch; on MXNet a module
+      follows ``autograd.record()`` until either is called, as Gluon's layers
+      do, and ``train(None)`` returns it to that);
+    - ``training``: the mode in force;
+    - ``attention_weights`` (attention modules): the weights of the last call.
+    """
 
     _backend: Any = None  # set on the native subclasses by Backend.native_class
     training: bool
@@ -38,10 +71,16 @@ class Module(_Native):
         return object.__new__(cls)
 
     def _start(
-        self, backend: BackendLike = None, device: DeviceLike = None, dtype: FloatDType = "float32"
+        self,
+        backend: BackendLike = None,
+        device: DeviceLike = None,
+        dtype: FloatDType = "float32",
+        **unknown: Any,
     ) -> None:
         """Call first in ``__init__``: sets up the native base. (``backend``
         was already used by ``__new__`` to pick the native class.)"""
+        if unknown:
+            raise unexpected_keyword(type(self), next(iter(unknown)))
         self._native_init()
         self._device = native_device(self._backend, device)
         self._dtype = dtype

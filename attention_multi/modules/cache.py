@@ -23,15 +23,26 @@ class KVCache:
 
     __slots__ = ("keys", "values", "length")
 
+    keys: Array
+    """The projected keys, (batch, num_kv_heads, max_len, head_size); positions
+    from ``length`` on are not yet written."""
+    values: Array
+    """The projected values, laid out as ``keys``."""
+    length: Array
+    """How many positions are filled: a 0-d int32 array of the backend (traced
+    under ``jax.jit``, so one compiled step serves every position)."""
+
     def __init__(self, keys: Array, values: Array, length: Array) -> None:
         self.keys, self.values, self.length = keys, values, length
 
     @property
     def max_len(self) -> int:
+        """The positions the cache holds (``init_cache``'s ``max_len``)."""
         return self.keys.shape[2]
 
     @property
     def batch_size(self) -> int:
+        """The batch the cache was made for."""
         return self.keys.shape[0]
 
     def __repr__(self) -> str:

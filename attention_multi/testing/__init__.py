@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-import backends
+from attention_multi import backends
 
 from .conformance import Case, NotSupported, Result, conformance_cases, run_case
 

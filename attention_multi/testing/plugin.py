@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import pytest
 
-import backends
-from backends import Backend
+from attention_multi import backends
+from attention_multi.backends import Backend
 
 from ..config import get_backend
 

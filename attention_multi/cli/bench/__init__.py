@@ -68,7 +68,9 @@ def add_arguments(parser):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="medium shapes only, shorter timing, long case at T=4096",
+        help="a short run: medium shapes only, 0.5 s per comparison, the long case "
+        "at T=2048; no ring, memory or packed tables (--ring-length and --packed-batch "
+        "bring theirs back)",
     )
     parser.add_argument(
         "--backends",
@@ -86,7 +88,7 @@ def add_arguments(parser):
         "--seconds",
         type=positive_float,
         default=None,
-        help="timing budget per comparison (default 3; --quick 1)",
+        help="timing budget per comparison (default 3; --quick 0.5)",
     )
     parser.add_argument(
         "--threads",
@@ -98,13 +100,13 @@ def add_arguments(parser):
         "--long-length",
         type=nonnegative_int,
         default=None,
-        help=f"T of the long-sequence case (default {LONG['length']}; --quick 4096; 0 skips it)",
+        help=f"T of the long-sequence case (default {LONG['length']}; --quick 2048; 0 skips it)",
     )
     parser.add_argument(
         "--ring-length",
         type=nonnegative_int,
         default=None,
-        help=f"T of the ring-attention case (default {RING['length']}; --quick 2048; 0 skips it)",
+        help=f"T of the ring-attention case (default {RING['length']}; --quick 0; 0 skips it)",
     )
     parser.add_argument(
         "--ring-processes",
@@ -115,9 +117,9 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--packed-batch",
-        type=int,
+        type=nonnegative_int,
         default=None,
-        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 1; "
+        help=f"batch of the packed-documents table (default {PACKED['batch']}; --quick 0; "
         "with --shapes 0; 0 skips it)",
     )
     parser.add_argument(
@@ -144,15 +146,13 @@ def add_arguments(parser):
 
 
 def main(args):
-    import backends
+    from attention_multi import backends
 
     wanted = args.backends
     available = backends.available_backends()
     shapes = args.shapes or (["medium"] if args.quick else list(DOT_SHAPES))
     ring_length = (
-        args.ring_length
-        if args.ring_length is not None
-        else (2048 if args.quick else RING["length"])
+        args.ring_length if args.ring_length is not None else (0 if args.quick else RING["length"])
     )
     uneven = [n for n in args.ring_processes if ring_length % (16 * n)]
     if ring_length and uneven:  # the ring splits T into 16-position blocks per process
@@ -163,11 +163,11 @@ def main(args):
             file=sys.stderr,
         )
         return 2
-    seconds = args.seconds or (1.0 if args.quick else 3.0)
+    seconds = args.seconds or (0.5 if args.quick else 3.0)
     length = (
         args.long_length
         if args.long_length is not None
-        else (4096 if args.quick else LONG["length"])
+        else (2048 if args.quick else LONG["length"])
     )
     if args.json:
         check_writable(args.json)  # now, not after minutes of timing
@@ -189,7 +189,7 @@ def main(args):
         )
         ring_results = run_ring(ring_length, sizes, threads)
     memory_results = []
-    if not args.no_memory:
+    if not (args.no_memory or args.quick):
         cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
         print(f"  memory under autograd: {', '.join(cases)} ...", file=sys.stderr, flush=True)
         memory_results = run_memory(cases)
@@ -277,7 +277,7 @@ def main(args):
     packed_batch = (
         args.packed_batch
         if args.packed_batch is not None
-        else (0 if args.shapes else 1 if args.quick else PACKED["batch"])
+        else (0 if args.shapes or args.quick else PACKED["batch"])
     )
     packed_rows = []
     if packed_batch:

@@ -5,7 +5,7 @@ Importing it imports MXNet (through ``backends``, which restores
 
 import math
 
-import backends  # noqa: F401  (numpy.bool for mxnet, before it is imported)
+from attention_multi import backends  # noqa: F401  (numpy.bool for mxnet, before it is imported)
 
 # isort: split
 from mxnet import np, npx

@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from backends import BACKENDS
+from attention_multi.backends import BACKENDS
 
 
 def machine():
@@ -23,7 +23,7 @@ def machine():
     for name in (s.framework for s in BACKENDS):
         if name in sys.modules:
             versions[name] = getattr(sys.modules[name], "__version__", "?")
-    from backends.numpy_threads import blas_config
+    from attention_multi.backends.numpy_threads import blas_config
 
     return {
         "cpu": cpu,

@@ -46,7 +46,7 @@ def run_packed(backends_wanted, seconds, shape=None):
     calls)``: ``calls`` the parallel regions of torch's pool per call, ours and
     theirs (None where not counted)."""
     import attention_multi as am
-    import backends
+    from attention_multi import backends
     from attention_multi.core import make_mask
     from attention_multi.core.mask import computed_fraction, host_table
     from attention_multi.core.paths.blocked import pick_block

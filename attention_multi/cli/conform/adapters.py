@@ -497,7 +497,7 @@ class Ours(Function):
         )
 
     def missing(self):
-        import backends
+        from attention_multi import backends
 
         if self.framework not in backends.available_backends():
             return f"{self.framework} is not installed"

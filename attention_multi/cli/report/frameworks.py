@@ -83,7 +83,7 @@ def run(backend_names, inputs):
         results = {c.id: run_one(adapter, c) for c in all_cases}
         cells[adapter.name] = {i: cell(r) for i, r in results.items()}
         errors += [
-            f"- {adapter.name} raises on {i}: {r.detail.removeprefix('raises ')}"
+            f"- {adapter.name} raises on {i}: {last_line(r.detail.removeprefix('raises '))}"
             for i, r in results.items()
             if r.status == "error"
         ]
@@ -95,6 +95,30 @@ def run(backend_names, inputs):
         titles.append(f"- {adapter.name}: {adapter.title}")
     notes = titles + notes + errors
     return [a.name for a in chosen], cells, [c.id for c in all_cases], notes
+
+
+def last_line(detail):
+    """A traceback's last line (the error), else the detail as it is."""
+    lines = [line.strip() for line in detail.strip().splitlines() if line.strip()]
+    return lines[-1] if lines and detail.lstrip().startswith("Traceback") else detail
+
+
+def verdict(labels, cells):
+    """One line: each framework's count of agreeing, differing, not supported
+    and raising cases."""
+    if not labels:
+        return "none was run."
+    parts = []
+    for label in labels:
+        texts = list(cells[label].values())
+        counts = {
+            "agree": sum(t.endswith(" ok") for t in texts),
+            "differ": sum(t.endswith("DIFFERS") for t in texts),
+            "n/s": texts.count("n/s"),
+            "raise": texts.count("raises"),
+        }
+        parts.append(f"{label} " + ", ".join(f"{n} {what}" for what, n in counts.items() if n))
+    return "; ".join(parts) + f" (of {len(texts)} cases each)."
 
 
 def cell(result):

@@ -3,7 +3,7 @@
 import datetime
 
 import attention_multi as am
-import backends
+from attention_multi import backends
 
 from ...files import atomic_write
 from .cases import DTYPES, MECHANISMS, RUNS, TOLERANCES, target
@@ -109,7 +109,7 @@ def multi_head_heatmaps(weights, heads, lens):
         xlabel="Keys",
         ylabel="Queries",
         titles=[f"Head {h + 1}" for h in range(heads)],
-        figsize=(2.5 * heads, 1.9 * w.shape[0]),
+        figsize=(3 * heads + 1, 2.2 * w.shape[0] + 0.6),
     )
     fig.suptitle("Multi-head attention weights")
     for b, first in enumerate(fig.axes[: w.shape[0] * heads : heads]):
@@ -147,9 +147,14 @@ def figures(out, B, device, inputs, trainer):
 
     # The seeds' keys are all ones, so every valid key scores the same: both
     # mechanisms give uniform weights over the valid keys (1/2 and 1/6), alike.
+    # The figures say so themselves, not only their captions.
     alike = (
         ": uniform over the valid keys (1/2 and 1/6), as the seeds' keys are all "
         "equal (every valid key scores the same), hence the same picture for both"
+    )
+    note = (
+        "The seeds' keys are all equal, so every valid key scores the same:\n"
+        "additive and dot-product attention give the same uniform weights (1/2, 1/6)."
     )
     for case, filename, title in (
         ("AdditiveAttention, seed example", "heatmap_additive.png", "Additive attention"),
@@ -158,10 +163,11 @@ def figures(out, B, device, inputs, trainer):
         fig = am.show_heatmaps(
             weights(case).reshape((1, 1, 2, 10)),
             xlabel="Keys",
-            ylabel="Queries (batch 0, 1)",
+            ylabel="Queries\n(batch 0, 1)",
             titles=[f"{title}, valid_lens [2, 6]"],
-            figsize=(4, 2.5),
+            figsize=(6.4, 2.6),
         )
+        fig.supxlabel(note, fontsize=8)
         save(fig, filename, f"{title} weights of the seeds' example{alike}")
 
     lens = i["m_lens"]
@@ -185,7 +191,7 @@ def figures(out, B, device, inputs, trainer):
         xlabel="Keys",
         ylabel="Queries",
         titles=["mask_mod: packed documents of 5, 7 and 4 tokens, causal"],
-        figsize=(4.5, 4.5),
+        figsize=(5.5, 5),
     )
     save(
         fig,
@@ -194,7 +200,7 @@ def figures(out, B, device, inputs, trainer):
         "16 tokens, each query causal within its own document): the block-diagonal triangles",
     )
 
-    fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, (ax, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
     x_test = i["x_test"]
     y_hat = r.numpy(am.nadaraya_watson(r.a(i["x_train"]), r.a(i["y_train"]), r.a(x_test)))
     ax.plot(x_test, target(x_test), label="truth")

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 import attention_multi as am
-import backends
+from attention_multi import backends
 
 from .cases import CASES, DTYPES, compare
 

@@ -12,7 +12,7 @@ import numpy as np
 from .spec import Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

@@ -21,7 +21,7 @@ from .segments import make_segments
 from .spec import Form, Mask
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array, Window
 

@@ -27,7 +27,7 @@ from .blocks import BlockMask
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array, BackendLike, DeviceLike
 

@@ -20,7 +20,7 @@ from ..numerics import positions
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

@@ -16,7 +16,7 @@ from .intervals import keys_all_used, rows_nonempty
 from .spec import Mask
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

@@ -15,7 +15,7 @@ from ..checks import check_array
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _taken
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array, BackendLike, DeviceLike
 

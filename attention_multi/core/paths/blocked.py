@@ -29,7 +29,7 @@ from . import fused, online
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

@@ -11,7 +11,7 @@ import numpy as np
 from ..numerics import DEFAULT_MEMORY_BUDGET, compute_dtype, work_itemsize
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask

@@ -18,7 +18,7 @@ from . import online
 from .call import Call, Plan, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

@@ -10,7 +10,7 @@ from ..mask.rules import kernel_inputs, unguarded_holds, zero_empty_rows
 from .call import Call, Plan
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask

@@ -15,7 +15,7 @@ import numpy as np
 from ..numerics import constant, fill, fill_against, in_dtype, normalize
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask

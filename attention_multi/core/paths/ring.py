@@ -32,7 +32,7 @@ from .call import expand_kv
 from .chunked import queries_per_block
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask

@@ -21,7 +21,7 @@ from .call import dropout_fn, expand_kv
 from .full import flat
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 

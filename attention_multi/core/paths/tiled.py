@@ -17,7 +17,7 @@ from . import fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
-    from backends import Backend
+    from attention_multi.backends import Backend
 
     from ...types import Array
 
