@@ -265,10 +265,9 @@ def key_range(
 
 
 def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
-    """Host ``(start, stop, whole)`` (batch,) arrays or None while traced: the
-    keys that the rows ``[q0, q1)`` of each element see lie in ``[start,
-    stop)`` (``(0, 0)``: none); ``whole``: each row sees all of them (never,
-    past the intervals)."""
+    """Host ``(start, stop, whole)`` (batch,) or None while traced: the rows
+    ``[q0, q1)`` of each element see keys in ``[start, stop)`` (``(0, 0)``:
+    none); ``whole``: each row sees all of them (never, past the intervals)."""
     known = host_bounds(mask, 0, None, q0, q1)
     if known is None:
         return None
@@ -289,10 +288,9 @@ def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
 def _intervals_seen(
     lo: np.ndarray, hi: np.ndarray, block_q: int, block_k: int, nkb: int
 ) -> np.ndarray:
-    """bool (batch, Q blocks, K blocks): some row of the block of queries sees
-    a key of the block of keys, rows seeing keys ``[lo, hi)`` (batch, Q).
-    Each row adds 1 to its first block of keys and -1 past its last; a
-    running sum then counts the rows on each block: work O(Q + blocks)."""
+    """bool (batch, Q blocks, K blocks): some row (keys ``[lo, hi)``, (batch, Q))
+    of the block sees a key of it. Each row adds 1 to its first block of keys
+    and -1 past its last; a running sum counts the rows: work O(Q + blocks)."""
     batch, nq = lo.shape
     nqb, width = -(-nq // block_q), nkb + 1
     cell = (np.arange(batch)[:, None] * nqb + np.arange(nq) // block_q) * width

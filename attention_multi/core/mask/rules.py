@@ -132,10 +132,9 @@ def kernel_inputs(
 
 
 def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out: Array) -> bool:
-    """Whether a kernel's output without the NaN guards is the contract's
-    (host read; False while traced): output and queries finite and, under
-    autodiff, keys and values too (a hidden NaN would reach the gradients).
-    Else the caller runs guarded."""
+    """Whether a kernel's output without the NaN guards is the contract's (host
+    read; False while traced): output and queries finite, and under autodiff
+    keys and values too (a hidden NaN would reach the gradients)."""
     if not all_finite(xp, out, queries):
         return False
     differentiated = any(xp.may_differentiate(x) for x in (queries, keys, values))
@@ -179,16 +178,13 @@ def masked_softmax(
     device: Any = None,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
-    float32 for half precision; masked weights and empty rows are exactly 0.
-    Returns the dtype of ``scores``.
-
-    What the caller knows makes it cheaper, never different:
-    ``empty_rows=False``, every row sees a key (no second ``where``);
-    ``hidden_finite``, no hidden score is NaN (where ``Backend.masks_by_adding``
-    the fill is added, not put by ``where``); ``before_product``, the weights
-    meet the values next (``Backend.softmax_before_product``); ``lens``, the
-    lengths ``visible`` came from (``Backend.below_lengths``; ``visible`` may
-    then be a function that makes it); ``dtype``, ``device``: of ``scores``."""
+    float32 for half precision, in the dtype of ``scores``; masked weights and
+    empty rows are exactly 0. What the caller knows makes it cheaper, never
+    different: ``empty_rows=False``, every row sees a key; ``hidden_finite``,
+    no hidden score is NaN (``Backend.masks_by_adding``); ``before_product``
+    (``Backend.softmax_before_product``); ``lens``, the lengths ``visible``
+    came from (``Backend.below_lengths``; ``visible`` may then be a function
+    that makes it); ``dtype``, ``device``: of ``scores``."""
     dtype = dtype or xp.dtype_name(scores)
     work = compute_dtype(dtype)
     x = xp.astype(scores, work) if work != dtype else scores

@@ -289,9 +289,8 @@ class Mask:
         return self._with(forms, len(rows), self.num_queries, self.num_keys)
 
     def keys_from(self, k0: Any, size: int) -> Mask:
-        """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
-        an int or traced (ring attention under ``shard_map``, scans). Only
-        for interval masks (lengths, causal, window)."""
+        """The Mask of the keys ``[k0, k0 + size)``, ``k0`` an int or traced (ring
+        attention, scans); only for interval masks (lengths, causal, window)."""
         if self.dense:
             raise ValueError(
                 "a block of keys at a traced position takes only valid_lens, "

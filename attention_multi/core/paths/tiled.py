@@ -90,8 +90,7 @@ def plan_tiles(
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
     (a jitted call draws as an eager one) or ``lse`` (kernels give none), nor,
-    unless named, where each new shape compiles; under autodiff every tile's
-    scores must fit at once."""
+    unless named, where each new shape compiles."""
     xp, named, cost = call.xp, call.path == "tiled", call.call_cost
     if not call.asks("tiled") or call.keyed_dropout or call.lse:
         return None
@@ -185,10 +184,9 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
 def softmax_product(
     xp: Backend, q: Array, k: Array, v: Array, mask: Mask, scale: float, dropout: Any = None
 ) -> Array:
-    """``softmax(scale q k^T) v`` of one tile; ``dropout`` (a function of the
-    probabilities) applies to the product only. Where Cauchy-Schwarz bounds
-    every score well inside exp's range (host check, concrete values), no
-    pass for the row maxima (softmax is shift-invariant)."""
+    """``softmax(scale q k^T) v`` of one tile, ``dropout`` (a function of the
+    probabilities) on the product only; no pass for the row maxima where
+    Cauchy-Schwarz bounds every score well inside exp's range (host check)."""
     dtype = xp.dtype_name(q)
     work = compute_dtype(dtype)
     k, v = expand_kv(xp, k, v, q.shape[1])
