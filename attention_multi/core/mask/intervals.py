@@ -1,12 +1,9 @@
-"""Lengths, causal and window: each query sees one interval of keys.
-
-Query ``i`` sits at key position ``p = i + offset`` (``offset = K - Q`` by
-default: aligned at the bottom right, as decoding needs). It may see key
-``j`` when ``lo <= j < hi``, ``lo = max(0, p - left)`` and ``hi = min(K,
-valid_len, p + 1 if causal, p + right + 1)`` for a ``window = (left,
-right)``. The intervals are kept as integers (lengths, offset, window), not
-as matrices: a block is skipped, or computed without a mask, from them alone.
-"""
+"""Lengths, causal and window: each query sees one interval of keys. Query
+``i`` sits at key position ``p = i + offset`` (default ``K - Q``: aligned at
+the bottom right, as decoding needs) and sees key ``j`` when ``lo <= j < hi``,
+``lo = max(0, p - left)``, ``hi = min(K, valid_len, p + 1 if causal, p +
+right + 1)`` for ``window = (left, right)``. Kept as integers, not matrices:
+a block is skipped, or computed without a mask, from them alone."""
 
 from __future__ import annotations
 

@@ -27,13 +27,11 @@ jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 
 class Call:
     """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
-    K, d|dv); ``mask``; ``scale``; ``dropout`` the weights' rate, ``key`` the
-    PRNG key where needed (JAX); ``path`` asked for (``"auto"``: cheapest);
-    ``budget`` bytes of score-sized intermediates; ``chunk_size`` or None;
-    ``weights``; ``private``: arrays only this call holds (kept without copies);
-    ``lse``: the caller reads each row's log-sum-exp (``online.log_sum_exp``): a
-    path's ``run`` returns it third, (batch, heads, Q, 1) in the compute dtype,
-    and a path that cannot (a framework's kernel) has no plan."""
+    K, d|dv); ``dropout`` the weights' rate, ``key`` the PRNG key where needed
+    (JAX); ``path`` asked for (``"auto"``: cheapest); ``budget`` bytes of
+    score-sized intermediates; ``private``: arrays only this call holds (kept
+    without copies); ``lse``: each row's log-sum-exp is read (``run`` returns
+    it third, (batch, heads, Q, 1) in the compute dtype; a kernel: no plan)."""
 
     def __init__(
         self,

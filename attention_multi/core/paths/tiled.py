@@ -1,7 +1,6 @@
-"""The tiled path: one tile per batch element and block of queries, over only
-the keys that tile may see (padding is never computed), each through the
-backend's kernel or the softmax-product written here, on
-``Backend.parallel_map``. Needs the rows' intervals on the host."""
+"""The tiled path: tiles of batch elements and a block of queries over only the
+keys they see (never the padding), each through the backend's kernel or the
+softmax-product here, on ``Backend.parallel_map``; the intervals on the host."""
 
 from __future__ import annotations
 
