@@ -161,7 +161,10 @@ def checked_forms(function: str, forms: Mapping[str, Any]) -> None:
 def no_forms(forms: Mapping[str, Any]) -> bool:
     """Whether ``forms`` (checked: ``checked_forms``) set nothing but the
     keywords' defaults: a call with lengths or nothing."""
-    return all(value is KEYWORDS[name].default for name, value in forms.items())
+    for name, value in forms.items():
+        if value is not KEYWORDS[name].default:
+            return False
+    return True
 
 
 def _offset(xp: Backend, offset: Any, num_queries: int, num_keys: int) -> tuple[Any, Any, bool]:

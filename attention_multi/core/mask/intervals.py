@@ -62,7 +62,7 @@ class Intervals(Form):
     def limits(self, p: Any) -> tuple[Any, list[Any]]:
         """For query positions ``p``: ``p - left`` (None without a left side)
         and the ends that cap ``hi`` (``p + 1`` if causal, ``p + right + 1``)."""
-        left, right = self.window or (None, None)
+        left, right = (None, None) if self.window is None else self.window
         ends = ([p + 1] if self.causal else []) + ([] if right is None else [p + (right + 1)])
         return (None if left is None else p - left), ends
 
@@ -198,9 +198,11 @@ def _known_lens(mask: Mask) -> Any:
 def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
     """``compute(mask)`` as a bool, once per Mask (``Mask._once``)."""
 
+    name = compute.__name__
+
     @functools.wraps(compute)
     def fact(mask: Mask) -> bool:
-        return bool(mask._once(compute.__name__, lambda: compute(mask)))
+        return bool(mask._once(name, lambda: compute(mask)))
 
     return fact
 

@@ -163,18 +163,20 @@ class Mask:
     @property
     def bias(self) -> Array | None:
         """The float bias added to the scaled scores (4-D) or None."""
-        return getattr(self.form("arrays"), "bias", None)
+        arrays = self.form("arrays")
+        return None if arrays is None else arrays.bias
 
     @property
     def score_mod(self) -> Callable[..., Array] | None:
         """The ``score_mod`` function or None."""
-        return getattr(self.form("score_mod"), "score_mod", None)
+        form = self.form("score_mod")
+        return None if form is None else form.score_mod
 
     # -- predicates ------------------------------------------------------------------
     @property
     def unmasked(self) -> bool:
         """Every query may see every key, and there is no bias."""
-        return not self.forms
+        return len(self.forms) == 0  # (not `not self.forms`: torch.compile traces this)
 
     @property
     def dense(self) -> bool:

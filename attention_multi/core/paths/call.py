@@ -3,7 +3,6 @@ what a path would do with it, and what that costs."""
 
 from __future__ import annotations
 
-import copy
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
@@ -70,7 +69,8 @@ class Call:
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""
-        call = copy.copy(self)
+        call = Call.__new__(Call)
+        call.__dict__.update(self.__dict__)
         call.path = "auto"
         return call
 
