@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .core import attend, checked_forms, default_scale, make_mask, straight_line, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (
@@ -20,7 +22,7 @@ from .core.checks import (
 )
 from .core.paths import small
 from .core.paths.online import add_sinks
-from .types import Array, Window
+from .types import Array
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -306,66 +308,202 @@ def ring_attention(
     values: Array,
     valid_lens: Array | None = None,
     *,
-    causal: bool = False,
-    window: Window = None,
+    layout: str = "contiguous",
     scale: float | None = None,
     group: Any = None,
     axis_name: str | None = None,
     memory_budget: int | None = None,
+    step_log: list[dict[str, Any]] | None = None,
+    **forms: Unpack[MaskForms],
 ) -> Array:
     """Sequence-parallel (ring) scaled dot-product attention.
 
     Each participant (a torch.distributed process, or a device of a JAX mesh
-    axis inside ``shard_map``) passes its own consecutive shard of the
-    sequence: ``queries`` (batch, [heads,] Q, d), ``keys`` and ``values``
-    (batch, [kv_heads,] K, d|dv), participant ``r`` holding queries
-    ``[r Q, (r+1) Q)`` and keys ``[r K, (r+1) K)`` of the whole sequence
-    (equal shards). It returns the attention of its queries over the keys of
-    all participants, equal to ``dot_product_attention`` on the whole
-    sequence; memory per participant is O((Q + K) d) plus one block in flight.
+    axis inside ``shard_map``) passes its own part of the sequence:
+    ``queries`` (batch, [heads,] Q, d), ``keys`` and ``values`` (batch,
+    [kv_heads,] K, d|dv), equal parts in ``layout`` (``ring_shard`` cuts them
+    from the whole sequence):
+
+    - ``"contiguous"``: participant ``r`` holds queries ``[r Q, (r+1) Q)``
+      and keys ``[r K, (r+1) K)``;
+    - ``"zigzag"``: the sequence cut into ``2 P`` chunks, participant ``r``
+      holds chunks ``r`` and ``2 P - 1 - r``, in that order (Q and K even):
+      under ``causal`` each participant then computes as many scores as any
+      other.
+
+    It returns the attention of its queries over the keys of all
+    participants, in its layout's order, equal to ``dot_product_attention``
+    on the whole sequence; memory per participant is O((Q + K) d) plus one
+    block in flight.
 
     - ``valid_lens``: (batch,) key lengths of the whole sequence, or (batch,
-      Q) lengths of the local queries; ``causal`` and ``window`` as in
-      ``dot_product_attention``, positions counted in the whole sequence
-      (bottom-right aligned: query ``i`` of participant ``r`` sits at key
-      position ``r Q + i + P (K - Q)``).
+      Q) lengths of the local queries (in the layout's order).
+    - The mask keywords of ``dot_product_attention`` but ``mask=`` and
+      ``bias=``: ``causal``, ``window``, ``segment_ids`` (of the whole
+      sequence: (batch, P K), or a pair ((batch, P Q), (batch, P K))),
+      ``mask_mod`` and ``score_mod`` (``q_idx`` and ``kv_idx`` count
+      positions of the whole sequence), positions aligned at the bottom right
+      of the whole sequence (query ``i`` sits at key position ``i + P (K -
+      Q)``). Per step, a chunk of keys that no local query may see is
+      skipped: no kernel call.
     - ``scale``: the factor of the scores, as in ``dot_product_attention``
       (default ``1 / sqrt(d)``).
     - ``group``: the torch process group (None: the default one);
       ``axis_name``: on JAX, the mesh axis the sequence is split over.
     - ``memory_budget``: bytes for the scores of one step, computed a block
       of local queries at a time (default ``DEFAULT_MEMORY_BUDGET``).
+    - ``step_log``: a list that gets, per step, a dict of the scores this
+      participant computed, its kernel calls and the seconds of compute and
+      of exchange (torch; on JAX the rank is traced and nothing is logged).
 
     Differentiable on both (JAX through ``ppermute``, torch through a
     point-to-point exchange whose gradient goes back round the ring); each
-    step is recomputed in the backward pass.
+    step is recomputed in the backward pass. Keys and values travel in the
+    compute dtype (float32 for half precision).
     """
     from .core import DEFAULT_MEMORY_BUDGET, check_path_options
-    from .core.paths.ring import ring
+    from .core.paths.ring import chunks_per_participant, held_chunks, ring
 
+    checked_forms("ring_attention", forms)
+    for name in ("mask", "bias"):
+        if forms.get(name) is not None:
+            raise ValueError(
+                f"ring_attention takes valid_lens, causal, window, segment_ids, mask_mod and "
+                f"score_mod, not {name}= (an array over the whole sequence on every participant)"
+            )
+    parts = chunks_per_participant(layout)
     memory_budget = check_path_options("auto", memory_budget, None)[1]
     B, q, k, v, ndim = _checked_inputs(queries, keys, values)
     rank, size, shift = B.ring_exchange(axis_name if group is None else group)
     batch, heads, num_q, _ = q.shape
     num_k = k.shape[2]
-    offset = rank * num_q + size * (num_k - num_q)
-    m = make_mask(
-        B,
-        batch,
-        heads,
-        num_q,
-        size * num_k,
-        valid_lens=valid_lens,
-        causal=causal,
-        window=window,
-        offset=offset,
-        dtype=B.dtype_name(q),
-        device=B.device_of(q),
-    )
+    if num_q % parts or num_k % parts:
+        raise ValueError(
+            f"layout={layout!r} holds {parts} chunks per participant: the local queries "
+            f"({num_q}) and keys ({num_k}) must be multiples of {parts}"
+        )
+    chunk_q, device = num_q // parts, B.device_of(q)
+    lens_all: Any = valid_lens
+    lens_2d = lens_all is not None and np.ndim(lens_all) == 2
+    if lens_2d and not B.is_array(lens_all):
+        lens_all = B.asarray(np.asarray(lens_all), device=device)
+    segment_ids: Any = forms.pop("segment_ids", None)
+    pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
+    if pair and not B.is_array(segment_ids[0]):
+        segment_ids = (B.asarray(np.asarray(segment_ids[0]), device=device), segment_ids[1])
+    masks = []
+    for c, index in enumerate(held_chunks(layout, rank, size)):
+        first = index * chunk_q  # (the chunk's first query in the whole sequence)
+        lens = lens_all[:, c * chunk_q : (c + 1) * chunk_q] if lens_2d else lens_all
+        ids = (_rows_at(B, segment_ids[0], first, chunk_q), segment_ids[1]) if pair else segment_ids
+        masks.append(
+            make_mask(
+                B,
+                batch,
+                heads,
+                chunk_q,
+                size * num_k,
+                valid_lens=lens,
+                offset=first + size * (num_k - num_q),
+                query_base=first,
+                segment_ids=ids,
+                dtype=B.dtype_name(q),
+                device=device,
+                **forms,
+            )
+        )
     scale = check_scale(scale)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
         out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:
-        out = ring(B, q, k, v, m, scale, rank, size, shift, memory_budget or DEFAULT_MEMORY_BUDGET)
+        budget = memory_budget or DEFAULT_MEMORY_BUDGET
+        out = ring(B, q, k, v, masks, scale, rank, size, shift, budget, layout, step_log)
     return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+
+
+def _rows_at(B: Backend, x: Array, start: Any, n: int) -> Array:
+    """``x[:, start : start + n]``, ``start`` an int or traced."""
+    if isinstance(start, int):
+        return x[:, start : start + n]
+    return B.take(x, B.arange(n, B.device_of(x)) + start, 1)
+
+
+def ring_shard(
+    x: Array, rank: int, world: int, *, layout: str = "contiguous", axis: int = -2
+) -> Array:
+    """Participant ``rank``'s part of the whole sequence ``x`` (an array of
+    any backend), split along ``axis`` over ``world`` participants in
+    ``layout`` (see ``ring_attention``): what it passes to
+    ``ring_attention``. ``axis`` -2 is the sequence axis of queries, keys
+    and values; pass -1 for 2-D ``valid_lens`` (batch, T)."""
+    from .core.paths.ring import held_chunks
+
+    B, cut = _chunks(x, world, layout, axis)
+    return _joined(B, [cut(i) for i in held_chunks(layout, rank, world)], axis)
+
+
+def ring_order(x: Array, world: int, *, layout: str = "contiguous", axis: int = -2) -> Array:
+    """The whole sequence ``x`` in the participants' order: the parts of
+    ``ring_shard`` for ranks 0, 1, ... one after the other. Split it into
+    equal consecutive parts (JAX: ``shard_map``'s ``in_specs``) and each
+    participant holds its part in ``layout``; ``ring_gather`` undoes it."""
+    from .core.paths.ring import held_chunks
+
+    B, cut = _chunks(x, world, layout, axis)
+    order = [i for r in range(world) for i in held_chunks(layout, r, world)]
+    return _joined(B, [cut(i) for i in order], axis)
+
+
+def ring_gather(
+    parts: Any, *, layout: str = "contiguous", axis: int = -2, world: int | None = None
+) -> Array:
+    """The whole sequence from the participants' parts in ``layout``:
+    ``parts`` a list of them in rank order, or one array of them one after
+    the other (``ring_order``'s order, e.g. ``shard_map``'s output), with
+    ``world`` participants. The inverse of ``ring_shard`` and ``ring_order``."""
+    from .core.paths.ring import held_chunks
+
+    if isinstance(parts, (list, tuple)):
+        world = len(parts) if world is None else world
+        if world != len(parts):
+            raise ValueError(f"world={world}, but {len(parts)} parts were given")
+        B = backend_of(parts=parts[0])
+        x = _joined(B, list(parts), axis)
+    elif world is None:
+        raise ValueError("ring_gather of one array needs world= (how many parts it holds)")
+    else:
+        x = parts
+    B, cut = _chunks(x, world, layout, axis)
+    order = [i for r in range(world) for i in held_chunks(layout, r, world)]
+    place = {index: n for n, index in enumerate(order)}
+    return _joined(B, [cut(place[i]) for i in range(len(order))], axis)
+
+
+def _chunks(x: Array, world: int, layout: str, axis: int) -> tuple[Backend, Any]:
+    """``(backend, cut)``: ``cut(i)`` is the ``i``-th of the equal chunks of
+    ``x`` along ``axis`` that ``layout`` cuts a sequence into over ``world``."""
+    from .core.paths.ring import chunks_per_participant
+
+    B = backend_of(x=x)
+    check_positive_int("world", world)
+    count = chunks_per_participant(layout) * world
+    length = x.shape[axis]
+    if length % count:
+        raise ValueError(
+            f"layout={layout!r} over {world} participants cuts the sequence into {count} "
+            f"equal chunks: its length along axis {axis} ({length}) is not a multiple of {count}"
+        )
+    n = length // count
+    axis = axis % len(x.shape)
+
+    def cut(i: int) -> Array:
+        index = [slice(None)] * len(x.shape)
+        index[axis] = slice(i * n, (i + 1) * n)
+        return x[tuple(index)]
+
+    return B, cut
+
+
+def _joined(B: Backend, pieces: list[Array], axis: int) -> Array:
+    return pieces[0] if len(pieces) == 1 else B.concatenate(pieces, axis)

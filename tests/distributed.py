@@ -15,8 +15,12 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# ring attention cases: name -> (keyword arguments, 2-D lengths)
+# ring attention cases: name -> (keyword arguments, 2-D lengths); shards of
+# Q_SHARD queries and K_SHARD keys, or ZIGZAG_SHARD of each where a case
+# names a layout (zigzag cuts each shard into two chunks); "segment_ids",
+# "mask_mod" and "score_mod" stand for SEGMENTS, MASK_MOD and SCORE_MOD
 BATCH, HEADS, Q_SHARD, K_SHARD, D = 2, 2, 3, 4, 8
+ZIGZAG_SHARD = (4, 6)
 RING_CASES = {
     "plain": ({}, False),
     "lens": ({}, False),
@@ -26,7 +30,66 @@ RING_CASES = {
     "window": ({"window": (3, 1)}, False),
     # a budget of one query's scores: the steps go a query at a time
     "chunks": ({"causal": True, "memory_budget": 16 * BATCH * HEADS * K_SHARD * 8}, True),
+    "zigzag_causal": ({"causal": True, "layout": "zigzag"}, False),
+    "zigzag_lens2d_window": ({"window": (5, 0), "layout": "zigzag"}, True),
+    "zigzag_chunks": (
+        {"causal": True, "layout": "zigzag", "memory_budget": 16 * BATCH * HEADS * 6 * 8},
+        False,
+    ),
+    "packed": ({"causal": True, "segment_ids": True, "layout": "contiguous"}, False),
+    "zigzag_packed": ({"causal": True, "segment_ids": True, "layout": "zigzag"}, False),
+    "zigzag_mods": ({"mask_mod": True, "score_mod": True, "layout": "zigzag"}, False),
 }
+
+# JAX compiles each case (a few seconds, three times that for a zigzag one):
+# the layouts and forms at 2 devices, the first cases and zigzag at 4
+JAX_RING_CASES = {
+    2: [
+        n for n in RING_CASES if n not in ("zigzag_chunks", "zigzag_lens2d_window", "zigzag_packed")
+    ],
+    4: [n for n in RING_CASES if not n.startswith(("zigzag", "packed")) or n == "zigzag_causal"],
+}
+
+
+def MASK_MOD(b, h, q_idx, kv_idx):  # noqa: N802 (a keyword's stand-in)
+    """Every third key of each query hidden, and none past it by more than 5."""
+    return ((q_idx + kv_idx) % 3 != 0) & (kv_idx <= q_idx + 5)
+
+
+def SCORE_MOD(score, b, h, q_idx, kv_idx):  # noqa: N802
+    """Integer terms: exact in every float dtype."""
+    return score + (q_idx % 2) - (kv_idx % 3) + h
+
+
+def ring_shards(name):
+    """(queries, keys) per participant of a case."""
+    return ZIGZAG_SHARD if "layout" in RING_CASES[name][0] else (Q_SHARD, K_SHARD)
+
+
+def ring_kwargs(name, size, backend=None):
+    """The keyword arguments of a case, stand-ins replaced."""
+    kwargs = dict(RING_CASES[name][0])
+    if kwargs.get("segment_ids"):
+        kwargs["segment_ids"] = segments(name, size)
+    if kwargs.get("mask_mod"):
+        kwargs["mask_mod"] = MASK_MOD
+    if kwargs.get("score_mod"):
+        kwargs["score_mod"] = SCORE_MOD
+    return kwargs
+
+
+def segments(name, size):
+    """(batch, P K) document ids: documents of 1 to 2 K positions, the tail padding."""
+    rng = np.random.default_rng(sorted(RING_CASES).index(name) + 100 * size)
+    num_k = size * ring_shards(name)[1]
+    ids = np.full((BATCH, num_k), -1, np.int64)
+    for b in range(BATCH):
+        at, doc = 0, 0
+        while at < num_k - 2:
+            n = int(rng.integers(1, 2 * ring_shards(name)[1] + 1))
+            ids[b, at : at + n] = doc
+            at, doc = at + n, doc + 1
+    return ids
 
 
 def ring_inputs(name, size):
@@ -34,24 +97,19 @@ def ring_inputs(name, size):
     (b, h, P K, d), the output's cotangent, and valid_lens (None, (b,) or
     (b, P Q))."""
     rng = np.random.default_rng(sorted(RING_CASES).index(name) + 10 * size)
-    num_q, num_k = size * Q_SHARD, size * K_SHARD
+    q_shard, k_shard = ring_shards(name)
+    num_q, num_k = size * q_shard, size * k_shard
     q = rng.standard_normal((BATCH, HEADS, num_q, D))
     k = rng.standard_normal((BATCH, HEADS, num_k, D))
     v = rng.standard_normal((BATCH, HEADS, num_k, D))
     g = rng.standard_normal((BATCH, HEADS, num_q, D))
     lens = None
     if name in ("lens", "causal_lens"):
-        lens = np.array([num_k - K_SHARD - 1, 2])  # whole blocks unseen too
+        lens = np.array([num_k - k_shard - 1, 2])  # whole blocks unseen too
     elif RING_CASES[name][1]:
         lens = rng.integers(0, num_k + 1, (BATCH, num_q))
         lens[0, 0] = 0  # a query that sees nothing
     return q, k, v, g, lens
-
-
-def local_lens(lens, rank):
-    if lens is None or lens.ndim == 1:
-        return lens
-    return lens[:, rank * Q_SHARD : (rank + 1) * Q_SHARD]
 
 
 MHA = dict(key_size=6, query_size=6, value_size=6, num_hiddens=8, num_heads=2)
@@ -117,19 +175,30 @@ def torch_worker(rank, size, port, out_dir, jobs):
         for job in jobs:
             result = {}
             if job == "ring":
-                for name, (kwargs, _) in RING_CASES.items():
+                for name in RING_CASES:
+                    kwargs = ring_kwargs(name, size)
+                    layout = kwargs.get("layout", "contiguous")
                     q, k, v, g, lens = ring_inputs(name, size)
                     qs, ks, vs, gs = (
-                        torch.tensor(x[:, :, rank * n : (rank + 1) * n], requires_grad=True)
-                        for x, n in ((q, Q_SHARD), (k, K_SHARD), (v, K_SHARD), (g, Q_SHARD))
+                        am.ring_shard(torch.tensor(x), rank, size, layout=layout).requires_grad_()
+                        for x in (q, k, v, g)
                     )
-                    lens_r = local_lens(lens, rank)
+                    if lens is not None and lens.ndim == 2:
+                        lens = am.ring_shard(lens, rank, size, layout=layout, axis=-1)
+                    log = []
                     res = am.ring_attention(
-                        qs, ks, vs, None if lens_r is None else torch.tensor(lens_r), **kwargs
+                        qs,
+                        ks,
+                        vs,
+                        None if lens is None else torch.tensor(lens),
+                        step_log=log,
+                        **kwargs,
                     )
                     (res * gs).sum().backward()
                     for key, x in (("out", res), ("dq", qs.grad), ("dk", ks.grad), ("dv", vs.grad)):
                         result[f"{name}.{key}"] = x.detach().numpy()
+                    result[f"{name}.scores"] = np.array([s["scores"] for s in log])
+                    result[f"{name}.calls"] = np.array([s["calls"] for s in log])
             elif job in ("ddp", "fsdp"):
                 x, y, lens = train_data()
                 part = slice(rank * TRAIN_BATCH // size, (rank + 1) * TRAIN_BATCH // size)
@@ -182,29 +251,46 @@ def jax_worker(devices, out_dir, jobs):
         result = {}
         if job == "ring":
             mesh = Mesh(np.array(jax.devices()), ("seq",))
-            for name, (kwargs, _) in RING_CASES.items():
+            for name in JAX_RING_CASES[devices]:
+                kwargs = ring_kwargs(name, devices)
+                layout = kwargs.get("layout", "contiguous")
                 q, k, v, g, lens = ring_inputs(name, devices)
-                lens_spec = () if lens is None else (P() if lens.ndim == 1 else P(None, "seq"),)
+                ids = kwargs.pop("segment_ids", None)
+                if lens is not None and lens.ndim == 2:
+                    lens = am.ring_order(lens, devices, layout=layout, axis=-1)
+                extra = tuple(jnp.asarray(x) for x in (lens, ids) if x is not None)
+                extra_specs = tuple(
+                    P(None, "seq") if x.ndim == 2 and x is lens else P()
+                    for x in (lens, ids)
+                    if x is not None
+                )
 
-                def attention(q, k, v, *lens, kwargs=kwargs):
-                    return am.ring_attention(q, k, v, *lens, axis_name="seq", **kwargs)
+                def attention(q, k, v, *extra, kwargs=kwargs, lens=lens, ids=ids):
+                    extra = list(extra)
+                    lens_ = extra.pop(0) if lens is not None else None
+                    forms = dict(kwargs, segment_ids=extra.pop(0)) if ids is not None else kwargs
+                    return am.ring_attention(q, k, v, lens_, axis_name="seq", **forms)
 
                 spec = P(None, None, "seq")
                 ring = shard_map(
-                    attention, mesh=mesh, in_specs=(spec, spec, spec) + lens_spec, out_specs=spec
+                    attention,
+                    mesh=mesh,
+                    in_specs=(spec, spec, spec) + extra_specs,
+                    out_specs=spec,
                 )
-                extra = () if lens is None else (jnp.asarray(lens),)
+                ordered = [am.ring_order(x, devices, layout=layout) for x in (q, k, v, g)]
 
-                def loss(q, k, v, ring=ring, extra=extra, g=g):
+                def loss(q, k, v, ring=ring, extra=extra, g=ordered[3]):
                     out = ring(q, k, v, *extra)
                     return (out * g).sum(), out
 
                 (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(
-                    q, k, v
+                    *ordered[:3]
                 )
-                result[f"{name}.out"] = np.asarray(out)
-                for key, x in zip(("dq", "dk", "dv"), grads):
-                    result[f"{name}.{key}"] = np.asarray(x)
+                for key, x in zip(("out", "dq", "dk", "dv"), (out, *grads)):
+                    result[f"{name}.{key}"] = am.ring_gather(
+                        np.asarray(x), layout=layout, world=devices
+                    )
         elif job == "mesh":
             # batch over "data", heads (the projections' output features) over "model"
             mesh = Mesh(np.array(jax.devices()).reshape(2, devices // 2), ("data", "model"))

@@ -111,7 +111,8 @@ def ring_expected(name, size):
     import attention_multi as am
 
     q, k, v, g, lens = D.ring_inputs(name, size)
-    kwargs = {k: v for k, v in D.RING_CASES[name][0].items() if k != "memory_budget"}
+    kwargs = D.ring_kwargs(name, size)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("memory_budget", "layout")}
     q, k, v = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     out = am.dot_product_attention(q, k, v, None if lens is None else torch.tensor(lens), **kwargs)
     (out * torch.tensor(g)).sum().backward()
@@ -122,50 +123,93 @@ def ring_expected(name, size):
 
 
 def ring_oracle(name, size):
-    """The float64 oracle's output on the whole sequence, its mask spelled out
-    from the rules of README's masking contract."""
-    from attention_multi.reference import softmax_where
+    """The float64 oracle's output and gradients on the whole sequence."""
+    from attention_multi import reference
 
-    q, k, v, _, lens = D.ring_inputs(name, size)
-    kwargs = D.RING_CASES[name][0]
-    num_q, num_k = q.shape[2], k.shape[2]
-    p = np.arange(num_q)[:, None] + (num_k - num_q)
-    j = np.arange(num_k)[None, :]
-    visible = np.ones((q.shape[0], 1, num_q, num_k), bool)
-    if lens is not None:
-        visible &= j < (lens[:, None, None, None] if lens.ndim == 1 else lens[:, None, :, None])
-    if kwargs.get("causal"):
-        visible &= j <= p
-    if "window" in kwargs:
-        left, right = kwargs["window"]
-        visible &= (j >= p - left) & (j <= p + right)
-    weights = softmax_where(np.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1]), visible)
-    return np.einsum("bhqk,bhkd->bhqd", weights, v)
+    q, k, v, g, lens = D.ring_inputs(name, size)
+    kwargs = D.ring_kwargs(name, size)
+    forms = {k: v for k, v in kwargs.items() if k not in ("memory_budget", "layout")}
+    out, _ = reference.attention(q, k, v, lens, **forms)
+    if "score_mod" in forms:  # (its derivative: 1, the terms added are constants)
+        forms["score_mod_derivative"] = lambda s, *_: np.ones_like(s)
+    dq, dk, dv, _ = reference.attention_gradients(q, k, v, g, lens, **forms)
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
 
 
 def _gather(parts, key, name):
-    """Concatenate the shards of all ranks along the sequence axis."""
-    return np.concatenate([p[f"{name}.{key}"] for p in parts], axis=2)
+    """The whole sequence from the parts of all ranks, in the case's layout."""
+    import attention_multi as am
+
+    layout = D.RING_CASES[name][0].get("layout", "contiguous")
+    return am.ring_gather([p[f"{name}.{key}"] for p in parts], layout=layout)
 
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("name", sorted(D.RING_CASES))
 def test_torch_ring_attention_equals_one_process(torch_runs, name, size):
     parts = torch_runs[size]["ring"]
-    expected = ring_expected(name, size)
-    assert_close(_gather(parts, "out", name), ring_oracle(name, size), **TOL)
+    expected, oracle = ring_expected(name, size), ring_oracle(name, size)
     for key in ("out", "dq", "dk", "dv"):
+        assert_close(_gather(parts, key, name), oracle[key], **TOL)
         assert_close(_gather(parts, key, name), expected[key], **TOL)
 
 
-@pytest.mark.parametrize("size", [2, 4])
-@pytest.mark.parametrize("name", sorted(D.RING_CASES))
+@pytest.mark.parametrize(
+    "name, size", [(n, size) for size, names in D.JAX_RING_CASES.items() for n in names]
+)
 def test_jax_ring_attention_equals_one_device(jax_runs, name, size):
     got = jax_runs[size]["ring"]
-    expected = ring_expected(name, size)
-    assert_close(got[f"{name}.out"], ring_oracle(name, size), **TOL)
+    expected, oracle = ring_expected(name, size), ring_oracle(name, size)
     for key in ("out", "dq", "dk", "dv"):
+        assert_close(got[f"{name}.{key}"], oracle[key], **TOL)
         assert_close(got[f"{name}.{key}"], expected[key], **TOL)
+
+
+def ring_step_scores(name, size, rank):
+    """Per step, for participant ``rank``: the scores its queries may see
+    among the keys it holds (the oracle's mask), and those of the pairs of a
+    chunk of its queries and a chunk of keys where one query sees one key."""
+    import attention_multi as am
+    from attention_multi import reference
+
+    layout = D.RING_CASES[name][0].get("layout", "contiguous")
+    q_shard, k_shard = D.ring_shards(name)
+    n = 2 if layout == "zigzag" else 1
+    seen = reference.allowed_keys(1, 1, size * q_shard, size * k_shard, causal=True)[0, 0]
+    index = np.arange(size * 2 * n).reshape(1, -1)  # (the chunks' numbers, in parts)
+    mine = am.ring_shard(index, rank, size, layout=layout, axis=-1)[0][::2] // 2
+    cq, ck = q_shard // n, k_shard // n
+    visible, chunks = [], []
+    for step in range(size):
+        theirs = am.ring_shard(index, (rank - step) % size, size, layout=layout, axis=-1)
+        pairs = [
+            seen[a * cq : (a + 1) * cq, b * ck : (b + 1) * ck].sum()
+            for a in mine
+            for b in theirs[0][::2] // 2
+        ]
+        visible.append(D.BATCH * D.HEADS * sum(pairs))
+        chunks.append(D.BATCH * D.HEADS * cq * ck * sum(1 for p in pairs if p))
+    return np.array(visible), np.array(chunks)
+
+
+@pytest.mark.parametrize("name", ["causal", "zigzag_causal"])
+def test_torch_ring_skips_unseen_chunks_and_balances_zigzag(torch_runs, name):
+    """Causal over 4 participants: each computes at least the scores its
+    queries may see and at most the chunks where one of them sees a key; a
+    step with none makes no kernel call. Contiguous, the last participant
+    computes twice the first; zigzag, none more than 1.1 times the mean."""
+    parts = torch_runs[4]["ring"]
+    totals = []
+    for rank, part in enumerate(parts):
+        visible, chunks = ring_step_scores(name, 4, rank)
+        scores = part[f"{name}.scores"]
+        assert (visible <= scores).all() and (scores <= chunks).all(), (scores, visible, chunks)
+        assert ((part[f"{name}.calls"] == 0) == (visible == 0)).all()
+        totals.append(scores.sum())
+    if name == "zigzag_causal":
+        assert max(totals) <= 1.1 * np.mean(totals), totals
+    else:
+        assert totals[-1] >= 2 * totals[0], totals
 
 
 def one_process_training():

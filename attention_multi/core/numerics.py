@@ -161,8 +161,14 @@ def empty_rows(
     """Zeros of ``shape`` for rows that see no key, computed by no kernel but
     kept in the autodiff graph of ``inputs``: their gradients are exact zeros
     (a select of one element of each, never taken, so NaN there stays out)."""
-    out = xp.zeros(shape, dtype, device)
-    never = xp.zeros((1,), "bool", device)
+    return kept(xp, xp.zeros(shape, dtype, device), *inputs)
+
+
+def kept(xp: Backend, out: Array, *inputs: Array) -> Array:
+    """``out`` unchanged, kept in the autodiff graph of ``inputs``: their
+    gradients through it are exact zeros (a select of one element of each,
+    never taken, so NaN there stays out)."""
+    dtype, never = xp.dtype_name(out), xp.zeros((1,), "bool", xp.device_of(out))
     for x in inputs:
         out = out + xp.astype(xp.sum(xp.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
     return out

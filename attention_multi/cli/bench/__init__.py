@@ -49,7 +49,15 @@ from .environment import blas_note, machine
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
 from .packed import PACKED, packed_table, run_flex, run_packed
-from .ring import RING, RING_BUDGET, ring_table, run_ring
+from .ring import (
+    BALANCE,
+    RING,
+    RING_BUDGET,
+    balance_table,
+    ring_table,
+    run_balance,
+    run_ring,
+)
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
 from .timing import rss_now_mib
@@ -114,6 +122,14 @@ def add_arguments(parser):
         default="1,2,4",
         help="comma-separated process counts of the ring case "
         "(default 1,2,4; T must be a multiple of 16 times each)",
+    )
+    parser.add_argument(
+        "--ring-balance-length",
+        type=nonnegative_int,
+        default=None,
+        help=f"T of the ring's balance case: causal, contiguous against zigzag, over "
+        f"{BALANCE['processes']} processes (default {BALANCE['length']}; --quick 4096; "
+        "0 skips it)",
     )
     parser.add_argument(
         "--packed-batch",
@@ -188,6 +204,18 @@ def main(args):
             f"  ring attention T={ring_length}, processes {sizes} ...", file=sys.stderr, flush=True
         )
         ring_results = run_ring(ring_length, sizes, threads)
+    balance_length = (
+        args.ring_balance_length
+        if args.ring_balance_length is not None
+        else (4096 if args.quick else BALANCE["length"])
+    )
+    balance_results = []
+    if balance_length and "torch" in wanted and "torch" in available:
+        size = BALANCE["processes"]
+        print(
+            f"  ring balance T={balance_length}, {size} processes ...", file=sys.stderr, flush=True
+        )
+        balance_results = run_balance(balance_length, size, threads)
     memory_results = []
     if not (args.no_memory or args.quick):
         cases = [c for c in MEMORY if c.split("-")[0] in wanted and c.split("-")[0] in available]
@@ -274,6 +302,16 @@ def main(args):
             f"(ru_maxrss) of the largest.\n"
         )
         print(ring_table(ring_results))
+    if balance_results:
+        print(
+            f"\nRing balance: causal, B={BALANCE['batch']}, {BALANCE['heads']} heads, head "
+            f"size {BALANCE['head_size']}, T={balance_length}, float32, forward, over "
+            f"{BALANCE['processes']} torch processes (gloo) with {threads}/P threads each; "
+            f"per participant the scores it computed (its chunks of keys that a local "
+            f"query sees), its kernel calls, the compute time of each step, the time it "
+            f"waited on the exchanges, and its time.\n"
+        )
+        print(balance_table(balance_results))
     packed_batch = (
         args.packed_batch
         if args.packed_batch is not None
@@ -357,6 +395,7 @@ def main(args):
                     "long": long_results,
                     "memory": memory_results,
                     "ring": ring_results,
+                    "ring_balance": balance_results,
                     "packed": packed_rows,
                     "flex": flex_rows,
                     "busy": busy_results,

@@ -179,3 +179,110 @@ def ring_table(results):
             f"{'-' if diff is None else f'{diff:.1e}'} |"
         )
     return "\n".join(lines)
+
+
+BALANCE = dict(batch=1, heads=8, head_size=64, length=16384, processes=4)
+
+
+def balance_child(spec):
+    """One process of the balance case: causal ring attention, forward, in
+    ``spec["layout"]``; prints a JSON line with its step log."""
+    import torch
+    import torch.distributed as dist
+
+    import attention_multi as am
+
+    rank, size, T = spec["rank"], spec["size"], spec["length"]
+    torch.set_num_threads(spec["threads"])
+    shape = (BALANCE["batch"], BALANCE["heads"], T // size, BALANCE["head_size"])
+    q, k, v = (
+        torch.from_numpy(np.random.default_rng((rank, i)).standard_normal(shape, np.float32))
+        for i in range(3)
+    )  # (the values do not change the work: each process draws its own part)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    dist.barrier()
+    log = []
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        am.ring_attention(
+            q, k, v, causal=True, layout=spec["layout"], memory_budget=RING_BUDGET, step_log=log
+        )
+    seconds = time.perf_counter() - t0
+    dist.barrier()
+    wall = time.perf_counter() - t0
+    print(json.dumps({"rank": rank, "seconds": seconds, "wall": wall, "steps": log}))
+    sys.stdout.flush()
+    dist.destroy_process_group()
+    os._exit(0)  # (torch 2.13 CPU workers that ran SDPA may abort at teardown)
+
+
+_BALANCE_CHILD = (
+    "import json, sys\n"
+    "from attention_multi.cli.bench.ring import balance_child\n"
+    "balance_child(json.loads(sys.argv[1]))"
+)
+
+
+def run_balance(length, size, threads):
+    """Per layout (contiguous, zigzag): each participant's step log and time."""
+    import socket
+
+    env = child_env()
+    results = []
+    for layout in ("contiguous", "zigzag"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        spec = {"size": size, "length": length, "port": port, "layout": layout}
+        spec["threads"] = max(1, threads // size)
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _BALANCE_CHILD, json.dumps(dict(spec, rank=r))],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(size)
+        ]
+        outputs = [p.communicate() for p in procs]
+        lines = [[ln for ln in out.splitlines() if ln.startswith("{")] for out, _ in outputs]
+        if any(p.returncode for p in procs) or not all(lines):
+            err = next((e for (_, e), p in zip(outputs, procs) if p.returncode), "?")
+            results.append({"layout": layout, "error": (err.strip().splitlines() or ["?"])[-1]})
+            continue
+        ranks = sorted((json.loads(ln[-1]) for ln in lines), key=lambda r: r["rank"])
+        results.append({"layout": layout, "length": length, "size": size, "ranks": ranks})
+    return results
+
+
+def balance_table(results):
+    lines = [
+        "| Layout | Participant | Scores computed (M) | x mean | Calls | "
+        "Compute per step (s) | Exchange waits (s) | Time (s) |",
+        "|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    walls = {}
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['layout']} | failed: {r['error']} | | | | | | |")
+            continue
+        scores = [sum(s["scores"] for s in p["steps"]) for p in r["ranks"]]
+        mean = sum(scores) / len(scores)
+        walls[r["layout"]] = max(p["wall"] for p in r["ranks"])
+        for p, n in zip(r["ranks"], scores):
+            steps = ", ".join(f"{s['compute_s']:.2f}" for s in p["steps"])
+            waits = sum(s["exchange_s"] for s in p["steps"])
+            calls = sum(s["calls"] for s in p["steps"])
+            lines.append(
+                f"| {r['layout']} | {p['rank']} | {n / 1e6:.0f} | {n / mean:.2f} | {calls} | "
+                f"{steps} | {waits:.2f} | {p['seconds']:.2f} |"
+            )
+    if len(walls) == 2:
+        lines.append(
+            f"\nWall time of the ring (slowest participant): contiguous "
+            f"{walls['contiguous']:.2f} s, zigzag {walls['zigzag']:.2f} s "
+            f"(zigzag / contiguous = {walls['zigzag'] / walls['contiguous']:.2f})."
+        )
+    return "\n".join(lines)

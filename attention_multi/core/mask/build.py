@@ -43,7 +43,8 @@ class Where(NamedTuple):
     """What a family needs to build its form: ``offset`` the position of query
     0 among the keys (int or traced), ``offset_known`` its host value (None:
     traced), ``offset_given`` the caller set it (a KV cache); ``dtype`` the
-    queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K))."""
+    queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
+    ``query_base``: the index of query 0 that ``q_idx`` counts from (int or traced)."""
 
     xp: Backend
     batch: int
@@ -56,6 +57,7 @@ class Where(NamedTuple):
     dtype: str | None
     heads_axis: bool
     device: Any
+    query_base: Any
 
 
 def _intervals(
@@ -99,11 +101,11 @@ def _arrays(where: Where, mask: Any = None, bias: Any = None) -> Form | None:
 
 
 def _bases(where: Where, name: str, fn: Any) -> tuple[Any, Any, Any]:
-    """``fn`` checked a function, and where its indices start: ``q_idx`` at the
-    given offset (the KV cache's length), else at 0."""
+    """``fn`` checked a function, and where its indices start (``q_idx`` at
+    ``query_base``)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    return (0, where.offset if where.offset_given else 0, 0)
+    return (0, where.query_base, 0)
 
 
 def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
@@ -187,16 +189,21 @@ def make_mask(
     dtype: str | None = None,
     heads_axis: bool = True,
     device: Any = None,
+    query_base: Any = None,
     **keywords: Any,
 ) -> Mask:
     """Check what the caller gave and normalize it into one ``Mask``:
     ``valid_lens`` (batch,) or (batch, Q) and the ``MaskForms`` (``mask``,
     ``bias`` broadcast to (batch, heads, Q, K) when ``heads_axis``, else to
     (batch, Q, K) or a 4-D one); ``offset`` query 0's key position (default
-    K - Q); ``dtype`` the queries' (a bias takes its compute dtype). Lists and
-    NumPy arrays are placed on ``device``."""
-    offsets = _offset(xp, offset, num_queries, num_keys)
-    where = Where(xp, batch, heads, num_queries, num_keys, *offsets, dtype, heads_axis, device)
+    K - Q); ``query_base`` the index of query 0 that ``q_idx`` counts from
+    (default: the given offset, the KV cache's length, else 0); ``dtype`` the
+    queries' (a bias takes its compute dtype). Lists and NumPy arrays are
+    placed on ``device``."""
+    offset, known, given = _offset(xp, offset, num_queries, num_keys)
+    base = (offset if given else 0) if query_base is None else query_base
+    shape = (batch, heads, num_queries, num_keys)
+    where = Where(xp, *shape, offset, known, given, dtype, heads_axis, device, base)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():
         spec = KEYWORDS.get(name)

@@ -77,6 +77,7 @@ class MaskMod(Form):
     the ``bases`` of its grid; ``xp`` evaluates it for block states."""
 
     kind = "mask_mod"
+    cuts_traced = True
 
     def __init__(self, mask_mod: Callable[..., Array], bases: Bases, xp: Backend | None) -> None:
         self.mask_mod, self.bases, self.xp = mask_mod, bases, xp
@@ -144,6 +145,7 @@ class ScoreMod(Form):
 
     kind = "score_mod"
     restricts = False
+    cuts_traced = True
 
     def __init__(self, score_mod: Callable[..., Array], bases: Bases) -> None:
         self.score_mod, self.bases = score_mod, bases

@@ -40,6 +40,7 @@ class Intervals(Form):
     window: Sides = None
     kind: ClassVar[str] = "intervals"
     gathers: ClassVar[bool] = True
+    cuts_traced: ClassVar[bool] = True
 
     @property
     def only_lens(self) -> bool:

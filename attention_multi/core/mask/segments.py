@@ -24,19 +24,30 @@ _BIG = np.iinfo(np.int32).max
 
 class Segments(Form):
     """``query_ids`` (batch|1, Q) and ``key_ids`` (batch|1, K) int32, with
-    their int64 host copies ``known`` (None while traced)."""
+    their int64 host copies ``known`` (None while traced). ``key_start``: a
+    traced position where the form's keys start among ``key_ids`` (a block
+    of keys cut at a traced position, ``Mask.keys_from``), else None."""
 
     kind = "segment_ids"
-    narrows = gathers = True
+    narrows = gathers = cuts_traced = True
 
-    def __init__(self, query_ids: Array, key_ids: Array, known: Any) -> None:
+    def __init__(self, query_ids: Array, key_ids: Array, known: Any, key_start: Any = None) -> None:
         self.query_ids, self.key_ids, self.known_ids = query_ids, key_ids, known
+        self.key_start = key_start
 
     def known(self) -> bool:
         return self.known_ids is not None
 
+    def ids(self, xp: Backend, mask: Mask) -> tuple[Array, Array]:
+        """The query and key ids of the mask's grid (the key ids taken from
+        ``key_start`` when it is set)."""
+        if self.key_start is None:
+            return self.query_ids, self.key_ids
+        at = xp.arange(mask.num_keys, xp.device_of(self.key_ids)) + self.key_start
+        return self.query_ids, xp.take(self.key_ids, at, 1)
+
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
-        qs, ks = self.query_ids, self.key_ids
+        qs, ks = self.ids(xp, mask)
         nq, nk = qs.shape[1], ks.shape[1]
         qs4 = qs.reshape((qs.shape[0], 1, nq, 1))
         return xp.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
@@ -67,7 +78,7 @@ class Segments(Form):
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         """Whether a query of the region may share a segment with a key of it
         (min/max of the ids, so work O(block size))."""
-        q, k = self._rows((self.query_ids, self.key_ids), r)
+        q, k = self._rows(self.ids(xp, mask), r)
 
         def lo(x: Array) -> Array:
             return -xp.max(xp.where(x >= 0, -x, -_BIG), 1)
@@ -95,18 +106,24 @@ class Segments(Form):
         return start + int(hit[0]), start + int(hit[-1]) + 1
 
     def region(self, mask: Mask, r: Region) -> Form:
-        if not isinstance(r.k0, (int, np.integer)):
-            raise ValueError("segment_ids cannot be cut at a traced key position")
+        if self.key_start is not None or not isinstance(r.k0, (int, np.integer)):
+            # (a traced start: the keys are taken when the block's grid is known)
+            start = r.k0 if self.key_start is None else self.key_start + r.k0
+            qs, ks = self._rows((self.query_ids, self.key_ids), r._replace(k0=0, k1=None))
+            return Segments(qs, ks, None, start)
         ids = self._rows((self.query_ids, self.key_ids), r)
         known = None if self.known_ids is None else self._rows(self.known_ids, r)
         return Segments(ids[0], ids[1], known)
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
         known = self.known_ids and tuple(_taken(xp, x, rows) for x in self.known_ids)
-        return Segments(_taken(xp, self.query_ids, rows), _taken(xp, self.key_ids, rows), known)
+        taken = (_taken(xp, self.query_ids, rows), _taken(xp, self.key_ids, rows))
+        return Segments(*taken, known, self.key_start)
 
     def snapshot(self, xp: Backend) -> Form:
-        return Segments(xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids)
+        return Segments(
+            xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids, self.key_start
+        )
 
 
 def _host_ranges(ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

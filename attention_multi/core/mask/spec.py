@@ -37,6 +37,7 @@ class Form:
 
     kind: ClassVar[str] = ""
     restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
+    cuts_traced: ClassVar[bool] = False  # its region may start at a traced key position
     narrows: ClassVar[bool] = False  # its key_span narrows the keys of a row on the host
     gathers: ClassVar[bool] = False  # it takes batch elements in any order (``rows``)
 
@@ -265,6 +266,10 @@ class Mask:
         return s
 
     # -- blocks -----------------------------------------------------------------------
+    def whole(self) -> Region:
+        """The region of every batch element, query and key."""
+        return Region(0, self.batch, 0, self.num_queries, 0, self.num_keys)
+
     def block_state(self, r: Region) -> int:
         """The state of a region on the host, every form together (traced: PARTIAL)."""
         if not self.known_on_host():
@@ -292,15 +297,25 @@ class Mask:
 
     def keys_from(self, k0: Any, size: int) -> Mask:
         """The Mask of the keys ``[k0, k0 + size)``, ``k0`` an int or traced (ring
-        attention, scans); only for interval masks (lengths, causal, window)."""
-        if self.dense:
+        attention, scans); only for forms that cut there (``Form.cuts_traced``)."""
+        if not all(f.cuts_traced for f in self.forms):
             raise ValueError(
-                "a block of keys at a traced position takes only valid_lens, "
-                "causal and window, not mask=, bias=, mask_mod=, score_mod= or segment_ids="
+                "a block of keys at a traced position takes valid_lens, causal, window, "
+                "mask_mod, score_mod and segment_ids, not mask= or bias="
             )
         r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
         forms = tuple(f.region(self, r) for f in self.forms)
         return self._with(forms, self.batch, self.num_queries, size)
+
+    def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
+        """Device bool (0-d): whether some query of the region ``r`` may see
+        some key of it, by every form that can tell (None: none can)."""
+        seen = None
+        for form in self.forms:
+            s = form.seen(xp, self, r, device)
+            if s is not None:
+                seen = s if seen is None else xp.logical_and(seen, s)
+        return seen
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
         """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, every form's."""

@@ -97,16 +97,6 @@ def _spans(
     return spans
 
 
-def _seen(xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
-    """Device bool: whether some query of the region may see some key of it."""
-    seen = None
-    for form in mask.forms:
-        s = form.seen(xp, mask, r, device)
-        if s is not None:
-            seen = s if seen is None else xp.logical_and(seen, s)
-    return seen
-
-
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced)."""
@@ -192,7 +182,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
-                seen = _seen(xp, mask, r, device) if traced and xp.runtime_cond else None
+                seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
                 cut = (slice(b0, b1), slice(None), slice(k0, k1))
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)

@@ -1,32 +1,48 @@
 """Ring (sequence-parallel) attention, written once against the protocol.
 
 Queries, keys and values are split along the sequence over ``size``
-participants (processes or devices), each holding equal consecutive shards:
-participant ``r`` holds queries ``[r Q, (r+1) Q)`` and keys and values
-``[r K, (r+1) K)`` of the whole sequence. In ``size`` steps each one attends
-its queries to the block of keys and values it holds, merges the result into
-its running online-softmax state (``online.py``) and passes the block to its
-neighbour (``r`` to ``r + 1``), receiving the block of ``r - 1``. After the
-last step it has attended every block (also those none of its queries sees:
-under autodiff every exchange must be in every participant's graph, so that
-the backward exchanges pair up; keys and values travel as one message).
-Memory per participant: its shards, one block in flight, the (Q, dv) state,
+participants (processes or devices), each holding equal parts. A **layout**
+says which: ``contiguous``, participant ``r`` holds the ``r``-th of ``size``
+consecutive chunks; ``zigzag``, the sequence is cut into ``2 size`` chunks
+and participant ``r`` holds chunks ``r`` and ``2 size - 1 - r`` (under a
+causal mask every participant then sees as many keys as any other).
+
+In ``size`` steps each participant attends its queries to the block of keys
+and values it holds, merges the result into its running online-softmax state
+(``online.py``) and passes the block to its neighbour (``r`` to ``r + 1``),
+receiving the block of ``r - 1``. Per step and per block of local queries,
+each chunk of the block of keys is asked its state from the positions of the
+whole sequence (``Mask.block_state``): an empty one costs no kernel call, a
+full one is computed without a mask, a partial one (a diagonal) is classified
+again in pieces of as many keys as the block has queries, and neighbours in
+one state are computed in one call. Every exchange still happens on every participant, and
+the last block received is kept in the output's autodiff graph
+(``numerics.kept``): the backward exchanges then pair up whatever was skipped.
+While the rank is traced (JAX under ``shard_map``) the states are decided on
+the device, each chunk skipped at run time (``Backend.cond``).
+
+Messages (keys and values together) travel in the compute dtype: for half
+precision float32, so that the gradients of keys and values, summed round
+the ring in the backward pass, are rounded once, not once per participant.
+Memory per participant: its parts, one block in flight, the (Q, dv) state,
 and the scores of a block of queries within the memory budget: O(T/P d).
 
 The communication is the backend's ``ring_exchange(group)`` capability:
 ``(rank, size, shift)``, ``shift(x)`` sending ``x`` to the next participant
 and returning what the previous one sent (torch.distributed point-to-point,
-``jax.lax.ppermute`` inside ``shard_map``); ``rank`` may be traced (JAX), so
-the mask of each block is computed from a possibly traced key position.
+``jax.lax.ppermute`` inside ``shard_map``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from ..mask.rules import guard_unused
-from ..mask.spec import Region
-from ..numerics import compute_dtype, in_dtype, scaled
+from ..mask.spec import EMPTY, FULL, PARTIAL, Mask, Region
+from ..numerics import compute_dtype, empty_rows, in_dtype, kept, scaled
 from . import online
 from .call import expand_kv
 from .chunked import queries_per_block
@@ -35,7 +51,24 @@ if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
-    from ..mask import Mask
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def chunks_per_participant(layout: str) -> int:
+    """How many chunks of the sequence a participant holds in ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return 1 if layout == "contiguous" else 2
+
+
+def held_chunks(layout: str, rank: Any, size: int) -> list[Any]:
+    """The indices of the chunks that participant ``rank`` (an int, or
+    traced) holds, in its order, the sequence cut into
+    ``chunks_per_participant(layout) * size`` equal chunks."""
+    if chunks_per_participant(layout) == 1:
+        return [rank]
+    return [rank, 2 * size - 1 - rank]
 
 
 def ring(
@@ -43,45 +76,130 @@ def ring(
     q: Array,
     k: Array,
     v: Array,
-    mask: Mask,
+    masks: list[Mask],
     scale: float,
     rank: int | Array,
     size: int,
     shift: Callable[[Array], Array],
     memory_budget: int,
+    layout: str = "contiguous",
+    log: list[dict[str, Any]] | None = None,
 ) -> Array:
     """Attention of the local queries ``q`` (batch, heads, Q, d) over the
     keys and values of every participant; ``k``, ``v`` (batch, kv_heads, K,
-    d|dv) are the local blocks. ``mask`` is the local queries' ``Mask`` over
-    all ``size * K`` keys (positions of the whole sequence). The scores of a
-    step are computed a block of queries at a time, within ``memory_budget``
-    bytes as on the chunked path. Returns (batch, heads, Q, dv) in the dtype
-    of ``q``."""
-    work = compute_dtype(xp.dtype_name(q))
+    d|dv) are the local parts, in ``layout``. ``masks``: per chunk of local
+    queries, its ``Mask`` over all ``size * K`` keys (positions of the whole
+    sequence). The scores of a step are computed a block of queries at a
+    time, within ``memory_budget`` bytes as on the chunked path. ``log``: a
+    list that gets, per step, the scores computed, the kernel calls and the
+    seconds of compute and exchange (while the rank is known on the host).
+    Returns (batch, heads, Q, dv) in the dtype of ``q``."""
+    dtype = xp.dtype_name(q)
+    work = compute_dtype(dtype)
+    device = xp.device_of(q)
     batch, heads, num_q = q.shape[:3]
-    block, d = k.shape[2], k.shape[-1]
-    block_q = queries_per_block(xp, q, block, memory_budget)
-    rows = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    qs = [scaled(xp, q[:, :, q0:q1], scale, work) for q0, q1 in rows]
-    kv = xp.concatenate([k, v], -1)  # one message per step
-    states: list[Any] = [None] * len(rows)
-    for step in range(size):
-        owner = (rank - step) % size  # whose block this participant holds now
-        keys_mask = mask.keys_from(owner * block, block)
-        kb, vb = expand_kv(xp, kv[..., :d], kv[..., d:], heads)
-        kb, vb = guard_unused(xp, keys_mask, kb, vb)  # (once per step, as on the chunked path)
-        for i, (q0, q1) in enumerate(rows):
-            sub = (
-                keys_mask
-                if len(rows) == 1
-                else keys_mask.region(Region(0, batch, q0, q1, 0, block))
+    num_k, d, dv = k.shape[2], k.shape[-1], v.shape[-1]
+    parts = len(masks)
+    chunk_q, chunk_k = num_q // parts, num_k // parts
+    block_q = queries_per_block(xp, q, num_k, memory_budget)
+    rows = []  # (first, last local query, the rows' Mask)
+    for c, m in enumerate(masks):
+        for r0 in range(0, chunk_q, block_q):
+            r1 = min(chunk_q, r0 + block_q)
+            sub = m if r1 - r0 == chunk_q else m.region(Region(0, batch, r0, r1, 0, m.num_keys))
+            rows.append((c * chunk_q + r0, c * chunk_q + r1, sub))
+    qs = [scaled(xp, q[:, :, a:b], scale, work) for a, b, _ in rows]
+    host = isinstance(rank, (int, np.integer))
+    kv = in_dtype(xp, xp.concatenate([k, v], -1), work)  # one message per step
+    if host:
+        states: list[Any] = [None] * len(rows)
+    else:
+        # (kept in the graph of the local queries: under shard_map the state
+        # then varies over the mesh axis, as the steps' states do)
+        states = [
+            tuple(
+                kept(xp, x, qs_i) for x in online.start(xp, (batch, heads, b - a), dv, work, device)
             )
-            # (every block is attended, even one no local query sees: under
-            # autodiff each exchange must be part of every participant's graph,
-            # or the backward exchanges would not pair up)
-            states[i] = online.step(xp, states[i], qs[i], kb, vb, sub, work)
+            for (a, b, _), qs_i in zip(rows, qs)
+        ]
+    for step in range(size):
+        began = time.perf_counter()
+        owner = (rank - step) % size  # whose block this participant holds now
+        starts = [i * chunk_k for i in held_chunks(layout, owner, size)]
+        kb, vb = expand_kv(xp, kv[..., :d], kv[..., d:], heads)
+        scores = calls = 0
+        for i, (a, b, sub) in enumerate(rows):
+            if not host:
+                for j, g in enumerate(starts):
+                    block = sub.keys_from(g, chunk_k)
+                    cut = slice(j * chunk_k, (j + 1) * chunk_k)
+                    kc, vc = guard_unused(xp, block, kb[:, :, cut], vb[:, :, cut])
+                    seen = block.seen(xp, block.whole(), device)
+                    states[i] = online.step(xp, states[i], qs[i], kc, vc, block, work, seen=seen)
+                continue
+            for cut, block in _blocks(sub, starts, chunk_k):
+                kc, vc = guard_unused(xp, block, kb[:, :, cut], vb[:, :, cut])
+                states[i] = online.step(xp, states[i], qs[i], kc, vc, block, work)
+                scores += batch * heads * (b - a) * block.num_keys
+                calls += 1
+        computed = time.perf_counter()
         if step + 1 < size:
             kv = shift(kv)
-    outs = [online.finish(xp, state) for state in states]
+        if log is not None and host:
+            log.append(
+                {
+                    "step": step,
+                    "scores": scores,
+                    "calls": calls,
+                    "compute_s": computed - began,
+                    "exchange_s": time.perf_counter() - computed,
+                }
+            )
+    outs = []
+    for (a, b, _), qs_i, state in zip(rows, qs, states):
+        if state is None:  # no query of these rows may see any key
+            outs.append(empty_rows(xp, (batch, heads, b - a, dv), work, device, qs_i, k, v))
+        else:
+            outs.append(online.finish(xp, state))
     out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
-    return in_dtype(xp, out, xp.dtype_name(q))
+    # (the last block received stays in the graph: its exchange's backward
+    # runs on every participant, even where every step was skipped)
+    return in_dtype(xp, kept(xp, out, kv), dtype)
+
+
+def _blocks(sub: Mask, starts: list[int], chunk_k: int) -> list[tuple[slice, Mask]]:
+    """The (cut of the local keys, Mask) of each kernel call of rows whose
+    Mask is ``sub`` over the chunks of keys at ``starts`` (global positions,
+    known on the host). A chunk that some rows see and others do not (a
+    diagonal) is classified again in pieces as long as the rows are many:
+    empty pieces and chunks are skipped, neighbours in one state computed in
+    one call (full ones without a mask, anywhere in the block)."""
+    piece = sub.num_queries
+    spans: list[list[int]] = []  # [first, last local key, first global key, state]
+    for j, g in enumerate(starts):
+        state = sub.block_state(Region(0, sub.batch, 0, sub.num_queries, g, g + chunk_k))
+        step = piece if state == PARTIAL and piece < chunk_k else chunk_k
+        for p0 in range(0, chunk_k, step):
+            p1 = min(chunk_k, p0 + step)
+            if step < chunk_k:
+                state = sub.block_state(Region(0, sub.batch, 0, sub.num_queries, g + p0, g + p1))
+            if state == EMPTY:
+                continue
+            last = spans[-1] if spans else None
+            if (
+                last is not None
+                and last[1] == j * chunk_k + p0
+                and last[3] == state
+                and (state == FULL or last[2] + last[1] - last[0] == g + p0)
+            ):
+                last[1] = j * chunk_k + p1
+            else:
+                spans.append([j * chunk_k + p0, j * chunk_k + p1, g + p0, state])
+    blocks = []
+    for k0, k1, g, state in spans:
+        if state == FULL:
+            mask = Mask(sub.batch, sub.heads, sub.num_queries, k1 - k0, (), sub.host, sub.xp)
+        else:
+            mask = sub.region(Region(0, sub.batch, 0, sub.num_queries, g, g + k1 - k0), state)
+        blocks.append((slice(k0, k1), mask))
+    return blocks
