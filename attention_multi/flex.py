@@ -13,10 +13,11 @@ differs from torch's:
 
 - Index arguments are flex's: ``q_idx`` and ``kv_idx`` count from 0 and
   ``b``, ``h`` are the batch element and the query head. A function gets
-  them as integer arrays that broadcast over (B, H, L, S), not as scalars
-  under ``vmap``, so it runs once per block row instead of once per score;
-  elementwise code (``&``, ``|``, ``where``, indexing a captured array) is
-  unchanged.
+  them as integer arrays that broadcast over (B, H, L, S), so it runs once
+  per block row instead of once per score; a function that needs scalars
+  (``torch.dot`` of two rows, ``interval[0]``) fails on the arrays and is
+  then run per score with the framework's own ``vmap`` (eager and
+  ``jax.jit``; under ``torch.compile`` it must take arrays).
 - The block mask's fields are host NumPy arrays.
 - ``sinks=`` (one logit per query head in every softmax denominator) is
   ours; gradients reach what a ``score_mod`` captures (a bias table, ALiBi

@@ -146,6 +146,9 @@ class JaxBackend(NumpyLike):
     def cond(self, pred, true_fn, false_fn, operand):
         return jax.lax.cond(pred, true_fn, false_fn, operand)
 
+    def vmap(self, fn):
+        return jax.vmap(fn)
+
     def fold_key(self, key, index):
         return key if key is None or index is None else jax.random.fold_in(key, index)
 

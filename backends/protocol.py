@@ -263,6 +263,23 @@ class Backend:
         ``runtime_cond``, also while traced (decided when the program runs)."""
         return true_fn(operand) if bool(pred) else false_fn(operand)
 
+    def vmap(self, fn: Callable[..., Any]) -> Callable[..., Array] | None:
+        """``fn`` mapped over axis 0 of its array arguments, each call seeing
+        one element of each (FlexAttention evaluates a mask function so); a
+        framework's own ``vmap`` where it has one (traced, differentiable),
+        else one call per element, stacked; None where that cannot work."""
+
+        def mapped(*args: Array) -> Array:
+            parts = []
+            for i in range(args[0].shape[0]):
+                out = fn(*(a[i] for a in args))
+                if not self.is_array(out):
+                    out = self.asarray(numpy.asarray(out), device=self.device_of(args[0]))
+                parts.append(out.reshape((1,)))  # (an answer of several values fails here)
+            return self.concatenate(parts, 0)
+
+        return mapped
+
     def write_slice(self, buffer: Array, update: Array, start: Any, axis: int) -> Array:
         """A copy of ``buffer`` with ``update`` written at ``start`` along
         ``axis`` (the other axes whole): out of place, so autodiff sees it.

@@ -258,6 +258,9 @@ class TorchBackend(NumpyLike):
             return fn(*args)
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
 
+    def vmap(self, fn):
+        return torch.vmap(fn)
+
     def fused_attention(
         self, queries, keys, values, mask: MaskView, scale, memory_budget=None, dropout=0.0
     ):

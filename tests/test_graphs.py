@@ -5,6 +5,8 @@ error. Forms: no lengths, 1-D and 2-D lengths, mask, bias, causal with and
 without lengths, window, grouped-query heads, and one KV-cache step."""
 
 import importlib.util
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -119,6 +121,28 @@ def test_torch_inductor_causal_without_lengths():
     expected.sum().backward()
     assert_close(out, expected, **TOL)
     assert_close(grad, x.grad, **TOL)
+
+
+FIRST_CALL = """
+import {first}, {second}
+q = torch.randn(2, 2, 16, 8)
+f = torch.compile(lambda q: am.dot_product_attention(q, q, q, causal=True), fullgraph=True)
+print(float((f(q) - am.dot_product_attention(q, q, q, causal=True)).abs().max()))
+"""
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    "first, second", [("torch", "attention_multi as am"), ("attention_multi as am", "torch")]
+)
+def test_torch_compile_as_the_first_call_of_a_process(first, second):
+    """No backend is imported inside the trace (before: dynamo's "Attempted
+    to call function marked as skipped ... import_module"), whichever of
+    torch and attention_multi is imported first."""
+    script = FIRST_CALL.format(first=first, second=second)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert float(out.stdout.strip().splitlines()[-1]) < 1e-6
 
 
 # ---- jax ----------------------------------------------------------------------------

@@ -125,6 +125,11 @@ def valid_lens_checked(
             if host.dtype.kind in "iu":  # (what does not fit in int32 was clamped)
                 host = host.astype(np.int32)
             valid_lens = backend.asarray(host, device=device)
+        elif callable(valid_lens):  # (a function given by position lands here)
+            raise TypeError(
+                f"{name} got a function: mask functions are keywords, "
+                f"score_mod=... or mask_mod=... (the fourth argument is d2l's {name})"
+            )
         else:
             raise TypeError(
                 f"{name} must be a {backend.name} array, a NumPy array "

@@ -1,7 +1,9 @@
 """Numerics every path shares: the compute dtype, the fill value of masked
 scores, constants made once, and the arithmetic of empty rows.
 
-- Half precision (float16, bfloat16) is computed in float32.
+- Half precision (float16, bfloat16) is computed in float32, the product of
+  the weights and the values too: the output is rounded once (``weighted``),
+  the weights a user reads are rounded on their own.
 - A masked score becomes ``fill_value``, the lowest finite number of the
   compute dtype (never ``-inf``, so nothing becomes NaN).
 - A row that sees no key gives zeros, in the autodiff graph with exact zero
@@ -134,6 +136,14 @@ def scaled(xp: Backend, x: Array, scale: float, work: str) -> Array:
 def in_dtype(xp: Backend, x: Array, dtype: str) -> Array:
     """``x`` cast to ``dtype`` when it is not of it already."""
     return xp.astype(x, dtype) if xp.dtype_name(x) != dtype else x
+
+
+def weighted(xp: Backend, weights: Array, values: Array, dtype: str) -> Array:
+    """``weights @ values`` in the compute dtype of ``dtype``, rounded to
+    ``dtype`` once (rounding half-precision weights before the product costs
+    as much again as rounding the output)."""
+    out = xp.matmul(weights, in_dtype(xp, values, compute_dtype(dtype)))
+    return in_dtype(xp, out, dtype)
 
 
 def all_finite(xp: Backend, *arrays: Array) -> bool:

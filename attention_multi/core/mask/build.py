@@ -15,7 +15,7 @@ from ..checks import check_mask_array, check_window, valid_lens_checked
 from ..numerics import compute_dtype
 from .arrays import arrays
 from .blocks import BlockMask
-from .functions import MaskMod, ScoreMod
+from .functions import MaskMod, ScoreMod, native_captures
 from .intervals import Intervals, window_within
 from .segments import make_segments
 from .spec import Form, Mask
@@ -108,15 +108,24 @@ def _bases(where: Where, name: str, fn: Any) -> tuple[Any, Any, Any]:
     return (0, where.query_base, 0)
 
 
+def _native(where: Where, name: str, fn: Any) -> Any:
+    """``fn`` with the NumPy arrays it captures on the backend (not while
+    host code is traced: the tracer reads NumPy there)."""
+    if where.xp.host_code_traced():
+        return fn
+    return native_captures(where.xp, name, fn, where.device)
+
+
 def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
     bases = _bases(where, "mask_mod", mask_mod)
     if isinstance(mask_mod, BlockMask):
         mask_mod.check(where.batch, where.num_queries, where.num_keys)
-    return MaskMod(mask_mod, bases, where.xp)
+    return MaskMod(_native(where, "mask_mod", mask_mod), bases, where.xp)
 
 
 def _score_mod(where: Where, score_mod: Any = None) -> Form:
-    return ScoreMod(score_mod, _bases(where, "score_mod", score_mod))
+    bases = _bases(where, "score_mod", score_mod)
+    return ScoreMod(_native(where, "score_mod", score_mod), bases)
 
 
 def _segments(where: Where, segment_ids: Any = None) -> Form:
@@ -129,6 +138,34 @@ def _segments(where: Where, segment_ids: Any = None) -> Form:
         where.offset,
         where.device,
     )
+
+
+def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
+    """One place for a query in one call: a function's ``q_idx`` counts from
+    ``query_base`` (0, flex's, unless decoding) where ``causal=``, ``window=``
+    and one ``segment_ids`` array put query 0 at key position ``offset``
+    (``K - Q``: bottom-right); when these differ a call giving both is
+    refused, never read one way or the other."""
+    base, offset = where.query_base, where.offset
+    if base is offset or not (_known_int(base) and _known_int(offset)) or base == offset:
+        return
+    functions = [n for n in ("mask_mod", "score_mod") if keywords.get(n) is not None]
+    placed = [n for n in ("causal", "window") if keywords.get(n) not in (None, False)]
+    ids = keywords.get("segment_ids")
+    if ids is not None and not isinstance(ids, tuple):
+        placed.append("segment_ids")
+    if functions and placed:
+        raise ValueError(
+            f"{' and '.join(functions)} with {' and '.join(placed)} when Q={where.num_queries} "
+            f"!= K={where.num_keys}: q_idx counts query 0 as {base} (flex's), while "
+            f"{placed[0]} puts it at key position {offset} (bottom-right); write it in the "
+            f"function with q_idx + {offset - base}"
+            + (", or give segment_ids as a (query ids, key ids) pair" if ids is not None else "")
+        )
+
+
+def _known_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer))
 
 
 class Keyword(NamedTuple):
@@ -211,6 +248,7 @@ def make_mask(
             raise TypeError(f"make_mask() got an unexpected keyword argument {name!r}")
         if value is not spec.default:
             families.setdefault(spec.build, {})[name] = value
+    one_query_position(where, keywords)
     order = dict.fromkeys(k.build for k in KEYWORDS.values())  # (the families, the list's order)
     forms = (build(where, **families[build]) for build in order if build in families)
     forms_set = tuple(f for f in forms if f is not None)

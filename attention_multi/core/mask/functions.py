@@ -12,13 +12,27 @@ evaluates on index grids (FlexAttention's signatures and sense).
   (after ``bias``); differentiated through.
 
 Indices are positions: ``q_idx`` counts from the query base (the KV cache's
-length when decoding, else 0), ``kv_idx`` from 0. A region of a mask keeps
-the function and shifts the bases, so every path evaluates the same function
-on its own block's grid.
+length when decoding, else 0: flex's), ``kv_idx`` from 0. ``causal=``,
+``window=`` and one ``segment_ids`` array place query ``i`` at ``i + K - Q``:
+where the two differ (Q < K, no cache) a call may not combine them
+(``build.one_query_position``). A region of a mask keeps the function and
+shifts the bases, so every path evaluates the same function on its own
+block's grid.
+
+Answers are checked like arguments (``checked_mask``, ``checked_scores``) on
+every evaluation, from their dtype and shape only (no pass over the values):
+None, a ``mask_mod`` answer that is not boolean, or a shape that does not
+broadcast to the grid's is an error naming the function and the shapes. A
+function that fails on index arrays, or answers with a wrong shape, is
+evaluated once per element of the grid by the backend's ``vmap`` (each index
+a scalar, as flex evaluates it). NumPy arrays a function captures become
+arrays of the backend (``native_captures``).
 """
 
 from __future__ import annotations
 
+import math
+import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -60,6 +74,167 @@ def as_bool(xp: Backend, x: Any, device: Any) -> Array:
     return x
 
 
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (no axis of the target grows)."""
+    if len(shape) > len(target):
+        return False
+    return all(n in (1, t) for n, t in zip(shape[::-1], target[::-1]))
+
+
+class _WrongShape(Exception):
+    """An answer whose shape does not broadcast to the grid's."""
+
+
+def _mask_answer(xp: Backend, out: Any, shape: tuple[int, ...], device: Any) -> Array:
+    """A ``mask_mod`` answer checked (TypeError: not boolean; _WrongShape) and
+    made a rank-4 bool array."""
+    if out is None:
+        raise TypeError(
+            f"mask_mod returned None; it must return booleans broadcasting to (batch, heads, "
+            f"Q, K) = {shape} (a missing return?)"
+        )
+    if isinstance(out, (bool, np.bool_)):
+        return as_bool(xp, out, device)
+    if xp.is_array(out):
+        dtype = xp.dtype_name(out)
+    elif isinstance(out, np.ndarray):
+        dtype = out.dtype.name
+    else:
+        raise TypeError(f"mask_mod must return a boolean array, got {type(out).__name__}")
+    if dtype != "bool":
+        raise TypeError(
+            f"mask_mod must return booleans (True: may attend), got dtype {dtype}; "
+            "compare to make a mask (x != 0), or give scores to score_mod"
+        )
+    if not _broadcasts(tuple(out.shape), shape):
+        raise _WrongShape(f"mask_mod returned shape {tuple(out.shape)}")
+    return as_bool(xp, out, device)
+
+
+def _score_answer(xp: Backend, out: Any, shape: tuple[int, ...]) -> Array:
+    """A ``score_mod`` answer checked (TypeError: not an array; _WrongShape:
+    not the shape of the scores)."""
+    if out is None:
+        raise TypeError(
+            f"score_mod returned None; it must return the scores, shape {shape} (a missing return?)"
+        )
+    if not xp.is_array(out):
+        raise TypeError(f"score_mod must return an array of scores, got {type(out).__name__}")
+    if tuple(out.shape) != shape:  # (one that broadcasts would copy a row's scores)
+        raise _WrongShape(f"score_mod returned shape {tuple(out.shape)}, not the scores' {shape}")
+    return out
+
+
+def _evaluated(
+    xp: Backend,
+    name: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    shape: tuple[int, ...],
+    answer: Callable[[Any], Array],
+) -> Array:
+    """``answer(fn(*args))`` on index arrays broadcasting to ``shape``; a
+    function that fails on them or answers with a wrong shape (one written
+    for scalar indices) is mapped over the grid's elements by ``xp.vmap``."""
+    try:
+        return answer(fn(*args))
+    except _WrongShape as exc:
+        why: BaseException = exc
+    except TypeError as exc:
+        if str(exc).startswith(name):  # (our own check: no second try)
+            raise
+        why = exc
+    except Exception as exc:  # noqa: BLE001 (the framework's complaint, said again below)
+        why = exc
+    grids = ", ".join(str(tuple(a.shape)) for a in args if hasattr(a, "shape"))
+    said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape}): {why}"
+    mapped = xp.vmap(fn)
+    if mapped is None:
+        raise ValueError(
+            f"{said}; a function written for scalar indices needs a vmap, which the "
+            f"{xp.name} backend lacks: write it for index arrays"
+        ) from why
+    flat = tuple(xp.broadcast_to(a, shape).reshape((-1,)) for a in args)
+    try:
+        out = mapped(*flat)
+    except Exception as exc:
+        raise ValueError(f"{said}; evaluated per element (vmap): {exc}") from why
+    if out is None or not xp.is_array(out) or math.prod(out.shape) != math.prod(shape):
+        got = None if out is None else getattr(out, "shape", type(out).__name__)
+        raise ValueError(
+            f"{said}; evaluated per element (vmap) it answered {got}, not one value per "
+            f"element of {shape}"
+        ) from why
+    return answer(out.reshape(shape))
+
+
+def checked_mask(
+    xp: Backend, mask_mod: Callable[..., Any], grid: tuple[Array, ...], device: Any
+) -> Array:
+    """``mask_mod(*grid)`` checked: a rank-4 bool array broadcasting to the grid."""
+    b, h, q, kv = grid  # (b varies along axis 0, h along 1, ...)
+    shape = (int(b.shape[0]), int(h.shape[1]), int(q.shape[2]), int(kv.shape[3]))
+    return _evaluated(
+        xp, "mask_mod", mask_mod, grid, shape, lambda out: _mask_answer(xp, out, shape, device)
+    )
+
+
+def checked_scores(
+    xp: Backend, score_mod: Callable[..., Any], s: Array, grid: tuple[Array, ...]
+) -> Array:
+    """``score_mod(s, *grid)`` checked: scores of the shape of ``s``."""
+    shape = tuple(s.shape)
+    return _evaluated(
+        xp, "score_mod", score_mod, (s, *grid), shape, lambda out: _score_answer(xp, out, shape)
+    )
+
+
+def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
+    """``fn`` with the NumPy arrays it captures (closure variables, default
+    arguments, the globals it names) as arrays of ``xp`` on ``device``; ``fn``
+    itself when it captures none, or when ``xp`` takes NumPy arrays."""
+    if not isinstance(fn, types.FunctionType) or xp.is_array(np.zeros(0)):
+        return fn
+    code, cells, defaults = fn.__code__, fn.__closure__ or (), fn.__defaults__ or ()
+    held = {}
+    for var, cell in zip(code.co_freevars, cells):
+        try:
+            held[var] = cell.cell_contents
+        except ValueError:  # (an empty cell: a name bound later)
+            continue
+    names = [n for n in code.co_names if isinstance(fn.__globals__.get(n), np.ndarray)]
+    if not (
+        names
+        or any(isinstance(x, np.ndarray) for x in held.values())
+        or any(isinstance(x, np.ndarray) for x in defaults)
+    ):
+        return fn
+
+    def native(var: str, x: Any) -> Any:
+        if not isinstance(x, np.ndarray):
+            return x
+        try:
+            return xp.asarray(x, device=device)
+        except Exception as exc:
+            raise TypeError(
+                f"{name} captures the NumPy array {var!r} (dtype {x.dtype}, shape {x.shape}), "
+                f"which the {xp.name} backend cannot hold ({exc}); capture a {xp.name} array"
+            ) from exc
+
+    new_cells = tuple(
+        types.CellType(native(var, held[var])) if var in held else cell
+        for var, cell in zip(code.co_freevars, cells)
+    )
+    space = fn.__globals__
+    if names:
+        space = {**space, **{n: native(n, space[n]) for n in names}}
+    argnames = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
+    new_defaults = tuple(native(a, d) for a, d in zip(argnames, defaults)) or None
+    out = types.FunctionType(code, space, fn.__name__, new_defaults, new_cells or None)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
 def _ints(*xs: Any) -> bool:
     return all(isinstance(x, (int, np.integer)) for x in xs)
 
@@ -89,11 +264,11 @@ class MaskMod(Form):
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
         grid = index_grid(xp, _shape(mask), self.bases, device)
-        return as_bool(xp, self.mask_mod(*grid), device)
+        return checked_mask(xp, self.mask_mod, grid, device)
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         shape, bases = self._at(mask, r)
-        return xp.any(as_bool(xp, self.mask_mod(*index_grid(xp, shape, bases, device)), device))
+        return xp.any(checked_mask(xp, self.mask_mod, index_grid(xp, shape, bases, device), device))
 
     def region_state(self, mask: Mask, r: Region) -> int:
         bm = self.block_mask
@@ -106,7 +281,7 @@ class MaskMod(Form):
         if xp is None:
             return PARTIAL
         shape, bases = self._at(mask, r)
-        v = as_bool(xp, self.mask_mod(*index_grid(xp, shape, bases, None)), None)
+        v = checked_mask(xp, self.mask_mod, index_grid(xp, shape, bases, None), None)
         if not xp.is_concrete(v):
             return PARTIAL
         v = xp.to_numpy(v)
@@ -127,7 +302,9 @@ class MaskMod(Form):
             xp = self.xp
             if xp is None or not _ints(*self.bases):
                 return np.full((1, nqb, nkb), PARTIAL, np.int8)
-            probe = self.mask_mod(*index_grid(xp, (1, 1, 1, 1), (0, 0, 0), None))
+            probe = checked_mask(
+                xp, self.mask_mod, index_grid(xp, (1, 1, 1, 1), (0, 0, 0), None), None
+            )
             if xp.is_array(probe) and not xp.is_concrete(probe):  # traced closures
                 return np.full((1, nqb, nkb), PARTIAL, np.int8)
             s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
@@ -152,7 +329,7 @@ class ScoreMod(Form):
 
     def scores(self, xp: Backend, mask: Mask, s: Array, work: str) -> Array:
         grid = index_grid(xp, _shape(mask), self.bases, xp.device_of(s))
-        s = self.score_mod(s, *grid)
+        s = checked_scores(xp, self.score_mod, s, grid)
         return xp.astype(s, work) if xp.dtype_name(s) != work else s
 
     def region(self, mask: Mask, r: Region) -> Form:
@@ -192,7 +369,7 @@ def evaluate(
         grid = (b, h, q + bases[1], kv)
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(xp.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
-        v = as_bool(xp, mask_mod(*grid), dev)
+        v = checked_mask(xp, mask_mod, grid, dev)
         v = xp.broadcast_to(v, (v.shape[0], v.shape[1], bq, width))
         if ok is not None:
             v = xp.logical_and(v, ok)
@@ -214,8 +391,8 @@ def _split(block: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 def block_mask(
     mask_mod: Callable[..., Array],
-    batch: int,
-    heads: int,
+    batch: int | None,
+    heads: int | None,
     num_queries: int,
     num_keys: int,
     *,
@@ -227,9 +404,11 @@ def block_mask(
     blocks of ``block`` (an int or (queries, keys)); ``batch`` or ``heads``
     may be 1 when the function ignores them. The function is evaluated on one
     block row (block_q x K indices) at a time, on ``backend`` (default: the
-    current one); host memory is the (batch, heads, blocks) states."""
+    current one); host memory is the (batch, heads, blocks) states. ``batch``
+    or ``heads`` None is 1, broadcast (flex's)."""
     from ...config import get_backend, native_device
 
+    batch, heads = 1 if batch is None else batch, 1 if heads is None else heads
     xp = get_backend(backend)
     dev = native_device(xp, device)
     bq, bk = _split(block)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checks import check_array
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _taken
 
 if TYPE_CHECKING:
@@ -141,6 +140,43 @@ def _host_ranges(ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, n
     return lo, hi, whole
 
 
+def _is_pair(xp: Backend, segment_ids: Any) -> bool:
+    """A pair is a tuple of two arrays; lists (nested or not) are one array
+    (a batch of two rows is not a pair); a tuple of two lists is ambiguous."""
+    if not isinstance(segment_ids, tuple) or len(segment_ids) != 2:
+        return False
+    if all(xp.is_array(x) or isinstance(x, np.ndarray) for x in segment_ids):
+        return True
+    raise TypeError(
+        "segment_ids is ambiguous: a tuple of two lists may be two rows or a "
+        "(query ids, key ids) pair; give a (batch, K) array, or a pair of two arrays "
+        "(np.asarray(query_ids), np.asarray(key_ids))"
+    )
+
+
+def _int32_ranks(hosts: list[np.ndarray]) -> list[np.ndarray]:
+    """Ids as int32 with the same order and equalities (jointly over ``hosts``),
+    negative ones -1: hashed 64-bit ids keep their documents apart."""
+    ids = np.concatenate([h.reshape(-1) for h in hosts])
+    ranks = np.unique(ids[ids >= 0])
+    out = []
+    for h in hosts:
+        r = np.searchsorted(ranks, h).astype(np.int32)
+        out.append(np.where(h >= 0, r, np.int32(-1)))
+    return out
+
+
+def _on_device(xp: Backend, x: Any, ids: np.ndarray, fits: bool, device: Any) -> Array:
+    """``x`` itself when it is an int32 array that fits, else ``ids`` uploaded."""
+    if fits and xp.is_array(x) and xp.dtype_name(x) == "int32":
+        return x
+    return xp.asarray(ids, device=device if not xp.is_array(x) else xp.device_of(x))
+
+
+def _int32_or_64(xp: Backend, x: Array) -> Array:
+    return x if xp.dtype_name(x) in ("int32", "int64") else xp.astype(x, "int32")
+
+
 def make_segments(
     xp: Backend,
     segment_ids: Any,
@@ -151,8 +187,10 @@ def make_segments(
     device: Any,
 ) -> Segments:
     """The checked form of ``segment_ids``: one (batch, K) array (queries take
-    the ids of their positions, ``i + offset``) or a pair."""
-    pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
+    the ids of their positions, ``i + offset``) or a pair. Ids are compared
+    exactly whatever their width: int32 on the device when they fit, else
+    their ranks (known values) or int64 (traced)."""
+    pair = _is_pair(xp, segment_ids)
     parts = segment_ids if pair else (None, segment_ids)
     out: list[Any] = []
     for name, x, n in (
@@ -163,16 +201,27 @@ def make_segments(
             out.append(None)
             continue
         if not xp.is_array(x):
-            x = xp.asarray(np.asarray(x), device=device)
-        check_array(xp, name, x, 2, f"(batch, {n})")
+            x = np.asarray(x)
+            if x.dtype.kind not in "iu":
+                raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+        elif not xp.dtype_name(x).startswith(("int", "uint")):
+            raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
+        if len(x.shape) != 2:
+            raise ValueError(f"{name} must be 2-D (batch, {n}), got shape {tuple(x.shape)}")
         if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
             raise ValueError(
                 f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
                 f" = ({batch}, {n}), got {tuple(x.shape)}"
             )
-        if not xp.dtype_name(x).startswith(("int", "uint")):
-            raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
-        out.append(xp.astype(x, "int32") if xp.dtype_name(x) != "int32" else x)
+        out.append(x)
+    given = [x for x in out if x is not None]
+    if all(not xp.is_array(x) or xp.is_concrete(x) for x in given):  # known values
+        hosts = [x if isinstance(x, np.ndarray) else xp.to_numpy(x) for x in given]
+        fits = all(h.size == 0 or (h.min() >= -_BIG - 1 and h.max() <= _BIG) for h in hosts)
+        ids = iter([h.astype(np.int32) for h in hosts] if fits else _int32_ranks(hosts))
+        out = [None if x is None else _on_device(xp, x, next(ids), fits, device) for x in out]
+    else:  # traced: as wide as given (int64 keeps its values)
+        out = [None if x is None else _int32_or_64(xp, x) for x in out]
     qs, ks = out
     if qs is None:
         if isinstance(offset, (int, np.integer)):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..mask.rules import guard_unused, masked_softmax
-from ..numerics import compute_dtype, in_dtype, scaled
+from ..numerics import compute_dtype, in_dtype, scaled, weighted
 from . import online
 from .call import Call, Plan, dropout_fn, expand_kv
 
@@ -32,8 +32,10 @@ def weights4(
     scale: float,
     keys_guarded: bool = False,
     before_product: bool = False,
+    rounded: bool = True,
 ) -> Array:
-    """The (batch, heads, Q, K) weights in the dtype of ``q``; ``k`` expanded;
+    """The (batch, heads, Q, K) weights in the dtype of ``q`` (in its compute
+    dtype unless ``rounded``); ``k`` expanded;
     ``keys_guarded``: key rows nobody sees were zeroed; ``before_product``:
     as ``masked_softmax``'s."""
     dtype = xp.dtype_name(q)
@@ -49,7 +51,7 @@ def weights4(
         hidden_finite=keys_guarded and mask.per_batch_lens is not None,
         before_product=before_product,
     )
-    return xp.astype(w, dtype) if work != dtype else w
+    return xp.astype(w, dtype) if rounded and work != dtype else w
 
 
 def flat(w: Array) -> Array:
@@ -86,10 +88,11 @@ def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
     guard = xp.may_differentiate(q) or (xp.masks_by_adding and mask.per_batch_lens is not None)
     k, v = guard_unused(xp, mask, k, v, guard_keys=guard)
-    w4 = weights4(xp, q, k, mask, call.scale, keys_guarded=guard, before_product=True)
+    w4 = weights4(xp, q, k, mask, call.scale, guard, before_product=True, rounded=False)
     drop = dropout_fn(xp, call.dropout, call.key)
-    out = xp.matmul(w4 if drop is None else drop(w4), v)
-    return out, lambda: xp.nan_rows(flat(w4))
+    dtype = xp.dtype_name(q)
+    out = weighted(xp, w4 if drop is None else drop(w4), v, dtype)
+    return out, lambda: xp.nan_rows(flat(in_dtype(xp, w4, dtype)))
 
 
 def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:

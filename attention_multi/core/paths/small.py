@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..checks import INT32_MAX, least_length, lengths_for_compare, lens_kind
 from ..mask.intervals import lengths_visible
 from ..mask.rules import masked_softmax
-from ..numerics import all_finite, compute_dtype, default_scale, size
+from ..numerics import all_finite, compute_dtype, default_scale, size, weighted
 from .call import dropout_fn, expand_kv
 from .full import flat
 
@@ -132,10 +132,10 @@ def attention(
         dtype=work,
         device=device,
     )
+    drop = dropout_fn(xp, dropout, key) if dropout else None
+    out = weighted(xp, weights if drop is None else drop(weights), values, dtype)
     if work != dtype:
         weights = xp.astype(weights, dtype)
-    drop = dropout_fn(xp, dropout, key) if dropout else None
-    out = xp.matmul(weights if drop is None else drop(weights), values)
     if not line.flat:
         return out, lambda: xp.nan_rows(weights)
     return out, lambda: xp.nan_rows(flat(weights))
