@@ -1,7 +1,6 @@
-"""Boolean and bias arrays: ``mask`` (True = may attend) and ``bias`` (added
-to the scaled scores; ``-inf`` masks the position, as in additive masks).
-Both are 4-D, broadcastable to (batch, heads, Q, K); the form can say
-nothing about a block without reading it, so its blocks are partial."""
+"""Boolean and bias arrays, 4-D, broadcastable to (batch, heads, Q, K):
+``mask`` (True = may attend) and ``bias`` (added to the scaled scores;
+``-inf`` masks the position). Their blocks are partial (not read on the host)."""
 
 from __future__ import annotations
 

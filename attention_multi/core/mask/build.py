@@ -1,12 +1,8 @@
-"""From the caller's keywords to one ``Mask``.
-
-``KEYWORDS`` is the keyword list: each mask keyword of the API, the value
-that sets nothing, and the family that builds its form. ``make_mask`` checks
-what the caller gave and asks each family whose keywords are set for its form,
-in the list's order. A new form is its own file (a ``Form`` and a
-``build(where, **keywords)``) and one entry here (and in ``MaskForms``, its
-type for the API's signatures).
-"""
+"""From the caller's keywords to one ``Mask``: ``KEYWORDS`` lists each mask
+keyword, the value that sets nothing and the family that builds its form;
+``make_mask`` asks each family whose keywords are set, in the list's order.
+A new form is its own file (a ``Form`` and a ``build(where, **keywords)``),
+one entry here and its type in ``MaskForms``."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ if TYPE_CHECKING:
 
 
 class MaskForms(TypedDict, total=False):
-    """The mask keywords of the API, besides ``valid_lens``: what
-    ``dot_product_attention`` and the modules' ``forward`` take as
-    ``**forms`` and hand, as one dict, to ``make_mask`` (meanings in
-    ``dot_product_attention``'s docstring)."""
+    """The mask keywords besides ``valid_lens``, that ``dot_product_attention`` and
+    the modules' ``forward`` take as ``**forms`` (meanings: in their docstrings)."""
 
     mask: Array | None
     bias: Array | None
@@ -46,13 +40,11 @@ class MaskForms(TypedDict, total=False):
 
 
 class Where(NamedTuple):
-    """What a family needs to build its form: the call's shape and context.
-    ``offset``: the position of query 0 among the keys (an int, or traced),
-    ``offset_known`` its host value (None while traced), ``offset_given``
-    whether the caller set it (a KV cache); ``dtype`` that of the queries;
-    ``heads_axis``: the inputs are 4-D (else masks are (batch, Q, K));
-    ``query_base``: the index of query 0 that a function's ``q_idx`` counts
-    from (an int, or traced)."""
+    """What a family needs to build its form: ``offset`` the position of query
+    0 among the keys (int or traced), ``offset_known`` its host value (None:
+    traced), ``offset_given`` the caller set it (a KV cache); ``dtype`` the
+    queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
+    ``query_base``: the index of query 0 that ``q_idx`` counts from (int or traced)."""
 
     xp: Backend
     batch: int
@@ -108,13 +100,11 @@ def _arrays(where: Where, mask: Any = None, bias: Any = None) -> Form | None:
     return arrays(xp, mask, bias)
 
 
-def _function(name: str, fn: Any) -> None:
-    if fn is not None and not callable(fn):
+def _bases(where: Where, name: str, fn: Any) -> tuple[Any, Any, Any]:
+    """``fn`` checked a function, and where its indices start (``q_idx`` at
+    ``query_base``)."""
+    if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-
-
-def _bases(where: Where) -> tuple[Any, Any, Any]:
-    """Where a function's indices start: ``q_idx`` at ``query_base``."""
     return (0, where.query_base, 0)
 
 
@@ -126,25 +116,19 @@ def _native(where: Where, name: str, fn: Any) -> Any:
     return native_captures(where.xp, name, fn, where.device)
 
 
-def _mask_mod(where: Where, mask_mod: Any = None) -> Form | None:
-    _function("mask_mod", mask_mod)
-    if mask_mod is None:
-        return None
+def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
+    bases = _bases(where, "mask_mod", mask_mod)
     if isinstance(mask_mod, BlockMask):
         mask_mod.check(where.batch, where.num_queries, where.num_keys)
-    return MaskMod(_native(where, "mask_mod", mask_mod), _bases(where), where.xp)
+    return MaskMod(_native(where, "mask_mod", mask_mod), bases, where.xp)
 
 
-def _score_mod(where: Where, score_mod: Any = None) -> Form | None:
-    _function("score_mod", score_mod)
-    if score_mod is None:
-        return None
-    return ScoreMod(_native(where, "score_mod", score_mod), _bases(where))
+def _score_mod(where: Where, score_mod: Any = None) -> Form:
+    bases = _bases(where, "score_mod", score_mod)
+    return ScoreMod(_native(where, "score_mod", score_mod), bases)
 
 
-def _segments(where: Where, segment_ids: Any = None) -> Form | None:
-    if segment_ids is None:
-        return None
+def _segments(where: Where, segment_ids: Any = None) -> Form:
     return make_segments(
         where.xp,
         segment_ids,
@@ -186,7 +170,7 @@ def _known_int(x: Any) -> bool:
 
 class Keyword(NamedTuple):
     default: Any  # the value that sets nothing (compared by identity)
-    build: Callable[..., Form | None]  # the family: build(where, **its keywords)
+    build: Callable[..., Form | None]  # the family: build(where, **its keywords that are set)
 
 
 KEYWORDS: dict[str, Keyword] = {
@@ -203,8 +187,8 @@ assert set(KEYWORDS) - {"valid_lens"} == set(MaskForms.__annotations__)
 
 
 def checked_forms(function: str, forms: Mapping[str, Any]) -> None:
-    """Raise the TypeError Python gives an unknown keyword, naming
-    ``function`` and the mask keywords, when a name of ``forms`` is not one."""
+    """Raise Python's TypeError for an unknown keyword (naming ``function`` and
+    the mask keywords) when a name of ``forms`` is not a mask keyword."""
     for name in forms:
         if name not in KEYWORDS or name == "valid_lens":
             raise TypeError(
@@ -222,6 +206,15 @@ def no_forms(forms: Mapping[str, Any]) -> bool:
     return True
 
 
+def _offset(xp: Backend, offset: Any, num_queries: int, num_keys: int) -> tuple[Any, Any, bool]:
+    """``(offset, offset_known, offset_given)`` of the caller's ``offset`` (None: K - Q)."""
+    if offset is None:
+        return num_keys - num_queries, num_keys - num_queries, False
+    if not xp.is_array(offset):
+        return int(offset), int(offset), True
+    return offset, int(xp.to_numpy(offset)) if xp.is_concrete(offset) else None, True
+
+
 def make_mask(
     xp: Backend,
     batch: int,
@@ -236,44 +229,18 @@ def make_mask(
     query_base: Any = None,
     **keywords: Any,
 ) -> Mask:
-    """Check what the caller gave and normalize it into one ``Mask``.
-
-    ``keywords``: ``valid_lens`` (batch,) or (batch, Q), and the mask
-    keywords (``MaskForms``): ``mask`` bool and ``bias`` float, broadcastable
-    to (batch, heads, Q, K) when ``heads_axis`` (4-D inputs), else to
-    (batch, Q, K) (3-D inputs; a 4-D one is (batch, heads, Q, K), for
-    multi-head attention); ``causal``; ``window`` int or (left, right);
-    ``mask_mod``, ``score_mod``, ``segment_ids``. ``offset`` the position of
-    query 0 among the keys (default K - Q); ``query_base`` the index of query
-    0 that a function's ``q_idx`` counts from (default: the given offset, the
-    KV cache's length, else 0); ``dtype`` that of the queries (a bias is cast
-    to its compute dtype). Lists and NumPy arrays are placed on
-    ``device``.
-    """
-    offset_known: int | None = None
-    if offset is None:
-        offset_given, offset = False, num_keys - num_queries
-        offset_known = offset
-    else:
-        offset_given = True
-        if xp.is_array(offset):
-            offset_known = int(xp.to_numpy(offset)) if xp.is_concrete(offset) else None
-        else:
-            offset = offset_known = int(offset)
-    where = Where(
-        xp,
-        batch,
-        heads,
-        num_queries,
-        num_keys,
-        offset,
-        offset_known,
-        offset_given,
-        dtype,
-        heads_axis,
-        device,
-        (offset if offset_given else 0) if query_base is None else query_base,
-    )
+    """Check what the caller gave and normalize it into one ``Mask``:
+    ``valid_lens`` (batch,) or (batch, Q) and the ``MaskForms`` (``mask``,
+    ``bias`` broadcast to (batch, heads, Q, K) when ``heads_axis``, else to
+    (batch, Q, K) or a 4-D one); ``offset`` query 0's key position (default
+    K - Q); ``query_base`` the index of query 0 that ``q_idx`` counts from
+    (default: the given offset, the KV cache's length, else 0); ``dtype`` the
+    queries' (a bias takes its compute dtype). Lists and NumPy arrays are
+    placed on ``device``."""
+    offset, known, given = _offset(xp, offset, num_queries, num_keys)
+    base = (offset if given else 0) if query_base is None else query_base
+    shape = (batch, heads, num_queries, num_keys)
+    where = Where(xp, *shape, offset, known, given, dtype, heads_axis, device, base)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():
         spec = KEYWORDS.get(name)
@@ -282,10 +249,7 @@ def make_mask(
         if value is not spec.default:
             families.setdefault(spec.build, {})[name] = value
     one_query_position(where, keywords)
-    forms = []
-    for build in dict.fromkeys(k.build for k in KEYWORDS.values()):  # (the list's order)
-        if build in families:
-            form = build(where, **families[build])
-            if form is not None:
-                forms.append(form)
-    return Mask(batch, heads, num_queries, num_keys, tuple(forms), not xp.host_code_traced(), xp)
+    order = dict.fromkeys(k.build for k in KEYWORDS.values())  # (the families, the list's order)
+    forms = (build(where, **families[build]) for build in order if build in families)
+    forms_set = tuple(f for f in forms if f is not None)
+    return Mask(batch, heads, num_queries, num_keys, forms_set, not xp.host_code_traced(), xp)

@@ -1,17 +1,15 @@
-"""Lengths, causal and window: each query sees one interval of keys.
-
-Query ``i`` sits at key position ``p = i + offset`` (``offset = K - Q`` by
-default: aligned at the bottom right, as decoding needs). It may see key
-``j`` when ``lo <= j < hi``, ``lo = max(0, p - left)`` and ``hi = min(K,
-valid_len, p + 1 if causal, p + right + 1)`` for a ``window = (left,
-right)``. The intervals are kept as integers (lengths, offset, window), not
-as matrices: a block is skipped, or computed without a mask, from them alone.
-"""
+"""Lengths, causal and window: each query sees one interval of keys. Query
+``i`` sits at key position ``p = i + offset`` (default ``K - Q``: aligned at
+the bottom right, as decoding needs) and sees key ``j`` when ``lo <= j < hi``,
+``lo = max(0, p - left)``, ``hi = min(K, valid_len, p + 1 if causal, p +
+right + 1)`` for ``window = (left, right)``. Kept as integers, not matrices:
+a block is skipped, or computed without a mask, from them alone."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Union
 
 import numpy as np
 
@@ -24,6 +22,7 @@ if TYPE_CHECKING:
     from ...types import Array
 
 SIDE_MAX = 2**30  # window sides while the offset is traced: far past any key, no int32 overflow
+Sides = Union[tuple[Union[int, None], ...], None]  # a window's (left, right), None: no limit
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,7 +37,7 @@ class Intervals(Form):
     offset: Any = 0
     offset_known: int | None = 0
     causal: bool = False
-    window: tuple[int | None, ...] | None = None
+    window: Sides = None
     kind: ClassVar[str] = "intervals"
     gathers: ClassVar[bool] = True
     cuts_traced: ClassVar[bool] = True
@@ -52,15 +51,21 @@ class Intervals(Form):
         return self.causal and self.valid_lens is None and self.window is None
 
     def known(self) -> bool:
-        return not (
-            (self.valid_lens is not None and self.valid_lens_known is None)
-            or ((self.causal or self.window is not None) and self.offset_known is None)
-        )
+        lens_known = self.valid_lens is None or self.valid_lens_known is not None
+        offset_read = self.causal or self.window is not None
+        return lens_known and not (offset_read and self.offset_known is None)
 
     def least_length(self, mask: Mask) -> int:
         """The least known length (host)."""
         known = self.valid_lens_known
         return mask._once("least_length", lambda: int(known.min()) if known.size else mask.num_keys)
+
+    def limits(self, p: Any) -> tuple[Any, list[Any]]:
+        """For query positions ``p``: ``p - left`` (None without a left side)
+        and the ends that cap ``hi`` (``p + 1`` if causal, ``p + right + 1``)."""
+        left, right = (None, None) if self.window is None else self.window
+        ends = ([p + 1] if self.causal else []) + ([] if right is None else [p + (right + 1)])
+        return (None if left is None else p - left), ends
 
     # -- on the device ------------------------------------------------------------------
     def bounds(self, xp: Backend, mask: Mask, device: Any) -> tuple[Array | None, Array]:
@@ -68,16 +73,9 @@ class Intervals(Form):
         lo, hi = None, self.valid_lens
         if self.causal or self.window is not None:
             q = mask.num_queries
-            p = xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset
-            ends = []
-            if self.causal:
-                ends.append(p + 1)
-            if self.window is not None:
-                left, right = self.window
-                if left is not None:
-                    lo = xp.where(p > left, p - left, 0)
-                if right is not None:
-                    ends.append(p + (right + 1))
+            start, ends = self.limits(xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset)
+            if start is not None:
+                lo = xp.where(start > 0, start, 0)
             for end in ends:
                 hi = end if hi is None else xp.minimum(hi, end)
         if hi is None:
@@ -120,46 +118,35 @@ class Intervals(Form):
         return np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY).astype(np.int8)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        host = r.on_host
+        host = r.on_host  # (else the host copies are unknown)
         lens = _sliced(self.valid_lens, r, False, mask.xp)
         known = _sliced(self.valid_lens_known, r, False) if host else None
+        offset_known = self.offset_known if host else None
         return replace(
             self,
             valid_lens=None if lens is None else lens - r.k0,
             valid_lens_known=None if known is None or not host else known - r.k0,
             offset=self.offset + (r.q0 - r.k0),
-            offset_known=None
-            if self.offset_known is None or not host
-            else self.offset_known + r.q0 - r.k0,
+            offset_known=None if offset_known is None else offset_known + r.q0 - r.k0,
         )
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
-        lens, known = self.valid_lens, self.valid_lens_known
-        return replace(
-            self, valid_lens=_taken(xp, lens, rows), valid_lens_known=_taken(xp, known, rows)
-        )
+        lens, known = (_taken(xp, x, rows) for x in (self.valid_lens, self.valid_lens_known))
+        return replace(self, valid_lens=lens, valid_lens_known=known)
 
     def snapshot(self, xp: Backend) -> Form:
         lens, known = self.valid_lens, self.valid_lens_known
         if lens is None:
             return self
-        if known is not None:  # (the host copy is the mask's own: no framework call)
-            lens = xp.asarray(known.astype(np.int32), device=xp.device_of(lens))
-        else:
-            lens = xp.snapshot(lens)
-        return replace(self, valid_lens=lens)
+        if known is None:
+            return replace(self, valid_lens=xp.snapshot(lens))
+        copy = xp.asarray(known.astype(np.int32), device=xp.device_of(lens))  # (no framework read)
+        return replace(self, valid_lens=copy)
 
 
-def window_within(
-    window: tuple[int | None, ...] | None,
-    num_queries: int,
-    num_keys: int,
-    offset_known: int | None,
-) -> tuple[int | None, ...] | None:
-    """A window side that reaches past every key for every query means no
-    limit (None): the arithmetic on positions then never meets a side near
-    2**31 (which wraps in int32). While the offset is traced, sides are
-    clamped to 2**30 instead."""
+def window_within(window: Sides, num_queries: int, num_keys: int, offset_known: Any) -> Sides:
+    """A window side past every key for every query is no limit (None): positions
+    never near 2**31 (int32 wraps); traced offset: sides clamped to ``SIDE_MAX``."""
     if window is None or window == (None, None):
         return window
     if offset_known is None:
@@ -174,8 +161,6 @@ def window_within(
 
 
 # -- host planning: the rows' intervals, known on the host --------------------------------
-
-
 def host_bounds(
     mask: Mask, b0: int = 0, b1: int | None = None, q0: int = 0, q1: int | None = None
 ) -> Any:  # (lo, hi) or None
@@ -193,85 +178,76 @@ def host_bounds(
         if form.valid_lens is not None:
             known = form.valid_lens_known
             hi = np.minimum(hi, known.reshape(known.shape[0], known.shape[2]))
-        p = np.arange(mask.num_queries)[None, :] + form.offset_known
-        if form.causal:
-            hi = np.minimum(hi, p + 1)
-        if form.window is not None:
-            left, right = form.window
-            if left is not None:
-                lo = np.maximum(lo, p - left)
-            if right is not None:
-                hi = np.minimum(hi, p + right + 1)
+        start, ends = form.limits(np.arange(mask.num_queries)[None, :] + form.offset_known)
+        lo = lo if start is None else np.maximum(lo, start)
+        for end in ends:
+            hi = np.minimum(hi, end)
         return lo, hi
 
-    lo, hi = mask._once("host_bounds", compute)
-
-    def block(x: np.ndarray) -> np.ndarray:
-        return x[
-            slice(b0, b1) if x.shape[0] > 1 else slice(None),
-            slice(q0, q1) if x.shape[1] > 1 else slice(None),
-        ]
-
-    return block(lo), block(hi)
+    rows, cols, every = slice(b0, b1), slice(q0, q1), slice(None)
+    return tuple(
+        x[rows if x.shape[0] > 1 else every, cols if x.shape[1] > 1 else every]
+        for x in mask._once("host_bounds", compute)
+    )
 
 
+def _known_lens(mask: Mask) -> Any:
+    """The intervals form when it is lengths alone, known on the host; else None."""
+    form = mask.intervals
+    return form if form is not None and form.only_lens and mask.known_on_host() else None
+
+
+def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
+    """``compute(mask)`` as a bool, once per Mask (``Mask._once``)."""
+
+    name = compute.__name__
+
+    @functools.wraps(compute)
+    def fact(mask: Mask) -> bool:
+        return bool(mask._once(name, lambda: compute(mask)))
+
+    return fact
+
+
+@_host_fact
 def sees_all(mask: Mask) -> bool:
     """Known on the host: every row's interval is all the keys."""
-    form = mask.intervals
-    if form is None:
+    if mask.intervals is None:
         return True
-
-    def compute() -> bool:
-        if form.only_lens:  # (one reduction, not the rows' intervals)
-            return mask.known_on_host() and form.least_length(mask) >= mask.num_keys
-        known = host_bounds(mask)
-        return (
-            known is not None
-            and bool((known[0] <= 0).all())
-            and bool((known[1] >= mask.num_keys).all())
-        )
-
-    return bool(mask._once("sees_all", compute))
+    lens = _known_lens(mask)
+    if lens is not None:  # (one reduction, not the rows' intervals)
+        return lens.least_length(mask) >= mask.num_keys
+    known = host_bounds(mask)
+    return known is not None and bool((known[0] <= 0).all() and (known[1] >= mask.num_keys).all())
 
 
+@_host_fact
 def rows_nonempty(mask: Mask) -> bool:
     """Known on the host: every row's interval holds a key."""
-    form = mask.intervals
-
-    def compute() -> bool:
-        if form is not None and form.only_lens and mask.known_on_host():
-            return mask.num_keys > 0 and form.least_length(mask) > 0
-        known = host_bounds(mask)
-        return known is not None and bool((known[1] > known[0]).all())
-
-    return bool(mask._once("rows_nonempty", compute))
+    lens = _known_lens(mask)
+    if lens is not None:
+        return mask.num_keys > 0 and lens.least_length(mask) > 0
+    known = host_bounds(mask)
+    return known is not None and bool((known[1] > known[0]).all())
 
 
+@_host_fact
 def keys_all_used(mask: Mask) -> bool:
     """Known on the host: each batch element's rows together see every key
     (their intervals overlap or touch: the union is [least lo, last hi))."""
-    form = mask.intervals
-
-    def compute() -> bool:
-        if (
-            form is not None
-            and form.only_lens
-            and form.valid_lens.shape[2] == 1
-            and mask.known_on_host()
-        ):
-            return form.least_length(mask) >= mask.num_keys
-        known = host_bounds(mask)
-        if known is None:
-            return False
-        lo, hi = known
-        rows = hi > lo
-        return bool(
-            rows.any(axis=1).all()
-            and (np.where(rows, lo, 1).min(axis=1) == 0).all()
-            and (np.where(rows, hi, 0).max(axis=1) >= mask.num_keys).all()
-        )
-
-    return bool(mask._once("keys_all_used", compute))
+    lens = _known_lens(mask)
+    if lens is not None and lens.valid_lens.shape[2] == 1:
+        return lens.least_length(mask) >= mask.num_keys
+    known = host_bounds(mask)
+    if known is None:
+        return False
+    lo, hi = known
+    rows = hi > lo
+    return bool(
+        rows.any(axis=1).all()
+        and (np.where(rows, lo, 1).min(axis=1) == 0).all()
+        and (np.where(rows, hi, 0).max(axis=1) >= mask.num_keys).all()
+    )
 
 
 def key_range(
@@ -289,14 +265,10 @@ def key_range(
     return int(lo[rows].min()), int(hi[rows].max())
 
 
-def element_ranges(
-    mask: Mask, q0: int = 0, q1: int | None = None
-) -> Any:  # (starts, stops, whole) or None
-    """Host ``(start, stop, whole)`` int64/bool arrays (batch,): the keys
-    that the rows ``[q0, q1)`` of each batch element may see lie in
-    ``[start, stop)`` (``(0, 0)``: none), and ``whole`` tells whether every
-    one of those rows sees all of them (never, past the intervals). None
-    while traced."""
+def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
+    """Host ``(start, stop, whole)`` (batch,) or None while traced: the rows
+    ``[q0, q1)`` of each element see keys in ``[start, stop)`` (``(0, 0)``:
+    none); ``whole``: each row sees all of them (never, past the intervals)."""
     known = host_bounds(mask, 0, None, q0, q1)
     if known is None:
         return None
@@ -317,10 +289,9 @@ def element_ranges(
 def _intervals_seen(
     lo: np.ndarray, hi: np.ndarray, block_q: int, block_k: int, nkb: int
 ) -> np.ndarray:
-    """bool (batch, Q blocks, K blocks): some row of the block of queries sees
-    a key of the block of keys, rows seeing keys ``[lo, hi)`` (batch, Q).
-    Each row adds 1 to its first block of keys and -1 past its last; a
-    running sum then counts the rows on each block: work O(Q + blocks)."""
+    """bool (batch, Q blocks, K blocks): some row (keys ``[lo, hi)``, (batch, Q))
+    of the block sees a key of it. Each row adds 1 to its first block of keys
+    and -1 past its last; a running sum counts the rows: work O(Q + blocks)."""
     batch, nq = lo.shape
     nqb, width = -(-nq // block_q), nkb + 1
     cell = (np.arange(batch)[:, None] * nqb + np.arange(nq) // block_q) * width
@@ -333,16 +304,12 @@ def _intervals_seen(
 
 
 # -- the lengths rule without a Mask (the straight line of small calls) ---------------------
-
-
 def lengths_visible(
     xp: Backend, lens: Array, ndim: int, num_keys: int, device: Any
 ) -> tuple[Array, Array]:
-    """Key ``j`` is visible to a query when ``j`` is below its length.
-    ``lens`` (batch,) or (batch, Q), integer or float32/float64 with whole
-    values; ``ndim`` that of the inputs, 3 or 4. Returns ``(visible, used)``:
-    bool (batch, [1,] Q|1, K), and bool (batch, [1,] K, 1) where some query
-    of the batch element sees the key."""
+    """Key ``j`` is visible to a query when below its length (``lens`` (batch,)
+    or (batch, Q), integers or whole floats; ``ndim`` the inputs', 3 or 4):
+    ``(visible, used)``, bool (batch, [1,] Q|1, K) and (batch, [1,] K, 1)."""
     dtype = xp.dtype_name(lens)
     if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
         lens, dtype = xp.astype(lens, "int32"), "int32"

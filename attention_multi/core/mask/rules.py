@@ -1,14 +1,10 @@
-"""What every path must do about what a query may not see.
-
-- **Masked weights** are exactly 0 (``masked_softmax``).
-- **Empty rows**: a query that may see no key gets zero weights and a zero
-  output, with finite gradients (``zero_empty_rows``).
-- **NaN**: NaN in the inputs propagates, except from key and value rows that
-  no query of that batch element may see; those are zeroed before any kernel
-  reads them (``guard_unused``; per block, where the whole mask is not built:
-  ``guard_block``). A framework's kernel that adds the mask to the scores is
-  guarded around (``kernel_inputs``).
-"""
+"""What every path must do about what a query may not see (the rules of
+``mask/__init__.py``): masked weights are exactly 0 (``masked_softmax``);
+empty rows get zero weights and output, finite gradients (``zero_empty_rows``);
+NaN propagates except from key and value rows no query of that batch element
+may see, zeroed before any kernel reads them (``guard_unused``,
+``kernel_inputs``; per block, where no mask of the whole call is built:
+``guard_block``)."""
 
 from __future__ import annotations
 
@@ -26,23 +22,18 @@ if TYPE_CHECKING:
     from ...types import Array
 
 
-def rows_with_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
-    """bool (batch|1, heads|1, Q, 1): True where a query may see some key;
-    None when every query is known to see one."""
-    form = mask.intervals
-    if not mask.restricted:
-        if form is None:
-            return None if mask.num_keys else xp.zeros((1, 1, 1, 1), "bool", device)
-        if rows_nonempty(mask):
-            return None
-        lo, hi = form.bounds(xp, mask, device)
-        return hi > (0 if lo is None else lo)
-    return xp.any(mask.boolean(xp, device), -1, keepdims=True)
-
-
 def zero_empty_rows(xp: Backend, mask: Mask, out: Array) -> Array:
     """Zero the output rows (batch, heads, Q, dv) of queries that see no key."""
-    rows = rows_with_keys(xp, mask, xp.device_of(out))
+    form, device = mask.intervals, xp.device_of(out)
+    if mask.restricted:  # (rows with keys: bool (batch|1, heads|1, Q, 1), None: all)
+        rows = xp.any(mask.boolean(xp, device), -1, keepdims=True)
+    elif form is None:
+        rows = None if mask.num_keys else xp.zeros((1, 1, 1, 1), "bool", device)
+    elif rows_nonempty(mask):
+        rows = None
+    else:
+        lo, hi = form.bounds(xp, mask, device)
+        rows = hi > (0 if lo is None else lo)
     return out if rows is None else xp.where(rows, out, 0.0)
 
 
@@ -92,10 +83,9 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
 def guard_unused(
     xp: Backend, mask: Mask, keys: Array, values: Array, guard_keys: bool = True
 ) -> tuple[Array, Array]:
-    """Zero key and value rows that no query may see (NaN there must not
-    leak into the product); ``keys``/``values`` (batch, heads, K, d).
-    ``guard_keys=False``: the values only (for a caller that masks the
-    scores by ``where`` and computes no gradient through the keys)."""
+    """Zero key and value rows (batch, heads, K, d) that no query may see (no
+    NaN leaks from them); ``guard_keys=False``: the values only (for a caller
+    that masks the scores by ``where``, no gradient through the keys)."""
     big = size(keys) + size(values) >= xp.finite_check_min
     if mask.restricted and big and all_finite(xp, keys, values):  # (no dense mask to build)
         return keys, values
@@ -124,16 +114,11 @@ def kernel_inputs(
     queries_finite: bool = False,
     keys_finite: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
-    """``(keys, values, finish)`` for a framework's kernel: unused key and
-    value rows zeroed (``guard_unused``); ``finish(out)`` zeroes empty rows.
-    For a kernel without ``Backend.fused_keeps_nan`` the NaN rules are
-    enforced around it, on the device (no host read): NaN in a query row comes
-    back into that row (``sum(q * 0)`` is 0 or NaN), and under a per-query
-    mask, which such a kernel adds to the scores (NaN + fill is NaN), NaN keys
-    are zeroed before it and the rows that may see one are NaN after it.
-    ``queries_finite``, ``keys_finite``: the caller checked that no query,
-    or no key and value, is NaN or infinite: the passes that guard against
-    them are skipped."""
+    """``(keys, values, finish)`` for a kernel: unused key and value rows zeroed,
+    ``finish(out)`` zeroes empty rows. Without ``Backend.fused_keeps_nan`` the
+    NaN rules are kept around it on the device (a query row's NaN comes back;
+    under a per-query mask, rows that may see a NaN key are NaN).
+    ``queries_finite``, ``keys_finite``: checked finite by the caller."""
     if not keys_finite:
         keys, values = guard_unused(xp, mask, keys, values)
     if xp.fused_keeps_nan:
@@ -158,13 +143,9 @@ def kernel_inputs(
 
 
 def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out: Array) -> bool:
-    """Whether the output of a kernel run without the NaN guards (empty rows
-    zeroed) is the contract's: read on the host, False while traced. It is
-    when the output and the queries are finite (no NaN reached an output, no
-    query's NaN was dropped) and, under autodiff, the keys and values too (a
-    NaN the mask hides from the output would still reach the gradients).
-    Otherwise the caller runs the guarded way; the guards cost several passes
-    over the inputs, this check one read of the output and of the queries."""
+    """Whether a kernel's output without the NaN guards is the contract's (host
+    read; False while traced): output and queries finite, and under autodiff
+    keys and values too (a hidden NaN would reach the gradients)."""
     if not all_finite(xp, out, queries):
         return False
     differentiated = any(xp.may_differentiate(x) for x in (queries, keys, values))
@@ -172,10 +153,8 @@ def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out
 
 
 def _sees_nan_keys(xp: Backend, mask: Mask, queries: Array, keys: Array) -> Array | None:
-    """bool (batch, heads, Q, 1): the query may see a key with a NaN;
-    None when every query sees every key. One product of the visible keys
-    (as 0/1, heads of a one-head mask in its columns, batch broadcast) with
-    each key's NaN flag."""
+    """bool (batch, heads, Q, 1): the query may see a key with a NaN (None: sees
+    every key); one product of the visible keys (0/1) with each key's NaN flag."""
     batch, heads, num_q = queries.shape[:3]
     work = compute_dtype(xp.dtype_name(queries))
     bad = xp.astype(xp.any(keys != keys, -1, keepdims=True), work)  # (b, kv_heads, K, 1)
@@ -210,25 +189,14 @@ def masked_softmax(
     device: Any = None,
 ) -> Array:
     """Softmax over the last axis restricted to ``visible`` (None: all), in
-    float32 for half precision; masked weights and empty rows are exactly 0.
-    Returns the dtype of ``scores``.
-
-    What the caller knows makes it cheaper, never different:
-    ``empty_rows=False``, every row sees a key (masked weights are then 0
-    without a second ``where``: exp of the fill against a visible score
-    underflows to 0); ``hidden_finite``, no hidden score is NaN (the key rows
-    nobody sees were zeroed), so where ``Backend.masks_by_adding`` a
-    broadcast mask of 0 and the fill is added instead of a ``where`` over
-    every score (fill + score rounds to the fill, or to -inf: weight 0).
-    ``before_product``: the weights are multiplied by the values next and
-    reach users only through ``Backend.nan_rows``
-    (``Backend.softmax_before_product``). ``lens``: the lengths ``visible``
-    was made from (``intervals.lengths_visible``), for
-    ``Backend.below_lengths``; ``visible`` may then be a function that makes
-    it (the straight line). ``dtype`` and ``device``: those of ``scores``,
-    where the caller has them."""
-    if dtype is None:
-        dtype = xp.dtype_name(scores)
+    float32 for half precision, in the dtype of ``scores``; masked weights and
+    empty rows are exactly 0. What the caller knows makes it cheaper, never
+    different: ``empty_rows=False``, every row sees a key; ``hidden_finite``,
+    no hidden score is NaN (``Backend.masks_by_adding``); ``before_product``
+    (``Backend.softmax_before_product``); ``lens``, the lengths ``visible``
+    came from (``Backend.below_lengths``; ``visible`` may then be a function
+    that makes it); ``dtype``, ``device``: of ``scores``."""
+    dtype = dtype or xp.dtype_name(scores)
     work = compute_dtype(dtype)
     x = xp.astype(scores, work) if work != dtype else scores
     softmax = xp.softmax_before_product if before_product else xp.softmax
@@ -247,10 +215,8 @@ def masked_softmax(
         else:
             x = xp.where(visible, x, fill_against(xp, work, device))
         weights = softmax(x, -1)
-        if empty_rows:
-            weights = (
-                xp.below_lengths(weights, visible, lens, 0.0, -1)
-                if by_lengths
-                else xp.where(visible, weights, 0.0)
-            )
+        if empty_rows and by_lengths:
+            weights = xp.below_lengths(weights, visible, lens, 0.0, -1)
+        elif empty_rows:
+            weights = xp.where(visible, weights, 0.0)
     return weights if work == dtype else xp.astype(weights, dtype)

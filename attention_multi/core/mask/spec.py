@@ -1,16 +1,7 @@
-"""``Mask``: which keys each query may see, for (batch, heads, Q, K) attention,
-as immutable data: a shape and the forms the caller set.
-
-A form (``Form``) is one family of mask keywords (``intervals.py``: lengths,
-causal, window; ``arrays.py``: ``mask``, ``bias``; ``functions.py``:
-``mask_mod``, ``score_mod``; ``segments.py``: ``segment_ids``), and answers
-the same few questions: which positions of the index grid it lets a query see
-(``visible``), what it does to the scores (``scores``), the state of a block
-of queries x keys on the host (``region_state``, ``states``), a device test
-of whether a block is seen (``seen``), and the form over a region (``region``).
-A mask holds only the forms that are set: "is anything set?" is asked of one
-list.
-"""
+"""``Mask``: which keys each query may see, as immutable data: a shape and the
+forms set (only those). A ``Form``, one family of mask keywords, answers the
+same few questions (``visible``, ``scores``, ``region_state``, ``states``,
+``seen``, ``region``)."""
 
 from __future__ import annotations
 
@@ -25,8 +16,7 @@ if TYPE_CHECKING:
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block states, the one encoding: no query of the block may see a key of it
-(skipped), some may (computed with the mask), each may see all (computed
-without a mask)."""
+(skipped), some may (computed with the mask), each sees all (no mask)."""
 
 
 class Region(NamedTuple):
@@ -49,9 +39,8 @@ class Region(NamedTuple):
 
 
 class Form:
-    """One family of mask keywords over a mask's region. Subclasses set
-    ``kind`` and override what their family answers; the defaults are those
-    of a form that cannot tell anything about a block on the host."""
+    """One family of mask keywords. Subclasses set ``kind`` and override what
+    their family answers; the defaults tell nothing about a block on the host."""
 
     kind: ClassVar[str] = ""
     restricts: ClassVar[bool] = True  # hides keys (False: only changes scores, as score_mod)
@@ -80,15 +69,13 @@ class Form:
         return None
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array | None:
-        """Device bool (0-d): some query of the region may see a key of it
-        by this form (None: it does not say)."""
+        """Device bool (0-d): some query of ``r`` may see a key of it (None: no answer)."""
         return None
 
     def key_span(
         self, mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
     ) -> tuple[int, int]:
-        """Host: the keys ``[start, stop)`` that element ``b``'s rows
-        ``[q0, q1)`` may see, narrowed by this form (``narrows``)."""
+        """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, narrowed."""
         return start, stop
 
     def region(self, mask: Mask, r: Region) -> Form:
@@ -96,8 +83,7 @@ class Form:
         raise NotImplementedError
 
     def rows(self, xp: Backend, mask: Mask, rows: np.ndarray) -> Form:
-        """This form over the batch elements ``rows`` (host ints), in that
-        order (only where ``gathers``)."""
+        """This form over the batch elements ``rows`` (host ints), in that order."""
         raise NotImplementedError
 
     def snapshot(self, xp: Backend) -> Form:
@@ -126,37 +112,24 @@ def _cut(xp: Backend | None, x: Any, axis: int, start: Any, stop: Any, size: int
 
 
 def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> Any:
-    """``x`` (4-D, size-1 axes broadcast) cut to the region ``r`` (its keys
-    too, unless ``keys`` is False); ``xp`` cuts at traced starts."""
+    """``x`` (4-D, size-1 axes broadcast) cut to ``r`` (its keys too, unless
+    not ``keys``); ``xp`` cuts at traced starts (``Region.sizes``)."""
     if x is None:
         return None
-    index = [slice(None)] * 4
-    if x.shape[0] > 1:
-        index[0] = slice(r.b0, r.b1)
-    if r.on_host:  # (one indexing)
-        if x.shape[2] > 1:
-            index[2] = slice(r.q0, r.q1)
-        if keys and x.shape[3] > 1:
-            index[3] = slice(r.k0, r.k1)
-        return x[tuple(index)]
-    x = x[tuple(index)]
-    nq, nk = r.sizes or (None, None)
-    if x.shape[2] > 1:
-        x = _cut(xp, x, 2, r.q0, r.q1, nq)
-    if keys and x.shape[3] > 1:
-        x = _cut(xp, x, 3, r.k0, r.k1, nk)
-    return x
+    if not r.on_host:
+        nq, nk = r.sizes or (None, None)
+        x = x[r.b0 : r.b1] if x.shape[0] > 1 else x
+        x = _cut(xp, x, 2, r.q0, r.q1, nq) if x.shape[2] > 1 else x
+        return _cut(xp, x, 3, r.k0, r.k1, nk) if keys and x.shape[3] > 1 else x
+    bounds = ((r.b0, r.b1), (None, None), (r.q0, r.q1), (r.k0, r.k1) if keys else (None, None))
+    return x[tuple(slice(*b) if n > 1 else slice(None) for n, b in zip(x.shape, bounds))]
 
 
 class Mask:
-    """Which keys each query may see, for (batch, heads, Q, K) attention.
-
-    ``forms``: the forms set, in the keyword list's order (``build.py``).
-    ``host``: False while host NumPy code is itself traced
-    (``Backend.host_code_traced``), when nothing is decided on the host.
-    ``xp``: the backend (a ``mask_mod`` is evaluated on it for block states).
-    Nothing writes into a Mask: a block of it is a new Mask (``region``).
-    """
+    """Which keys each query may see, for (batch, heads, Q, K) attention:
+    ``forms`` in the keyword list's order; ``host`` False while host code is
+    traced (``Backend.host_code_traced``: nothing decided on the host); ``xp``
+    the backend. Nothing writes into a Mask: a block is a new one (``region``)."""
 
     __slots__ = (
         "batch",
@@ -195,12 +168,18 @@ class Mask:
             self._cache[name] = compute()
         return self._cache[name]
 
+    def _with(self, forms: tuple[Form, ...], batch: int, num_queries: int, num_keys: int) -> Mask:
+        return Mask(batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
+
     def __repr__(self) -> str:
-        kinds = ", ".join(self._kinds) or "nothing"
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
-        return f"Mask({shape}, {kinds})"
+        return f"Mask({shape}, {', '.join(self._kinds) or 'nothing'})"
 
     # -- the forms ---------------------------------------------------------------------
+    def form(self, kind: str) -> Any:
+        """The form ``kind`` (a ``Form.kind``) when it is set, else None."""
+        return self._kinds.get(kind)
+
     @property
     def intervals(self) -> Any:
         """The lengths, causal and window form (``intervals.Intervals``) or None."""
@@ -218,20 +197,15 @@ class Mask:
         form = self.form("score_mod")
         return None if form is None else form.score_mod
 
-    def form(self, kind: str) -> Any:
-        """The form ``kind`` (a ``Form.kind``) when it is set, else None."""
-        return self._kinds.get(kind)
-
     # -- predicates ------------------------------------------------------------------
     @property
     def unmasked(self) -> bool:
         """Every query may see every key, and there is no bias."""
-        return len(self.forms) == 0
+        return len(self.forms) == 0  # (not `not self.forms`: torch.compile traces this)
 
     @property
     def dense(self) -> bool:
-        """Something beyond the row intervals is set (a block then needs the
-        mask's value, not only its intervals)."""
+        """Something beyond the row intervals is set (a block needs its values)."""
         return any(f.kind != "intervals" for f in self.forms)
 
     @property
@@ -242,8 +216,7 @@ class Mask:
     @property
     def only_lens(self) -> bool:
         """Only ``valid_lens`` (1-D or 2-D) restrict the keys; no bias."""
-        intervals = self.intervals
-        return len(self.forms) == 1 and intervals is not None and intervals.only_lens
+        return len(self.forms) == 1 and self.intervals is not None and self.intervals.only_lens
 
     @property
     def per_batch_lens(self) -> Array | None:
@@ -262,14 +235,9 @@ class Mask:
     def top_left_causal(self) -> bool:
         """Only causal, with query ``i`` seeing keys ``j <= i`` (offset 0),
         over as many keys as queries: what a kernel's ``is_causal`` means."""
-        intervals = self.intervals
-        return (
-            len(self.forms) == 1
-            and intervals is not None
-            and intervals.only_causal
-            and self.num_queries == self.num_keys
-            and intervals.offset_known == 0
-        )
+        form, square = self.intervals, self.num_queries == self.num_keys
+        causal = form is not None and form.only_causal and form.offset_known == 0
+        return len(self.forms) == 1 and causal and square
 
     def known_on_host(self) -> bool:
         """Whether every form is known on the host (not traced)."""
@@ -278,9 +246,8 @@ class Mask:
     @property
     def every_row_sees_a_key(self) -> bool:
         """Known on the host: no query is left with no visible key."""
-        if self.unmasked:
-            return True
-        return self.only_lens and self.known_on_host() and self.intervals.least_length(self) > 0
+        known = self.only_lens and self.known_on_host()
+        return self.unmasked or (known and self.intervals.least_length(self) > 0)
 
     # -- the dense rendering: the AND of the forms ------------------------------------
     def boolean(self, xp: Backend, device: Any) -> Array | None:
@@ -317,8 +284,7 @@ class Mask:
         return xp.where(visible, 0.0 if self.bias is None else self.bias, fill(xp, dtype, device))
 
     def scores(self, xp: Backend, s: Array, work: str) -> Array:
-        """The scaled scores ``s`` after every form that changes them (bias,
-        then ``score_mod``), in the compute dtype ``work``."""
+        """The scaled scores ``s`` after every form (bias, then ``score_mod``), in ``work``."""
         for form in self.forms:
             s = form.scores(xp, self, s, work)
         return s
@@ -340,19 +306,18 @@ class Mask:
         return state
 
     def region(self, r: Region, state: int | None = None) -> Mask:
-        """The Mask of the block ``r``, positions counted from its start. A
+        """The Mask of the block ``r``, positions counted from its start; a
         block every query sees whole gets a Mask without forms."""
         if state is None:
             state = self.block_state(r)
         forms = () if state == FULL else tuple(f.region(self, r) for f in self.forms)
-        return Mask(r.b1 - r.b0, self.heads, r.q1 - r.q0, r.k1 - r.k0, forms, self.host, self.xp)
+        return self._with(forms, r.b1 - r.b0, r.q1 - r.q0, r.k1 - r.k0)
 
     def rows(self, rows: np.ndarray) -> Mask:
         """The Mask of the batch elements ``rows`` (host ints), in that order;
         every form must gather (``Form.gathers``)."""
-        xp = self.xp
-        forms = tuple(f.rows(xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
-        return Mask(len(rows), self.heads, self.num_queries, self.num_keys, forms, self.host, xp)
+        forms = tuple(f.rows(self.xp, self, rows) for f in self.forms)  # type: ignore[arg-type]
+        return self._with(forms, len(rows), self.num_queries, self.num_keys)
 
     def block_at(self, q0: Any, k0: Any, num_queries: int, num_keys: int) -> Mask:
         """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0,
@@ -361,13 +326,11 @@ class Mask:
         to it). Every form cuts its arrays there (``Backend.read_slice``)."""
         r = Region(0, self.batch, q0, q0 + num_queries, k0, k0 + num_keys, (num_queries, num_keys))
         forms = tuple(f.region(self, r) for f in self.forms)
-        return Mask(self.batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
+        return self._with(forms, self.batch, num_queries, num_keys)
 
     def keys_from(self, k0: Any, size: int) -> Mask:
-        """The Mask of the keys ``[k0, k0 + size)`` for every query, ``k0``
-        an int or traced (ring attention under ``shard_map``, scans). Only
-        for forms that cut at a traced position (``Form.cuts_traced``: all
-        but ``mask=`` and ``bias=``)."""
+        """The Mask of the keys ``[k0, k0 + size)``, ``k0`` an int or traced (ring
+        attention, scans); only for forms that cut there (``Form.cuts_traced``)."""
         if not all(f.cuts_traced for f in self.forms):
             raise ValueError(
                 "a block of keys at a traced position takes valid_lens, causal, window, "
@@ -375,7 +338,7 @@ class Mask:
             )
         r = Region(0, self.batch, 0, self.num_queries, k0, k0 + size)
         forms = tuple(f.region(self, r) for f in self.forms)
-        return Mask(self.batch, self.heads, self.num_queries, size, forms, self.host, self.xp)
+        return self._with(forms, self.batch, self.num_queries, size)
 
     def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
         """Device bool (0-d): whether some query of the region ``r`` may see
@@ -388,8 +351,7 @@ class Mask:
         return seen
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
-        """Host: the keys ``[start, stop)`` narrowed by every form for the
-        rows ``[q0, q1)`` of element ``b``."""
+        """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, every form's."""
         for form in self.forms:
             if stop <= start:
                 return 0, 0
@@ -397,9 +359,6 @@ class Mask:
         return start, stop
 
     def snapshot(self, xp: Backend) -> Mask:
-        """This Mask over copies of its arrays, which the caller's later
-        in-place writes do not reach."""
+        """This Mask over copies of its arrays, out of reach of the caller's in-place writes."""
         forms = tuple(f.snapshot(xp) for f in self.forms)
-        return Mask(
-            self.batch, self.heads, self.num_queries, self.num_keys, forms, self.host, self.xp
-        )
+        return self._with(forms, self.batch, self.num_queries, self.num_keys)

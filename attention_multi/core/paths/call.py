@@ -16,29 +16,21 @@ if TYPE_CHECKING:
     from ..mask import Mask
 
 Weights = Literal["never", "later", "now"]
-"""When the caller reads the weights: never (no copies kept), later (kept as
-a function of copies of the inputs), now (the next read is certain: a path
-that keeps them is worth a second pass)."""
+"""When the caller reads the weights: never (no copies kept), later (a function
+of copies of the inputs), now (certain: a path that keeps them is worth it)."""
 
 AUTODIFF_HELD = 4
-"""Score-sized arrays a materialized softmax holds for its backward pass
-(measured: JAX's jitted gradient keeps 4.05 for one of scores); a call under
-autodiff counts its scores this many times against ``memory_budget`` before
-taking a path that materializes them (``Backend.is_differentiated``)."""
+"""Score-sized arrays a materialized softmax holds for its backward pass (JAX's
+jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 
 
 class Call:
-    """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch,
-    kv_heads, K, d|dv); ``mask`` the normalized ``Mask``; ``scale``;
-    ``dropout`` the rate on the weights (0: none), ``key`` the PRNG key
-    where the framework needs one (JAX); ``path`` the one asked for
-    (``"auto"``: the cheapest plan); ``budget`` bytes of score-sized
-    intermediates; ``chunk_size`` queries and keys per block, or None;
-    ``weights``: when the caller reads them; ``private``: queries and keys
-    only this call holds (projections), kept for the weights without copies;
-    ``lse``: the caller reads each row's log-sum-exp (``online.log_sum_exp``):
-    a path's ``run`` then returns it third, (batch, heads, Q, 1) in the compute
-    dtype, and a path that cannot give it (a framework's kernel) has no plan."""
+    """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
+    K, d|dv); ``dropout`` the weights' rate, ``key`` the PRNG key where needed
+    (JAX); ``path`` asked for (``"auto"``: cheapest); ``budget`` bytes of
+    score-sized intermediates; ``private``: arrays only this call holds (kept
+    without copies); ``lse``: each row's log-sum-exp is read (``run`` returns
+    it third, (batch, heads, Q, 1) in the compute dtype; a kernel: no plan)."""
 
     def __init__(
         self,
@@ -88,9 +80,8 @@ class Call:
 
 
 class Plan(NamedTuple):
-    """What a path would do: ``cost`` in scores' worth of work (each kernel
-    call counting ``Backend.call_cost()``), and the path's own
-    ``detail`` for its ``run``."""
+    """What a path would do: ``cost`` in scores (each kernel call counting
+    ``Backend.call_cost()``) and the path's own ``detail`` for its ``run``."""
 
     cost: float
     detail: Any = None
@@ -109,11 +100,7 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     folded from ``key`` (None when the rate is 0)."""
     if not rate:
         return None
-
-    def drop(w: Array, index: Any = None) -> Array:  # (callers pass an int index)
-        return xp.dropout(w, rate, xp.fold_key(key, index))
-
-    return drop
+    return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
 
 
 def grouped(
@@ -125,13 +112,11 @@ def grouped(
     most: int,
     gather: bool,
 ) -> list[tuple[np.ndarray, int, int, bool]]:
-    """``(elements, k0, k1, whole)`` groups, each one kernel call over the
-    keys ``[k0, k1)`` that its elements see together (``starts``, ``stops``:
-    each element's), that minimize the scores computed (``rows`` per element
-    and key) plus ``call_cost`` per group, at most ``most`` elements each:
-    consecutive elements, or the elements sorted by the keys they see when
-    ``gather``. Elements that see no key form one group of their own, last
-    (no kernel call)."""
+    """``(elements, k0, k1, whole)`` groups of at most ``most`` elements, each
+    one kernel call over the keys its elements see together (``starts``,
+    ``stops``: each element's), at least scores (``rows`` per element and key)
+    plus ``call_cost`` per group: consecutive, or sorted by keys when
+    ``gather``. Elements that see no key: one group, last (no kernel call)."""
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:
@@ -141,15 +126,12 @@ def grouped(
     best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
     for j in range(1, n + 1):  # best[j]: the first j elements, grouped
         i = np.arange(max(0, j - most), j)
-        span = (
-            np.maximum.accumulate(stops[order[i]][::-1])[::-1]
-            - np.minimum.accumulate(starts[order[i]][::-1])[::-1]
-        )
+        back = order[i][::-1]  # (the keys that elements i..j-1 see together, for each i)
+        span = np.maximum.accumulate(stops[back])[::-1] - np.minimum.accumulate(starts[back])[::-1]
         cost = best[i] + (j - i) * rows * span + per_group
         cut[j] = i[np.argmin(cost)]
         best[j] = cost.min()
-    out = []
-    j = n
+    out, j = [], n
     while j > 0:
         members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
         k0, k1 = int(starts[members].min()), int(stops[members].max())

@@ -1,7 +1,6 @@
-"""The tiled path: one tile per batch element and block of queries, over only
-the keys that tile may see (padding is never computed), each through the
-backend's kernel or the softmax-product written here, on
-``Backend.parallel_map``. Needs the rows' intervals on the host."""
+"""The tiled path: tiles of batch elements and a block of queries over only the
+keys they see (never the padding), each through the backend's kernel or the
+softmax-product here, on ``Backend.parallel_map``; the intervals on the host."""
 
 from __future__ import annotations
 
@@ -9,18 +8,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..mask import Mask
 from ..mask.intervals import element_ranges
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
-from ..mask.spec import Region
-from ..numerics import (
-    all_finite,
-    compute_dtype,
-    empty_rows,
-    fill_against,
-    scaled,
-    work_itemsize,
-)
+from ..mask.spec import Mask, Region
+from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled, work_itemsize
 from . import fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
@@ -32,9 +23,7 @@ if TYPE_CHECKING:
 NAME = "tiled"
 DEFAULT_BLOCK_QUERIES = 512
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
-TILED_WORK_MAX = 0.9
-"""Tiles are taken over one kernel call when their work, each call counted,
-is at most 0.9 of it: their cost is divided by this."""
+TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls counted): cost / this
 
 
 class Group(NamedTuple):
@@ -49,10 +38,15 @@ class Group(NamedTuple):
     k1: int
     whole: bool
 
+    @property
+    def ranged(self) -> bool:
+        """Its rows are a range (sliced, not gathered)."""
+        return bool((np.diff(self.rows) == 1).all())
+
 
 class Tiles(NamedTuple):
     """The groups of each block of queries ``blocks`` (their rows, in group
-    order, are a permutation of the batch); ``scores`` the scores computed."""
+    order, a permutation of the batch); ``scores`` the scores computed."""
 
     groups: list[list[Group]]
     blocks: list[tuple[int, int]]
@@ -67,12 +61,9 @@ def plan_tiles(
     chunk_size: int | None = None,
     call_cost: float = 0.0,
 ) -> Tiles | None:
-    """The tiles of a call, or None when they cannot run (the mask's
-    intervals traced, or not even one query's scores within the budget).
-    Per block of queries, the batch elements are grouped by the keys they
-    see (sorted, when every form of the mask can be gathered by rows) into
-    the groups that cost least, each group's keys counted in full and each
-    call ``call_cost`` more."""
+    """The tiles of a call (None: the intervals traced, or not one query's
+    scores within the budget): per block of queries, the batch elements
+    grouped by the keys they see at least cost (``call.grouped``)."""
     if not mask.known_on_host():
         return None
     batch, heads, num_q = q.shape[:3]
@@ -96,45 +87,40 @@ def plan_tiles(
 
 
 def plan(call: Call) -> Plan | None:
-    """The tiles' scores and kernel calls (divided by ``TILED_WORK_MAX``);
-    not with keyed dropout (a jitted call must draw what an eager one draws),
-    nor on a framework that compiles each new shape unless asked for by name;
-    under autodiff every tile's scores are held at once: all must fit."""
-    xp = call.xp
-    if not call.asks("tiled") or call.keyed_dropout or call.lse:  # (kernels give no lse)
+    """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
+    (a jitted call draws as an eager one) or ``lse`` (kernels give none), nor,
+    unless named, where each new shape compiles."""
+    xp, named, cost = call.xp, call.path == "tiled", call.call_cost
+    if not call.asks("tiled") or call.keyed_dropout or call.lse:
         return None
-    if call.path != "tiled" and xp.compiles_per_shape:
+    if not named and xp.compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
-    cost = call.call_cost
     tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
-    if tiles is None:
+    held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
+    if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    if call.held > 1 and call.path != "tiled":
-        if tiles.scores * call.itemsize * call.held > call.budget:
-            return None
     return Plan((tiles.scores + cost * calls(tiles)) / TILED_WORK_MAX, tiles)
 
 
 def calls(tiles: Tiles) -> int:
-    """The framework calls the tiles make beside what every path makes: a
-    kernel call per group, three gathers more per group of rows that are not
-    a range, and one to put a block's rows back in batch order."""
-    count = 0
-    for block in tiles.groups:
-        order = np.concatenate([g.rows for g in block])
-        count += (order != np.arange(len(order))).any()
-        for g in block:
-            ranged = (np.diff(g.rows) == 1).all()
-            count += (g.k1 > g.k0) * (1 if ranged else 4)
+    """The framework calls the tiles make beside every path's: a kernel call
+    per group (with 3 gathers unless a range), one per block out of order."""
+    count = sum(_back_order(block) is not None for block in tiles.groups)
+    for g in (g for block in tiles.groups for g in block):
+        count += (g.k1 > g.k0) * (1 if g.ranged else 4)
     return int(count)
 
 
+def _back_order(block: list[Group]) -> np.ndarray | None:
+    """The permutation that puts a block's rows back in batch order (None: they are)."""
+    order = np.concatenate([g.rows for g in block])
+    return np.argsort(order) if (order != np.arange(len(order))).any() else None
+
+
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
-    """The groups of ``plan``: each through the backend's kernel or
-    ``softmax_product``, on ``Backend.parallel_map``; each block of queries'
-    rows put back in batch order. Eager, the kernels run without the NaN
-    guards first and one check of the output decides (``fused.trusting``)."""
+    """The groups of ``plan`` on ``Backend.parallel_map``, back in batch order;
+    eager, unguarded first where one check of the output allows (``fused.trusting``)."""
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
     if xp.has_fused_attention and fused.trusting(xp, q, k, v):
         out = _groups(call, plan.detail, guarded=False)
@@ -148,13 +134,14 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     heads, dv, dtype, device = call.heads, v.shape[-1], call.dtype, call.device
     drop = dropout_fn(xp, call.dropout, call.key)
     groups = [g for block in tiles.groups for g in block]
-    finite = keys_finite = False
+    checks = {"queries_finite": False, "keys_finite": False, "guarded": guarded}
     if guarded:
         # (one read of the inputs instead of the NaN passes around each tile's kernel)
         finite = xp.has_fused_attention and not xp.fused_keeps_nan and all_finite(xp, q)
         # (keys a group holds that some of its rows do not see: read once, not zeroed per group)
         unseen = mask.per_query or any(not g.whole and len(g.rows) > 1 for g in groups)
-        keys_finite = xp.has_fused_attention and unseen and all_finite(xp, k, v)
+        checks["queries_finite"] = finite
+        checks["keys_finite"] = xp.has_fused_attention and unseen and all_finite(xp, k, v)
 
     def tile(index: int) -> Array:
         g = groups[index]
@@ -162,69 +149,43 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
         if g.k1 <= g.k0:  # (still in the autodiff graph)
             return empty_rows(xp, (n, heads, g.q1 - g.q0, dv), dtype, device, q, k, v)
         b0 = int(g.rows[0])
-        if (g.rows == np.arange(b0, b0 + n)).all():  # (a range: slices, no copies)
+        if g.ranged:  # (slices, no copies)
             part, region = slice(b0, b0 + n), Region(b0, b0 + n, *g[1:5])
             args = (q[part, :, g.q0 : g.q1], k[part, :, g.k0 : g.k1], v[part, :, g.k0 : g.k1])
             sub = None if g.whole else mask.region(region)
         else:
             rows = xp.asarray(g.rows, "int32", device)
-            args = (
-                xp.take(q, rows, 0)[:, :, g.q0 : g.q1],
-                *(xp.take(x, rows, 0)[:, :, g.k0 : g.k1] for x in (k, v)),
-            )
+            q_rows, k_rows, v_rows = (xp.take(x, rows, 0) for x in (q, k, v))
+            args = (q_rows[:, :, g.q0 : g.q1], k_rows[:, :, g.k0 : g.k1], v_rows[:, :, g.k0 : g.k1])
             sub = None if g.whole else mask.rows(g.rows).region(Region(0, n, *g[1:5]))
         if sub is None:
             sub = Mask(n, heads, g.q1 - g.q0, g.k1 - g.k0)
-        out = fused.kernel(
-            xp,
-            *args,
-            sub,
-            scale,
-            dropout=call.dropout,
-            queries_finite=finite,
-            keys_finite=keys_finite,
-            guarded=guarded,
-        )
+        out = fused.kernel(xp, *args, sub, scale, dropout=call.dropout, **checks)
         if out is None:
             tile_drop = None if drop is None else (lambda p: drop(p, index))
             out = softmax_product(xp, *args, sub, scale, tile_drop)
         return out
 
     indices = range(len(groups))
-    outs = (
-        xp.parallel_map(tile, indices)
-        if call.scores >= PARALLEL_MIN_SCORES
-        else [tile(i) for i in indices]
-    )
+    parallel = call.scores >= PARALLEL_MIN_SCORES
+    outs = xp.parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
     for block in tiles.groups:
-        done = outs[i : i + len(block)]
-        i += len(block)
+        done, i = outs[i : i + len(block)], i + len(block)
         out = done[0] if len(done) == 1 else xp.concatenate(done, 0)
-        order = np.concatenate([g.rows for g in block])
-        if (order != np.arange(len(order))).any():  # back to batch order
-            out = xp.take(out, xp.asarray(np.argsort(order), "int32", device), 0)
+        back = _back_order(block)
+        if back is not None:
+            out = xp.take(out, xp.asarray(back, "int32", device), 0)
         parts.append(out)
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, 2)
 
 
 def softmax_product(
-    xp: Backend,
-    q: Array,
-    k: Array,
-    v: Array,
-    mask: Mask,
-    scale: float,
-    dropout: Any = None,
+    xp: Backend, q: Array, k: Array, v: Array, mask: Mask, scale: float, dropout: Any = None
 ) -> Array:
-    """``softmax(scale q k^T) v`` of one tile.
-
-    Softmax is shift-invariant: when ``|score| <= scale |q_i| max_j |k_j|``
-    (Cauchy-Schwarz) bounds every score well inside exp's range (checked on
-    the host when the values are concrete), the scores are exponentiated as
-    they are, without the pass for the row maxima.
-    ``dropout`` (a function of the probabilities) applies to the product only.
-    """
+    """``softmax(scale q k^T) v`` of one tile, ``dropout`` (a function of the
+    probabilities) on the product only; no pass for the row maxima where
+    Cauchy-Schwarz bounds every score well inside exp's range (host check)."""
     dtype = xp.dtype_name(q)
     work = compute_dtype(dtype)
     k, v = expand_kv(xp, k, v, q.shape[1])
