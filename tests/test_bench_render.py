@@ -33,7 +33,7 @@ RUN = {
     "small": [
         {"backend": "numpy", "ours_s": 1.4e-5, "theirs_s": 1.3e-5, "ratio": 1.07, "met": False}
     ],
-    "packed": [["torch", "forward", "flex", 0.18, 0.255, 0.71, 0.115, None]],
+    "packed": [["torch", "forward", "flex", 0.18, 0.255, 0.71, 0.115, None, [12, 1]]],
     "a_new_table": [{"busy_ratio": 1.25, "note": "a | b"}],
     "long": [],
 }

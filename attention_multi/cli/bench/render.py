@@ -49,6 +49,7 @@ LIST_COLUMNS = {
         "ratio",
         "scores_computed",
         "max_abs_diff",
+        "parallel_regions",
     ],
 }
 LIST_COLUMNS["flex"] = LIST_COLUMNS["packed"]  # printed by the same packed_table
