@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from attention_multi import backends
+import attention_multi.backends as backends
 from attention_multi.backends import Backend
 from attention_multi.backends.types import DeviceKind
 

@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from attention_multi import backends
+import attention_multi.backends as backends
 from attention_multi.backends.types import Array
 
 _M = TypeVar("_M", bound=Any)  # an attention_multi module of any backend

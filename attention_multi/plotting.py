@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_multi import backends
+import attention_multi.backends as backends
 
 
 def show_heatmaps(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attention_multi import backends
+import attention_multi.backends as backends
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
