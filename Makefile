@@ -11,7 +11,7 @@ MODERN := .venv-modern
 LINT := .venv-lint
 PEERS := .venv-peers
 # every core, a test file per worker (module fixtures run once)
-PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile
+PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --durations=20
 SHELL := /bin/bash
 
 .PHONY: report test venvs test-legacy test-modern check docs peers
