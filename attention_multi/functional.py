@@ -147,6 +147,16 @@ def dot_product_attention(
         scale = default_scale(q.shape[-1]) if scale is None else scale
         out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key, line)
         return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+    m, dropout, scale = _checked(B, q, k, valid_lens, dropout, scale, ndim, forms)
+    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
+    return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+
+
+def _checked(
+    B: Backend, q: Array, k: Array, valid_lens: Any, dropout: Any, scale: Any, ndim: int, forms: Any
+) -> tuple[Any, float, Any]:
+    """The call's ``Mask``, checked dropout and scale (4-D views)."""
+    batch, heads, num_q, _ = q.shape
     m = make_mask(
         B,
         batch,
@@ -159,10 +169,7 @@ def dot_product_attention(
         device=B.device_of(q),
         **forms,
     )
-    dropout = check_dropout("dropout", dropout)
-    scale = check_scale(scale)
-    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
-    return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+    return m, check_dropout("dropout", dropout), check_scale(scale)
 
 
 def _with_lse(
@@ -181,20 +188,7 @@ def _with_lse(
 ) -> Array | tuple[Array, Array]:
     """``dot_product_attention`` with ``sinks`` or ``return_lse`` (4-D views)."""
     batch, heads, num_q, _ = q.shape
-    m = make_mask(
-        B,
-        batch,
-        heads,
-        num_q,
-        k.shape[2],
-        valid_lens=valid_lens,
-        dtype=B.dtype_name(q),
-        heads_axis=ndim == 4,
-        device=B.device_of(q),
-        **forms,
-    )
-    dropout = check_dropout("dropout", dropout)
-    scale = check_scale(scale)
+    m, dropout, scale = _checked(B, q, k, valid_lens, dropout, scale, ndim, forms)
     out, lse, _ = attend(
         B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never", lse=True
     )
