@@ -123,21 +123,30 @@ def grouped(
         order = order[np.lexsort((starts[order], stops[order]))]
     n = len(order)
     per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
-    best, cut = np.zeros(n + 1), np.zeros(n + 1, np.int64)
-    for j in range(1, n + 1):  # best[j]: the first j elements, grouped
-        i = np.arange(max(0, j - most), j)
-        back = order[i][::-1]  # (the keys that elements i..j-1 see together, for each i)
-        span = np.maximum.accumulate(stops[back])[::-1] - np.minimum.accumulate(starts[back])[::-1]
-        cost = best[i] + (j - i) * rows * span + per_group
-        cut[j] = i[np.argmin(cost)]
-        best[j] = cost.min()
-    out, j = [], n
+    keys = list(zip(starts[order].tolist(), stops[order].tolist()))
+    # A best grouping never splits a run of elements that see the same keys (the
+    # group before takes the rest at no cost): a run is one step, unless most binds.
+    bounds = [i for i in range(n) if i == 0 or most < n or keys[i] != keys[i - 1]] + [n]
+    best, cut = [0.0] * len(bounds), [0] * len(bounds)
+    for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
+        lo, hi, best[j] = np.inf, -np.inf, np.inf
+        for i in range(j - 1, -1, -1):  # the last group: from bounds[i]
+            size = bounds[j] - bounds[i]
+            lo, hi = min(lo, keys[bounds[i]][0]), max(hi, keys[bounds[i]][1])
+            group = size * rows * (hi - lo) + per_group
+            if size > most or group >= best[j]:  # (an earlier start only adds to it)
+                break
+            if best[i] + group <= best[j]:
+                best[j], cut[j] = best[i] + group, i
+    out, j = [], len(bounds) - 1
     while j > 0:
-        members = np.sort(order[cut[j] : j])  # (a whole range is sliced, not gathered)
+        members = np.sort(
+            order[bounds[cut[j]] : bounds[j]]
+        )  # (a whole range is sliced, not gathered)
         k0, k1 = int(starts[members].min()), int(stops[members].max())
         same = (starts[members] == k0).all() and (stops[members] == k1).all()
         out.append((members, k0, k1, bool(same and whole[members].all())))
-        j = int(cut[j])
+        j = cut[j]
     if empty.any():
         out.append((np.flatnonzero(empty), 0, 0, False))
     return out[::-1]
