@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Union
 import numpy as np
 
 from ..numerics import positions
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced, _taken
+from .spec import Form, Mask, Region, _sliced, _taken, state_of
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -98,9 +98,8 @@ class Intervals(Form):
     # -- on the host ---------------------------------------------------------------------
     def region_state(self, mask: Mask, r: Region) -> int:
         lo, hi = host_bounds(mask, r.b0, r.b1, r.q0, r.q1)
-        if (np.maximum(lo, r.k0) >= np.minimum(hi, r.k1)).all():
-            return EMPTY
-        return FULL if (lo <= r.k0).all() and (hi >= r.k1).all() else PARTIAL
+        empty = (np.maximum(lo, r.k0) >= np.minimum(hi, r.k1)).all()
+        return int(state_of(empty, (lo <= r.k0).all() and (hi >= r.k1).all()))
 
     def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
         nq, nk = mask.num_queries, mask.num_keys
@@ -115,17 +114,16 @@ class Intervals(Form):
         k0 = np.arange(nkb) * block_k
         k1 = np.minimum(k0 + block_k, nk)
         whole = (most_lo <= k0) & (least_hi[:, :, None] >= k1)
-        return np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY).astype(np.int8)
+        return state_of(~seen, whole)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        host = r.on_host  # (else the host copies are unknown)
         lens = _sliced(self.valid_lens, r, False, mask.xp)
-        known = _sliced(self.valid_lens_known, r, False) if host else None
-        offset_known = self.offset_known if host else None
+        known = _sliced(self.valid_lens_known, r, False) if r.on_host else None  # (else unknown)
+        offset_known = self.offset_known if r.on_host else None
         return replace(
             self,
             valid_lens=None if lens is None else lens - r.k0,
-            valid_lens_known=None if known is None or not host else known - r.k0,
+            valid_lens_known=None if known is None else known - r.k0,
             offset=self.offset + (r.q0 - r.k0),
             offset_known=None if offset_known is None else offset_known + r.q0 - r.k0,
         )
@@ -199,7 +197,6 @@ def _known_lens(mask: Mask) -> Any:
 
 def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
     """``compute(mask)`` as a bool, once per Mask (``Mask._once``)."""
-
     name = compute.__name__
 
     @functools.wraps(compute)
