@@ -116,13 +116,11 @@ def _evaluated(
     for scalar indices) is mapped over the grid's elements by ``xp.vmap``."""
     try:
         return answer(fn(*args))
-    except _WrongShape as exc:
-        why: BaseException = exc
     except TypeError as exc:
         if str(exc).startswith(name):  # (our own check: no second try)
             raise
-        why = exc
-    except Exception as exc:  # noqa: BLE001 (the framework's complaint, said again below)
+        why: BaseException = exc
+    except Exception as exc:  # noqa: BLE001 (_WrongShape, or the framework's complaint, said below)
         why = exc
     grids = ", ".join(str(tuple(a.shape)) for a in args if hasattr(a, "shape"))
     said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape}): {why}"

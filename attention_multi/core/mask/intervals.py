@@ -238,13 +238,19 @@ def keys_all_used(mask: Mask) -> bool:
     known = host_bounds(mask)
     if known is None:
         return False
-    lo, hi = known
+    start, stop = _spans(known[0], known[1], mask.num_keys)
+    return bool(((start == 0) & (stop >= mask.num_keys) & (stop > 0)).all())
+
+
+def _spans(lo: np.ndarray, hi: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per element of host rows ``[lo, hi)`` (batch, Q): the keys they see lie in
+    ``[start, stop)`` ((0, 0): none)."""
     rows = hi > lo
-    return bool(
-        rows.any(axis=1).all()
-        and (np.where(rows, lo, 1).min(axis=1) == 0).all()
-        and (np.where(rows, hi, 0).max(axis=1) >= mask.num_keys).all()
-    )
+    start = np.where(rows, lo, num_keys).min(axis=1, initial=num_keys)
+    stop = np.where(rows, hi, 0).max(axis=1, initial=0)
+    empty = stop <= start
+    start[empty], stop[empty] = 0, 0
+    return start, stop
 
 
 def key_range(
@@ -255,11 +261,9 @@ def key_range(
     known = host_bounds(mask, b0, b1, q0, q1)
     if known is None:
         return 0, mask.num_keys
-    lo, hi = np.broadcast_arrays(*known)
-    rows = hi > lo
-    if not rows.any():
-        return 0, 0
-    return int(lo[rows].min()), int(hi[rows].max())
+    lo, hi = (x.reshape(1, -1) for x in np.broadcast_arrays(*known))
+    start, stop = _spans(lo, hi, mask.num_keys)
+    return int(start[0]), int(stop[0])
 
 
 def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
@@ -271,11 +275,7 @@ def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
         return None
     q1 = q1 or mask.num_queries
     lo, hi = (np.broadcast_to(x, (mask.batch, q1 - q0)) for x in known)
-    rows = hi > lo
-    start = np.where(rows, lo, mask.num_keys).min(axis=1)
-    stop = np.where(rows, hi, 0).max(axis=1)
-    empty = stop <= start
-    start[empty], stop[empty] = 0, 0
+    start, stop = _spans(lo, hi, mask.num_keys)
     whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
     if any(f.narrows for f in mask.forms):
         for b in range(mask.batch):

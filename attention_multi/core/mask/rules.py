@@ -56,12 +56,7 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
     by_bounds = not mask.restricted and (form.window is None or _per_batch(form))
     if by_bounds and keys_all_used(mask):
         return None
-    if _one_row(mask):  # (batch|1, 1, 1, K) -> (batch|1, 1, K, 1)
-        visible = mask.boolean(xp, device)
-        if visible is None:
-            return None
-        return visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
-    if by_bounds:
+    if by_bounds and not _one_row(mask):  # (one row: its visible keys are the used ones)
         lo, hi = form.bounds(xp, mask, device)
         nonempty = hi > (0 if lo is None else lo)
         last = xp.max(xp.where(nonempty, hi, 0), 2, keepdims=True)
@@ -71,6 +66,8 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
         first = -xp.max(xp.where(nonempty, -lo, -mask.num_keys), 2, keepdims=True)
         return xp.logical_and(j >= first, j < last)
     visible = mask.boolean(xp, device)  # (..., Q, K): any over heads and queries
+    if visible is None:
+        return None
     used = xp.any(xp.any(visible, 2, keepdims=True), 1, keepdims=True)
     # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
     return used.reshape((used.shape[0], 1, used.shape[3], 1))
