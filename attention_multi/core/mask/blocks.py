@@ -1,11 +1,6 @@
-"""Block states: for a block of queries x a block of keys, is it empty
-(skipped), full (computed without a mask) or partial (computed with the
-mask's value)? One encoding, ``EMPTY``/``PARTIAL``/``FULL`` (spec.py).
-
-``BlockMask`` is plain data: a ``mask_mod`` and its states, built once by
-``functions.block_mask`` and reused across layers and steps. ``host_table``
-asks every form of a mask for its states and keeps the least.
-"""
+"""Block states (``EMPTY``/``PARTIAL``/``FULL``, spec.py) as data: ``BlockMask``, a
+``mask_mod`` and its states, built once by ``functions.block_mask`` and reused
+across layers and steps; ``host_table``, the least of every form's states."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .spec import Form, Mask, Region, Where, _cut, _taken, least_state, state_of
+from .spec import Form, Mask, Region, Where, _cut, _taken, is_int, least_state, state_of
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -150,11 +150,7 @@ def _int32_ranks(hosts: list[np.ndarray]) -> list[np.ndarray]:
     negative ones -1: hashed 64-bit ids keep their documents apart."""
     ids = np.concatenate([h.reshape(-1) for h in hosts])
     ranks = np.unique(ids[ids >= 0])
-    out = []
-    for h in hosts:
-        r = np.searchsorted(ranks, h).astype(np.int32)
-        out.append(np.where(h >= 0, r, np.int32(-1)))
-    return out
+    return [np.where(h >= 0, np.searchsorted(ranks, h), -1).astype(np.int32) for h in hosts]
 
 
 def _on_device(xp: Backend, x: Any, ids: np.ndarray, fits: bool, device: Any) -> Array:
@@ -209,13 +205,12 @@ def make_segments(where: Where, segment_ids: Any = None) -> Segments:
         out = [None if x is None else _int32_or_64(xp, x) for x in out]
     qs, ks = out
     if qs is None:
-        if isinstance(offset, (int, np.integer)):
+        if is_int(offset):
             qs = ks[:, offset : offset + num_queries]
         else:
             qs = xp.take(ks, xp.arange(num_queries, device) + offset, 1)
-    known = None
-    if xp.is_concrete(qs) and xp.is_concrete(ks):
-        known = (xp.to_numpy(qs).astype(np.int64), xp.to_numpy(ks).astype(np.int64))
+    concrete = xp.is_concrete(qs) and xp.is_concrete(ks)
+    known = tuple(xp.to_numpy(x).astype(np.int64) for x in (qs, ks)) if concrete else None
     return Segments(qs, ks, known)
 
 

@@ -358,10 +358,8 @@ class Mask:
         return self._with(forms, len(rows), self.num_queries, self.num_keys)
 
     def block_at(self, q0: Any, k0: Any, num_queries: int, num_keys: int) -> Mask:
-        """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0,
-        k0 + num_keys)`` of every batch element; ``q0`` and ``k0`` ints or
-        traced (a scan's block), within the mask (a traced start is clamped
-        to it). Every form cuts its arrays there (``Backend.read_slice``)."""
+        """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0, k0 +
+        num_keys)``; ``q0``, ``k0`` ints or traced (a scan's block; clamped to the mask)."""
         r = Region(0, self.batch, q0, q0 + num_queries, k0, k0 + num_keys, (num_queries, num_keys))
         forms = tuple(f.region(self, r) for f in self.forms)
         return self._with(forms, self.batch, num_queries, num_keys)
