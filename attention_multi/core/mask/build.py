@@ -184,7 +184,7 @@ def make_mask(
     offset, known, given = _offset(xp, offset, num_queries, num_keys)
     base = (offset if given else 0) if query_base is None else query_base
     shape = (batch, heads, num_queries, num_keys)
-    where = Where(xp, *shape, offset, known, given, dtype, heads_axis, device, base)
+    where = Where(xp, *shape, offset, known, dtype, heads_axis, device, base)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():
         spec = KEYWORDS.get(name)

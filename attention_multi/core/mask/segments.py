@@ -178,22 +178,20 @@ def make_segments(where: Where, segment_ids: Any = None) -> Segments:
         ("segment_ids[0] (queries)", parts[0], num_queries),
         ("segment_ids" + ("[1] (keys)" if pair else ""), parts[1], num_keys),
     ):
-        if x is None:
-            out.append(None)
-            continue
-        if not xp.is_array(x):
-            x = np.asarray(x)
-            if x.dtype.kind not in "iu":
-                raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
-        elif not xp.dtype_name(x).startswith(("int", "uint")):
-            raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
-        if len(x.shape) != 2:
-            raise ValueError(f"{name} must be 2-D (batch, {n}), got shape {tuple(x.shape)}")
-        if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
-            raise ValueError(
-                f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
-                f" = ({batch}, {n}), got {tuple(x.shape)}"
-            )
+        if x is not None:
+            if not xp.is_array(x):
+                x = np.asarray(x)
+                if x.dtype.kind not in "iu":
+                    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+            elif not xp.dtype_name(x).startswith(("int", "uint")):
+                raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
+            if len(x.shape) != 2:
+                raise ValueError(f"{name} must be 2-D (batch, {n}), got shape {tuple(x.shape)}")
+            if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
+                raise ValueError(
+                    f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
+                    f" = ({batch}, {n}), got {tuple(x.shape)}"
+                )
         out.append(x)
     given = [x for x in out if x is not None]
     if all(not xp.is_array(x) or xp.is_concrete(x) for x in given):  # known values

@@ -50,10 +50,9 @@ class Region(NamedTuple):
 
 
 class Where(NamedTuple):
-    """What a family needs to build its form: ``offset`` the position of query
-    0 among the keys (int or traced), ``offset_known`` its host value (None:
-    traced), ``offset_given`` the caller set it (a KV cache); ``dtype`` the
-    queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
+    """What a family needs to build its form: ``offset`` the position of query 0 among
+    the keys (int or traced), ``offset_known`` its host value (None: traced); ``dtype``
+    the queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
     ``query_base``: the index of query 0 that ``q_idx`` counts from (int or traced)."""
 
     xp: Backend
@@ -63,7 +62,6 @@ class Where(NamedTuple):
     num_keys: int
     offset: Any
     offset_known: int | None
-    offset_given: bool
     dtype: str | None
     heads_axis: bool
     device: Any
