@@ -1,11 +1,6 @@
-"""Block states: for a block of queries x a block of keys, is it empty
-(skipped), full (computed without a mask) or partial (computed with the
-mask's value)? One encoding, ``EMPTY``/``PARTIAL``/``FULL`` (spec.py).
-
-``BlockMask`` is plain data: a ``mask_mod`` and its states, built once by
-``functions.block_mask`` and reused across layers and steps. ``host_table``
-asks every form of a mask for its states and keeps the least.
-"""
+"""Block states (``EMPTY``/``PARTIAL``/``FULL``, spec.py) as data: ``BlockMask``, a
+``mask_mod`` and its states, built once by ``functions.block_mask`` and reused
+across layers and steps; ``host_table``, the least of every form's states."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from .spec import EMPTY, FULL, PARTIAL, Mask
+from .spec import EMPTY, FULL, PARTIAL, Mask, least_state
 
 if TYPE_CHECKING:
     from ...types import Array
@@ -56,8 +51,7 @@ class BlockMask:
         return (self.block_q, self.block_k)
 
     def sparsity(self) -> float:
-        """The percentage of blocks that are empty (never computed), as
-        FlexAttention's ``BlockMask.sparsity()``."""
+        """The percentage of blocks that are empty (never computed), as flex's."""
         return 100.0 * float((self.states == EMPTY).mean())
 
     def to_dense(self) -> np.ndarray:
@@ -66,9 +60,8 @@ class BlockMask:
         return np.broadcast_to(self.states != EMPTY, shape).astype(np.int32)
 
     def _listed(self, state: int) -> tuple[np.ndarray, np.ndarray]:
-        """FlexAttention's (num_blocks, indices) of the blocks in ``state``:
-        per (batch, heads, row of blocks), their count and their indices
-        first, ascending, then the other blocks' indices."""
+        """FlexAttention's (num_blocks, indices) of the blocks in ``state``: per row of
+        blocks, their count, and their indices first (ascending), then the others'."""
         shape = (self.batch, self.heads) + tuple(self.states.shape[2:])
         hit = np.broadcast_to(self.states == state, shape)
         order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
@@ -76,8 +69,7 @@ class BlockMask:
 
     @property
     def kv_num_blocks(self) -> np.ndarray:
-        """int32 (batch, heads, Q blocks): the partial blocks of each row
-        (computed with the mask; the full ones are ``full_kv_num_blocks``)."""
+        """int32 (batch, heads, Q blocks): the partial blocks of each row (with the mask)."""
         return self._listed(PARTIAL)[0]
 
     @property
@@ -116,17 +108,9 @@ class BlockMask:
 
     def lookup(self, b0: int, b1: int, q0: int, q1: int, k0: int, k1: int) -> int:
         """The state of the covering blocks of a region (global positions)."""
-        s = self.states
+        s, bq, bk = self.states, self.block_q, self.block_k
         b = slice(b0, b1) if s.shape[0] > 1 else slice(None)
-        region = s[
-            b,
-            :,
-            q0 // self.block_q : -(-q1 // self.block_q),
-            k0 // self.block_k : -(-k1 // self.block_k),
-        ]
-        if (region == EMPTY).all():
-            return EMPTY
-        return FULL if (region == FULL).all() else PARTIAL
+        return int(least_state(s[b, :, q0 // bq : -(-q1 // bq), k0 // bk : -(-k1 // bk)]))
 
 
 def host_table(mask: Mask, block_q: int, block_k: int) -> np.ndarray | None:

@@ -18,7 +18,7 @@ from .blocks import BlockMask
 from .functions import MaskMod, ScoreMod, native_captures
 from .intervals import Intervals, window_within
 from .segments import make_segments
-from .spec import Form, Mask
+from .spec import Form, Mask, Where, is_int
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -39,48 +39,21 @@ class MaskForms(TypedDict, total=False):
     segment_ids: Any
 
 
-class Where(NamedTuple):
-    """What a family needs to build its form: ``offset`` the position of query
-    0 among the keys (int or traced), ``offset_known`` its host value (None:
-    traced), ``offset_given`` the caller set it (a KV cache); ``dtype`` the
-    queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
-    ``query_base``: the index of query 0 that ``q_idx`` counts from (int or traced)."""
-
-    xp: Backend
-    batch: int
-    heads: int
-    num_queries: int
-    num_keys: int
-    offset: Any
-    offset_known: int | None
-    offset_given: bool
-    dtype: str | None
-    heads_axis: bool
-    device: Any
-    query_base: Any
-
-
 def _intervals(
     where: Where, valid_lens: Any = None, causal: Any = False, window: Any = None
 ) -> Form | None:
     lens = known = None
+    xp, batch, num_queries, num_keys = where.xp, where.batch, where.num_queries, where.num_keys
     if valid_lens is not None:
         lens, known = valid_lens_checked(
-            where.xp,
-            valid_lens,
-            where.batch,
-            where.num_queries,
-            device=where.device,
-            num_keys=where.num_keys,
+            xp, valid_lens, batch, num_queries, device=where.device, num_keys=num_keys
         )
         shape = (where.batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         known = None if known is None else known.reshape(shape)
         lens = lens.reshape(shape)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    window = window_within(
-        check_window(window), where.num_queries, where.num_keys, where.offset_known
-    )
+    window = window_within(check_window(window), num_queries, num_keys, where.offset_known)
     if lens is None and not causal and window is None:
         return None
     return Intervals(lens, known, where.offset, where.offset_known, bool(causal), window)
@@ -100,54 +73,33 @@ def _arrays(where: Where, mask: Any = None, bias: Any = None) -> Form | None:
     return arrays(xp, mask, bias)
 
 
-def _bases(where: Where, name: str, fn: Any) -> tuple[Any, Any, Any]:
-    """``fn`` checked a function, and where its indices start (``q_idx`` at
-    ``query_base``)."""
+def _function(where: Where, name: str, fn: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+    """(``fn`` checked, its NumPy captures on the backend unless host code is traced, its
+    bases: ``q_idx`` from ``query_base``)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    return (0, where.query_base, 0)
-
-
-def _native(where: Where, name: str, fn: Any) -> Any:
-    """``fn`` with the NumPy arrays it captures on the backend (not while
-    host code is traced: the tracer reads NumPy there)."""
-    if where.xp.host_code_traced():
-        return fn
-    return native_captures(where.xp, name, fn, where.device)
+    if not where.xp.host_code_traced():
+        fn = native_captures(where.xp, name, fn, where.device)
+    return fn, (0, where.query_base, 0)
 
 
 def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
-    bases = _bases(where, "mask_mod", mask_mod)
-    if isinstance(mask_mod, BlockMask):
-        mask_mod.check(where.batch, where.num_queries, where.num_keys)
-    return MaskMod(_native(where, "mask_mod", mask_mod), bases, where.xp)
+    fn, bases = _function(where, "mask_mod", mask_mod)
+    if isinstance(fn, BlockMask):
+        fn.check(where.batch, where.num_queries, where.num_keys)
+    return MaskMod(fn, bases, where.xp)
 
 
 def _score_mod(where: Where, score_mod: Any = None) -> Form:
-    bases = _bases(where, "score_mod", score_mod)
-    return ScoreMod(_native(where, "score_mod", score_mod), bases)
-
-
-def _segments(where: Where, segment_ids: Any = None) -> Form:
-    return make_segments(
-        where.xp,
-        segment_ids,
-        where.batch,
-        where.num_queries,
-        where.num_keys,
-        where.offset,
-        where.device,
-    )
+    return ScoreMod(*_function(where, "score_mod", score_mod))
 
 
 def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
-    """One place for a query in one call: a function's ``q_idx`` counts from
-    ``query_base`` (0, flex's, unless decoding) where ``causal=``, ``window=``
-    and one ``segment_ids`` array put query 0 at key position ``offset``
-    (``K - Q``: bottom-right); when these differ a call giving both is
-    refused, never read one way or the other."""
+    """One place for a query: a function's ``q_idx`` counts from ``query_base``, while
+    ``causal``, ``window`` and one ``segment_ids`` array put query 0 at key ``offset``;
+    where these differ, a call giving both is refused (never read one way or the other)."""
     base, offset = where.query_base, where.offset
-    if base is offset or not (_known_int(base) and _known_int(offset)) or base == offset:
+    if base is offset or not is_int(base, offset) or base == offset:
         return
     functions = [n for n in ("mask_mod", "score_mod") if keywords.get(n) is not None]
     placed = [n for n in ("causal", "window") if keywords.get(n) not in (None, False)]
@@ -164,10 +116,6 @@ def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
         )
 
 
-def _known_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer))
-
-
 class Keyword(NamedTuple):
     default: Any  # the value that sets nothing (compared by identity)
     build: Callable[..., Form | None]  # the family: build(where, **its keywords that are set)
@@ -181,7 +129,7 @@ KEYWORDS: dict[str, Keyword] = {
     "bias": Keyword(None, _arrays),
     "mask_mod": Keyword(None, _mask_mod),
     "score_mod": Keyword(None, _score_mod),
-    "segment_ids": Keyword(None, _segments),
+    "segment_ids": Keyword(None, make_segments),
 }
 assert set(KEYWORDS) - {"valid_lens"} == set(MaskForms.__annotations__)
 
@@ -198,12 +146,8 @@ def checked_forms(function: str, forms: Mapping[str, Any]) -> None:
 
 
 def no_forms(forms: Mapping[str, Any]) -> bool:
-    """Whether ``forms`` (checked: ``checked_forms``) set nothing but the
-    keywords' defaults: a call with lengths or nothing."""
-    for name, value in forms.items():
-        if value is not KEYWORDS[name].default:
-            return False
-    return True
+    """Whether ``forms`` (checked: ``checked_forms``) set nothing but the keywords' defaults."""
+    return all(value is KEYWORDS[name].default for name, value in forms.items())
 
 
 def _offset(xp: Backend, offset: Any, num_queries: int, num_keys: int) -> tuple[Any, Any, bool]:
@@ -240,7 +184,7 @@ def make_mask(
     offset, known, given = _offset(xp, offset, num_queries, num_keys)
     base = (offset if given else 0) if query_base is None else query_base
     shape = (batch, heads, num_queries, num_keys)
-    where = Where(xp, *shape, offset, known, given, dtype, heads_axis, device, base)
+    where = Where(xp, *shape, offset, known, dtype, heads_axis, device, base)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():
         spec = KEYWORDS.get(name)

@@ -1,33 +1,14 @@
-"""Programmable forms: ``mask_mod`` and ``score_mod``, functions the core
-evaluates on index grids (FlexAttention's signatures and sense).
-
-- ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where query ``q_idx`` of
-  head ``h`` of batch element ``b`` may see key ``kv_idx``. The arguments are
-  int32 arrays of the backend shaped (batch, 1, 1, 1), (1, heads, 1, 1),
-  (1, 1, Q, 1) and (1, 1, 1, K), so ordinary operators broadcast them; a
-  function may index arrays it closes over (``doc[b, q_idx] == doc[b, kv_idx]``).
-  A ``BlockMask`` (``block_mask``) carries its states: its empty blocks are
-  skipped and its full ones computed without a mask, with no evaluation.
-- ``score_mod(score, b, h, q_idx, kv_idx) -> score``: the new scaled score
-  (after ``bias``); differentiated through.
-
-Indices are positions: ``q_idx`` counts from the query base (the KV cache's
-length when decoding, else 0: flex's), ``kv_idx`` from 0. ``causal=``,
-``window=`` and one ``segment_ids`` array place query ``i`` at ``i + K - Q``:
-where the two differ (Q < K, no cache) a call may not combine them
-(``build.one_query_position``). A region of a mask keeps the function and
-shifts the bases, so every path evaluates the same function on its own
-block's grid.
-
-Answers are checked like arguments (``checked_mask``, ``checked_scores``) on
-every evaluation, from their dtype and shape only (no pass over the values):
-None, a ``mask_mod`` answer that is not boolean, or a shape that does not
-broadcast to the grid's is an error naming the function and the shapes. A
-function that fails on index arrays, or answers with a wrong shape, is
-evaluated once per element of the grid by the backend's ``vmap`` (each index
-a scalar, as flex evaluates it). NumPy arrays a function captures become
-arrays of the backend (``native_captures``).
-"""
+"""Programmable forms: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and
+``score_mod(score, b, h, q_idx, kv_idx) -> score``, functions the core
+evaluates on index grids, with FlexAttention's signatures and sense (the
+contract: docs/guide/masks.md). The indices are int32 arrays broadcasting to
+(batch, heads, Q, K); ``q_idx`` counts from the query base (the KV cache's
+length when decoding, else 0), ``kv_idx`` from 0; a region shifts the bases,
+so every path evaluates the same function on its own block's grid. Answers
+are checked from their dtype and shape on every evaluation (``checked_mask``,
+``checked_scores``); a function that fails on index arrays, or answers with a
+wrong shape, is evaluated per element by the backend's ``vmap``. A
+``BlockMask`` carries its block states: no evaluation."""
 
 from __future__ import annotations
 
@@ -38,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .blocks import BlockMask
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region
+from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, is_int, least_state, state_of
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -46,11 +27,10 @@ if TYPE_CHECKING:
     from ...types import Array, BackendLike, DeviceLike
 
 Bases = tuple[Any, Any, Any]  # where the grid's batch, query and key indices start
+Shape = tuple[int, int, int, int]  # (batch, heads, Q, K)
 
 
-def index_grid(
-    xp: Backend, shape: tuple[int, int, int, int], bases: Bases, device: Any
-) -> tuple[Array, ...]:
+def index_grid(xp: Backend, shape: Shape, bases: Bases, device: Any) -> tuple[Array, ...]:
     """``(b, h, q_idx, kv_idx)`` int32 arrays broadcasting to ``shape``
     (batch, heads, Q, K), positions counted from ``bases``."""
     batch, heads, nq, nk = shape
@@ -86,8 +66,7 @@ class _WrongShape(Exception):
 
 
 def _mask_answer(xp: Backend, out: Any, shape: tuple[int, ...], device: Any) -> Array:
-    """A ``mask_mod`` answer checked (TypeError: not boolean; _WrongShape) and
-    made a rank-4 bool array."""
+    """A ``mask_mod`` answer checked (TypeError, _WrongShape), as a rank-4 bool array."""
     if out is None:
         raise TypeError(
             f"mask_mod returned None; it must return booleans broadcasting to (batch, heads, "
@@ -112,8 +91,7 @@ def _mask_answer(xp: Backend, out: Any, shape: tuple[int, ...], device: Any) -> 
 
 
 def _score_answer(xp: Backend, out: Any, shape: tuple[int, ...]) -> Array:
-    """A ``score_mod`` answer checked (TypeError: not an array; _WrongShape:
-    not the shape of the scores)."""
+    """A ``score_mod`` answer checked (TypeError, _WrongShape: not the scores' shape)."""
     if out is None:
         raise TypeError(
             f"score_mod returned None; it must return the scores, shape {shape} (a missing return?)"
@@ -138,13 +116,11 @@ def _evaluated(
     for scalar indices) is mapped over the grid's elements by ``xp.vmap``."""
     try:
         return answer(fn(*args))
-    except _WrongShape as exc:
-        why: BaseException = exc
     except TypeError as exc:
         if str(exc).startswith(name):  # (our own check: no second try)
             raise
-        why = exc
-    except Exception as exc:  # noqa: BLE001 (the framework's complaint, said again below)
+        why: BaseException = exc
+    except Exception as exc:  # noqa: BLE001 (_WrongShape, or the framework's complaint, said below)
         why = exc
     grids = ", ".join(str(tuple(a.shape)) for a in args if hasattr(a, "shape"))
     said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape}): {why}"
@@ -203,11 +179,7 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
         except ValueError:  # (an empty cell: a name bound later)
             continue
     names = [n for n in code.co_names if isinstance(fn.__globals__.get(n), np.ndarray)]
-    if not (
-        names
-        or any(isinstance(x, np.ndarray) for x in held.values())
-        or any(isinstance(x, np.ndarray) for x in defaults)
-    ):
+    if not (names or any(isinstance(x, np.ndarray) for x in (*held.values(), *defaults))):
         return fn
 
     def native(var: str, x: Any) -> Any:
@@ -235,11 +207,7 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
     return out
 
 
-def _ints(*xs: Any) -> bool:
-    return all(isinstance(x, (int, np.integer)) for x in xs)
-
-
-def _shape(mask: Mask) -> tuple[int, int, int, int]:
+def _shape(mask: Mask) -> Shape:
     return (mask.batch, mask.heads, mask.num_queries, mask.num_keys)
 
 
@@ -248,8 +216,7 @@ def _shifted(bases: Bases, r: Region) -> Bases:
 
 
 class MaskMod(Form):
-    """``mask_mod`` (a function, or a ``BlockMask``, which is callable) with
-    the ``bases`` of its grid; ``xp`` evaluates it for block states."""
+    """``mask_mod`` (a function or a ``BlockMask``) at ``bases``; ``xp`` evaluates block states."""
 
     kind = "mask_mod"
     cuts_traced = True
@@ -258,30 +225,29 @@ class MaskMod(Form):
         self.mask_mod, self.bases, self.xp = mask_mod, bases, xp
         self.block_mask = mask_mod if isinstance(mask_mod, BlockMask) else None
 
-    def _at(self, mask: Mask, r: Region) -> tuple[tuple[int, int, int, int], Bases]:
-        """The shape and bases of a region's grid."""
-        return (r.b1 - r.b0, mask.heads, r.q1 - r.q0, r.k1 - r.k0), _shifted(self.bases, r)
+    def _on(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
+        """The function's checked answer on the grid of the region ``r``."""
+        shape = (r.b1 - r.b0, mask.heads, r.q1 - r.q0, r.k1 - r.k0)
+        grid = index_grid(xp, shape, _shifted(self.bases, r), device)
+        return checked_mask(xp, self.mask_mod, grid, device)
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
         grid = index_grid(xp, _shape(mask), self.bases, device)
         return checked_mask(xp, self.mask_mod, grid, device)
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
-        shape, bases = self._at(mask, r)
-        return xp.any(checked_mask(xp, self.mask_mod, index_grid(xp, shape, bases, device), device))
+        return xp.any(self._on(xp, mask, r, device))
 
     def region_state(self, mask: Mask, r: Region) -> int:
-        bm = self.block_mask
+        (b, q, k), bm = self.bases, self.block_mask
         if bm is not None:
-            if not _ints(self.bases[1], self.bases[2]):
+            if not is_int(q, k):
                 return PARTIAL
-            b, q, k = self.bases
             return bm.lookup(b + r.b0, b + r.b1, q + r.q0, q + r.q1, k + r.k0, k + r.k1)
         xp = self.xp
         if xp is None:
             return PARTIAL
-        shape, bases = self._at(mask, r)
-        v = checked_mask(xp, self.mask_mod, index_grid(xp, shape, bases, None), None)
+        v = self._on(xp, mask, r, None)
         if not xp.is_concrete(v):
             return PARTIAL
         v = xp.to_numpy(v)
@@ -290,35 +256,25 @@ class MaskMod(Form):
     def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
         """(batch|1, Q blocks, K blocks) states, the union over heads."""
         nqb, nkb = -(-mask.num_queries // block_q), -(-mask.num_keys // block_k)
-        bm = self.block_mask
-        if (
-            bm is not None
-            and (bm.block_q, bm.block_k) == (block_q, block_k)
-            and self.bases == (0, 0, 0)
-        ):
-            s = bm.states
-            s = (s[: mask.batch] if s.shape[0] > 1 else s)[:, :, :nqb]
-        else:
-            xp = self.xp
-            if xp is None or not _ints(*self.bases):
-                return np.full((1, nqb, nkb), PARTIAL, np.int8)
-            probe = checked_mask(
-                xp, self.mask_mod, index_grid(xp, (1, 1, 1, 1), (0, 0, 0), None), None
-            )
-            if xp.is_array(probe) and not xp.is_concrete(probe):  # traced closures
-                return np.full((1, nqb, nkb), PARTIAL, np.int8)
-            s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
-        empty = (s == EMPTY).all(1)
-        full = (s == FULL).all(1)
-        return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+        bm, xp = self.block_mask, self.xp
+        if bm is not None and bm.BLOCK_SIZE == (block_q, block_k) and self.bases == (0, 0, 0):
+            s = bm.states[: mask.batch] if bm.states.shape[0] > 1 else bm.states
+            return least_state(s[:, :, :nqb], 1)
+        unknown = np.full((1, nqb, nkb), PARTIAL, np.int8)
+        if xp is None or not is_int(*self.bases):
+            return unknown
+        probe = checked_mask(xp, self.mask_mod, index_grid(xp, (1,) * 4, (0, 0, 0), None), None)
+        if xp.is_array(probe) and not xp.is_concrete(probe):  # traced closures
+            return unknown
+        s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
+        return least_state(s, 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
         return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
 
 
 class ScoreMod(Form):
-    """``score_mod`` with the ``bases`` of its grid: it changes scores, and
-    hides nothing."""
+    """``score_mod`` at ``bases``: it changes scores and hides nothing."""
 
     kind = "score_mod"
     restricts = False
@@ -342,14 +298,13 @@ class ScoreMod(Form):
 def evaluate(
     xp: Backend,
     mask_mod: Callable[..., Array],
-    shape: tuple[int, int, int, int],
+    shape: Shape,
     bq: int,
     bk: int,
     dev: Any,
     bases: Bases = (0, 0, 0),
 ) -> np.ndarray:
-    """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
-    evaluated one block row (bq x K indices) at a time."""
+    """int8 (batch|1, heads|1, Q blocks, K blocks) states, one block row (bq x K) at a time."""
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
@@ -379,14 +334,7 @@ def evaluate(
     counts = np.stack(rows, 2)  # (b|1, h|1, nqb, nkb)
     qn = np.minimum(bq, num_queries - np.arange(nqb) * bq)
     kn = np.minimum(bk, num_keys - np.arange(nkb) * bk)
-    size = qn[:, None] * kn[None, :]
-    return np.where(counts == 0, EMPTY, np.where(counts == size, FULL, PARTIAL)).astype(np.int8)
-
-
-def _split(block: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(block, (tuple, list)):
-        return int(block[0]), int(block[1])
-    return int(block), int(block)
+    return state_of(counts == 0, counts == qn[:, None] * kn[None, :])
 
 
 def block_mask(
@@ -408,11 +356,11 @@ def block_mask(
     or ``heads`` None is 1, broadcast (flex's)."""
     from ...config import get_backend, native_device
 
-    batch, heads = 1 if batch is None else batch, 1 if heads is None else heads
+    shape = (1 if batch is None else batch, 1 if heads is None else heads, num_queries, num_keys)
     xp = get_backend(backend)
     dev = native_device(xp, device)
-    bq, bk = _split(block)
+    bq, bk = (block[0], block[1]) if isinstance(block, (tuple, list)) else (block, block)
+    bq, bk = int(bq), int(bk)
     if min(bq, bk) < 1:
         raise ValueError(f"block must be positive, got {block!r}")
-    states = evaluate(xp, mask_mod, (batch, heads, num_queries, num_keys), bq, bk, dev)
-    return BlockMask(mask_mod, states, (batch, heads, num_queries, num_keys), bq, bk)
+    return BlockMask(mask_mod, evaluate(xp, mask_mod, shape, bq, bk, dev), shape, bq, bk)

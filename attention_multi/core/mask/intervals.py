@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Union
 import numpy as np
 
 from ..numerics import positions
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _sliced, _taken
+from .spec import Form, Mask, Region, _sliced, _taken, state_of
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -98,9 +98,8 @@ class Intervals(Form):
     # -- on the host ---------------------------------------------------------------------
     def region_state(self, mask: Mask, r: Region) -> int:
         lo, hi = host_bounds(mask, r.b0, r.b1, r.q0, r.q1)
-        if (np.maximum(lo, r.k0) >= np.minimum(hi, r.k1)).all():
-            return EMPTY
-        return FULL if (lo <= r.k0).all() and (hi >= r.k1).all() else PARTIAL
+        empty = (np.maximum(lo, r.k0) >= np.minimum(hi, r.k1)).all()
+        return int(state_of(empty, (lo <= r.k0).all() and (hi >= r.k1).all()))
 
     def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
         nq, nk = mask.num_queries, mask.num_keys
@@ -115,17 +114,16 @@ class Intervals(Form):
         k0 = np.arange(nkb) * block_k
         k1 = np.minimum(k0 + block_k, nk)
         whole = (most_lo <= k0) & (least_hi[:, :, None] >= k1)
-        return np.where(seen, np.where(whole, FULL, PARTIAL), EMPTY).astype(np.int8)
+        return state_of(~seen, whole)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        host = r.on_host  # (else the host copies are unknown)
         lens = _sliced(self.valid_lens, r, False, mask.xp)
-        known = _sliced(self.valid_lens_known, r, False) if host else None
-        offset_known = self.offset_known if host else None
+        known = _sliced(self.valid_lens_known, r, False) if r.on_host else None  # (else unknown)
+        offset_known = self.offset_known if r.on_host else None
         return replace(
             self,
             valid_lens=None if lens is None else lens - r.k0,
-            valid_lens_known=None if known is None or not host else known - r.k0,
+            valid_lens_known=None if known is None else known - r.k0,
             offset=self.offset + (r.q0 - r.k0),
             offset_known=None if offset_known is None else offset_known + r.q0 - r.k0,
         )
@@ -199,7 +197,6 @@ def _known_lens(mask: Mask) -> Any:
 
 def _host_fact(compute: Callable[[Mask], bool]) -> Callable[[Mask], bool]:
     """``compute(mask)`` as a bool, once per Mask (``Mask._once``)."""
-
     name = compute.__name__
 
     @functools.wraps(compute)
@@ -241,13 +238,19 @@ def keys_all_used(mask: Mask) -> bool:
     known = host_bounds(mask)
     if known is None:
         return False
-    lo, hi = known
+    start, stop = _spans(known[0], known[1], mask.num_keys)
+    return bool(((start == 0) & (stop >= mask.num_keys) & (stop > 0)).all())
+
+
+def _spans(lo: np.ndarray, hi: np.ndarray, num_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per element of host rows ``[lo, hi)`` (batch, Q): the keys they see lie in
+    ``[start, stop)`` ((0, 0): none)."""
     rows = hi > lo
-    return bool(
-        rows.any(axis=1).all()
-        and (np.where(rows, lo, 1).min(axis=1) == 0).all()
-        and (np.where(rows, hi, 0).max(axis=1) >= mask.num_keys).all()
-    )
+    start = np.where(rows, lo, num_keys).min(axis=1, initial=num_keys)
+    stop = np.where(rows, hi, 0).max(axis=1, initial=0)
+    empty = stop <= start
+    start[empty], stop[empty] = 0, 0
+    return start, stop
 
 
 def key_range(
@@ -258,11 +261,9 @@ def key_range(
     known = host_bounds(mask, b0, b1, q0, q1)
     if known is None:
         return 0, mask.num_keys
-    lo, hi = np.broadcast_arrays(*known)
-    rows = hi > lo
-    if not rows.any():
-        return 0, 0
-    return int(lo[rows].min()), int(hi[rows].max())
+    lo, hi = (x.reshape(1, -1) for x in np.broadcast_arrays(*known))
+    start, stop = _spans(lo, hi, mask.num_keys)
+    return int(start[0]), int(stop[0])
 
 
 def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
@@ -274,11 +275,7 @@ def element_ranges(mask: Mask, q0: int = 0, q1: int | None = None) -> Any:
         return None
     q1 = q1 or mask.num_queries
     lo, hi = (np.broadcast_to(x, (mask.batch, q1 - q0)) for x in known)
-    rows = hi > lo
-    start = np.where(rows, lo, mask.num_keys).min(axis=1)
-    stop = np.where(rows, hi, 0).max(axis=1)
-    empty = stop <= start
-    start[empty], stop[empty] = 0, 0
+    start, stop = _spans(lo, hi, mask.num_keys)
     whole = (lo <= start[:, None]).all(axis=1) & (hi >= stop[:, None]).all(axis=1)
     if any(f.narrows for f in mask.forms):
         for b in range(mask.batch):

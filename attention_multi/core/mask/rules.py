@@ -1,10 +1,6 @@
-"""What every path must do about what a query may not see (the rules of
-``mask/__init__.py``): masked weights are exactly 0 (``masked_softmax``);
-empty rows get zero weights and output, finite gradients (``zero_empty_rows``);
-NaN propagates except from key and value rows no query of that batch element
-may see, zeroed before any kernel reads them (``guard_unused``,
-``kernel_inputs``; per block, where no mask of the whole call is built:
-``guard_block``)."""
+"""The rules of ``mask/__init__.py`` that every path keeps: masked weights 0
+(``masked_softmax``), empty rows (``zero_empty_rows``), and NaN from keys no
+query sees (``guard_unused``, ``kernel_inputs``; per block: ``guard_block``)."""
 
 from __future__ import annotations
 
@@ -60,12 +56,7 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
     by_bounds = not mask.restricted and (form.window is None or _per_batch(form))
     if by_bounds and keys_all_used(mask):
         return None
-    if _one_row(mask):  # (batch|1, 1, 1, K) -> (batch|1, 1, K, 1)
-        visible = mask.boolean(xp, device)
-        if visible is None:
-            return None
-        return visible.reshape((visible.shape[0], 1, visible.shape[3], 1))
-    if by_bounds:
+    if by_bounds and not _one_row(mask):  # (one row: its visible keys are the used ones)
         lo, hi = form.bounds(xp, mask, device)
         nonempty = hi > (0 if lo is None else lo)
         last = xp.max(xp.where(nonempty, hi, 0), 2, keepdims=True)
@@ -75,6 +66,8 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
         first = -xp.max(xp.where(nonempty, -lo, -mask.num_keys), 2, keepdims=True)
         return xp.logical_and(j >= first, j < last)
     visible = mask.boolean(xp, device)  # (..., Q, K): any over heads and queries
+    if visible is None:
+        return None
     used = xp.any(xp.any(visible, 2, keepdims=True), 1, keepdims=True)
     # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
     return used.reshape((used.shape[0], 1, used.shape[3], 1))
@@ -96,10 +89,8 @@ def guard_unused(
 
 
 def guard_block(xp: Backend, visible: Array, keys: Array, values: Array) -> tuple[Array, Array]:
-    """``guard_unused`` for one block of keys and values (batch, heads, k,
-    d), from the block's ``visible`` (bool (batch|1, heads|1, q, k)): rows
-    no query of the block may see are zeroed (work of the block's size, no
-    mask of the whole call; a key other blocks' queries see is zeroed too)."""
+    """``guard_unused`` for one block of keys and values (batch, heads, k, d) by its
+    ``visible`` (batch|1, heads|1, q, k): no mask of the whole call is built."""
     seen = xp.any(visible, 2, keepdims=True)  # (batch|1, heads|1, 1, k)
     seen = seen.reshape(tuple(seen.shape[:2]) + (seen.shape[3], 1))
     return xp.where(seen, keys, 0.0), xp.where(seen, values, 0.0)

@@ -1,8 +1,7 @@
 """Packed sequences: ``segment_ids``, (batch, K) ints or a pair ((batch, Q),
 (batch, K)). A query sees the keys of its own segment; a negative id is
-padding (such a query sees nothing, such a key is seen by nobody). A block is
-classified from the least and largest id of its queries and keys: work
-proportional to Q + K, then to the number of blocks."""
+padding (seeing nothing, seen by nobody). A block's state comes from the
+least and largest ids of its queries and keys: work O(Q + K + blocks)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, _cut, _taken
+from .spec import Form, Mask, Region, Where, _cut, _taken, is_int, least_state, state_of
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -38,8 +37,7 @@ class Segments(Form):
         return self.known_ids is not None
 
     def ids(self, xp: Backend, mask: Mask) -> tuple[Array, Array]:
-        """The query and key ids of the mask's grid (the key ids taken from
-        ``key_start`` when it is set)."""
+        """The query and key ids of the mask's grid (key ids from ``key_start`` if set)."""
         if self.key_start is None:
             return self.query_ids, self.key_ids
         at = xp.arange(mask.num_keys, xp.device_of(self.key_ids)) + self.key_start
@@ -60,40 +58,24 @@ class Segments(Form):
 
     def region_state(self, mask: Mask, r: Region) -> int:
         q, k = self._rows(self.known_ids, r)
-        qlo, qhi, qall = (a[:, 0] for a in _host_ranges(q, max(1, q.shape[1])))
-        klo, khi, kall = (a[:, 0] for a in _host_ranges(k, max(1, k.shape[1])))
-        if ((qhi < klo) | (khi < qlo) | (qhi < 0) | (khi < 0)).all():
-            return EMPTY
-        one = (qlo == qhi) & (klo == khi) & (qlo == klo) & qall & kall
-        return FULL if one.all() else PARTIAL
+        return int(least_state(_states(q, k, max(1, q.shape[1]), max(1, k.shape[1]))))
 
     def states(self, mask: Mask, block_q: int, block_k: int) -> np.ndarray:
         qs, ks = self.known_ids
-        qlo, qhi, qall = (x[:, :, None] for x in _host_ranges(qs, block_q))
-        klo, khi, kall = (x[:, None, :] for x in _host_ranges(ks, block_k))
-        empty = (qhi < klo) | (khi < qlo) | (qhi < 0) | (khi < 0)
-        one = (qlo == qhi) & (klo == khi) & (qlo == klo) & qall & kall
-        return np.where(empty, EMPTY, np.where(one, FULL, PARTIAL)).astype(np.int8)
+        return _states(qs, ks, block_q, block_k)
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
-        """Whether a query of the region may share a segment with a key of it
-        (min/max of the ids, so work O(block size))."""
+        """From the least and largest ids: work O(block size)."""
         q, k = self._rows(self.ids(xp, mask), r)
-
-        def lo(x: Array) -> Array:
-            return -xp.max(xp.where(x >= 0, -x, -_BIG), 1)
-
-        def hi(x: Array) -> Array:
-            return xp.max(x, 1)
-
-        ok = xp.logical_and(xp.logical_and(hi(q) >= lo(k), hi(k) >= lo(q)), hi(q) >= 0)
-        return xp.any(xp.logical_and(ok, hi(k) >= 0))
+        qlo, klo = (-xp.max(xp.where(x >= 0, -x, -_BIG), 1) for x in (q, k))
+        qhi, khi = xp.max(q, 1), xp.max(k, 1)
+        ok = xp.logical_and(xp.logical_and(qhi >= klo, khi >= qlo), qhi >= 0)
+        return xp.any(xp.logical_and(ok, khi >= 0))
 
     def key_span(
         self, mask: Mask, b: int, q0: int, q1: int, start: int, stop: int
     ) -> tuple[int, int]:
-        """The keys narrowed to those whose segment one of the queries has
-        (sorted or not)."""
+        """The keys narrowed to those whose segment one of the queries has (sorted or not)."""
         if self.known_ids is None:
             return start, stop
         qs, ks = self.known_ids
@@ -124,6 +106,14 @@ class Segments(Form):
         return Segments(
             xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids, self.key_start
         )
+
+
+def _states(qs: np.ndarray, ks: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
+    """int8 (batch|1, Q blocks, K blocks) states of host query and key ids."""
+    qlo, qhi, qall = (x[:, :, None] for x in _host_ranges(qs, block_q))
+    klo, khi, kall = (x[:, None, :] for x in _host_ranges(ks, block_k))
+    empty = (qhi < klo) | (khi < qlo) | (qhi < 0) | (khi < 0)
+    return state_of(empty, (qlo == qhi) & (klo == khi) & (qlo == klo) & qall & kall)
 
 
 def _host_ranges(ids: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,11 +150,7 @@ def _int32_ranks(hosts: list[np.ndarray]) -> list[np.ndarray]:
     negative ones -1: hashed 64-bit ids keep their documents apart."""
     ids = np.concatenate([h.reshape(-1) for h in hosts])
     ranks = np.unique(ids[ids >= 0])
-    out = []
-    for h in hosts:
-        r = np.searchsorted(ranks, h).astype(np.int32)
-        out.append(np.where(h >= 0, r, np.int32(-1)))
-    return out
+    return [np.where(h >= 0, np.searchsorted(ranks, h), -1).astype(np.int32) for h in hosts]
 
 
 def _on_device(xp: Backend, x: Any, ids: np.ndarray, fits: bool, device: Any) -> Array:
@@ -178,19 +164,13 @@ def _int32_or_64(xp: Backend, x: Array) -> Array:
     return x if xp.dtype_name(x) in ("int32", "int64") else xp.astype(x, "int32")
 
 
-def make_segments(
-    xp: Backend,
-    segment_ids: Any,
-    batch: int,
-    num_queries: int,
-    num_keys: int,
-    offset: int | Array,
-    device: Any,
-) -> Segments:
+def make_segments(where: Where, segment_ids: Any = None) -> Segments:
     """The checked form of ``segment_ids``: one (batch, K) array (queries take
     the ids of their positions, ``i + offset``) or a pair. Ids are compared
     exactly whatever their width: int32 on the device when they fit, else
     their ranks (known values) or int64 (traced)."""
+    xp, batch, num_queries, num_keys = where.xp, where.batch, where.num_queries, where.num_keys
+    offset, device = where.offset, where.device
     pair = _is_pair(xp, segment_ids)
     parts = segment_ids if pair else (None, segment_ids)
     out: list[Any] = []
@@ -198,22 +178,20 @@ def make_segments(
         ("segment_ids[0] (queries)", parts[0], num_queries),
         ("segment_ids" + ("[1] (keys)" if pair else ""), parts[1], num_keys),
     ):
-        if x is None:
-            out.append(None)
-            continue
-        if not xp.is_array(x):
-            x = np.asarray(x)
-            if x.dtype.kind not in "iu":
-                raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
-        elif not xp.dtype_name(x).startswith(("int", "uint")):
-            raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
-        if len(x.shape) != 2:
-            raise ValueError(f"{name} must be 2-D (batch, {n}), got shape {tuple(x.shape)}")
-        if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
-            raise ValueError(
-                f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
-                f" = ({batch}, {n}), got {tuple(x.shape)}"
-            )
+        if x is not None:
+            if not xp.is_array(x):
+                x = np.asarray(x)
+                if x.dtype.kind not in "iu":
+                    raise TypeError(f"{name} must hold integers, got dtype {x.dtype}")
+            elif not xp.dtype_name(x).startswith(("int", "uint")):
+                raise TypeError(f"{name} must hold integers, got dtype {xp.dtype_name(x)}")
+            if len(x.shape) != 2:
+                raise ValueError(f"{name} must be 2-D (batch, {n}), got shape {tuple(x.shape)}")
+            if tuple(x.shape) != (batch, n) and tuple(x.shape) != (1, n):
+                raise ValueError(
+                    f"{name} must have shape (batch, {'Q' if n == num_queries and pair else 'K'})"
+                    f" = ({batch}, {n}), got {tuple(x.shape)}"
+                )
         out.append(x)
     given = [x for x in out if x is not None]
     if all(not xp.is_array(x) or xp.is_concrete(x) for x in given):  # known values
@@ -225,13 +203,12 @@ def make_segments(
         out = [None if x is None else _int32_or_64(xp, x) for x in out]
     qs, ks = out
     if qs is None:
-        if isinstance(offset, (int, np.integer)):
+        if is_int(offset):
             qs = ks[:, offset : offset + num_queries]
         else:
             qs = xp.take(ks, xp.arange(num_queries, device) + offset, 1)
-    known = None
-    if xp.is_concrete(qs) and xp.is_concrete(ks):
-        known = (xp.to_numpy(qs).astype(np.int64), xp.to_numpy(ks).astype(np.int64))
+    concrete = xp.is_concrete(qs) and xp.is_concrete(ks)
+    known = tuple(xp.to_numpy(x).astype(np.int64) for x in (qs, ks)) if concrete else None
     return Segments(qs, ks, known)
 
 

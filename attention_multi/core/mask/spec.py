@@ -5,6 +5,7 @@ same few questions (``visible``, ``scores``, ``region_state``, ``states``,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
 import numpy as np
@@ -17,6 +18,16 @@ if TYPE_CHECKING:
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Block states, the one encoding: no query of the block may see a key of it
 (skipped), some may (computed with the mask), each sees all (no mask)."""
+
+
+def state_of(empty: Any, full: Any) -> Any:
+    """int8 states: EMPTY where ``empty``, else FULL where ``full``, else PARTIAL."""
+    return np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+
+
+def least_state(states: Any, axis: Any = None) -> Any:
+    """Blocks together (over ``axis``, default all): EMPTY or FULL if all are, else PARTIAL."""
+    return state_of((states == EMPTY).all(axis), (states == FULL).all(axis))
 
 
 class Region(NamedTuple):
@@ -35,7 +46,31 @@ class Region(NamedTuple):
     @property
     def on_host(self) -> bool:
         """Whether its starts are host ints (not traced)."""
-        return isinstance(self.q0, (int, np.integer)) and isinstance(self.k0, (int, np.integer))
+        return is_int(self.q0) and is_int(self.k0)
+
+
+class Where(NamedTuple):
+    """What a family needs to build its form: ``offset`` the position of query 0 among
+    the keys (int or traced), ``offset_known`` its host value (None: traced); ``dtype``
+    the queries'; ``heads_axis``: 4-D inputs (else masks are (batch, Q, K));
+    ``query_base``: the index of query 0 that ``q_idx`` counts from (int or traced)."""
+
+    xp: Backend
+    batch: int
+    heads: int
+    num_queries: int
+    num_keys: int
+    offset: Any
+    offset_known: int | None
+    dtype: str | None
+    heads_axis: bool
+    device: Any
+    query_base: Any
+
+
+def is_int(*xs: Any) -> bool:
+    """Whether every one of ``xs`` is a host int (not traced)."""
+    return all(isinstance(x, (int, np.integer)) for x in xs)
 
 
 class Form:
@@ -101,9 +136,8 @@ def _taken(xp: Backend, x: Any, rows: np.ndarray) -> Any:
 
 
 def _cut(xp: Backend | None, x: Any, axis: int, start: Any, stop: Any, size: int | None) -> Any:
-    """``x[start:stop]`` along ``axis``; ``start`` traced: ``size`` entries
-    from it (``Backend.read_slice``)."""
-    if isinstance(start, (int, np.integer)):
+    """``x[start:stop]`` along ``axis``; a traced ``start``: ``size`` entries (``read_slice``)."""
+    if is_int(start):
         index: list[Any] = [slice(None)] * len(x.shape)
         index[axis] = slice(start, stop)
         return x[tuple(index)]
@@ -112,8 +146,7 @@ def _cut(xp: Backend | None, x: Any, axis: int, start: Any, stop: Any, size: int
 
 
 def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> Any:
-    """``x`` (4-D, size-1 axes broadcast) cut to ``r`` (its keys too, unless
-    not ``keys``); ``xp`` cuts at traced starts (``Region.sizes``)."""
+    """``x`` (4-D, size-1 axes broadcast) cut to ``r``, keys too if ``keys``; ``xp`` cuts traced."""
     if x is None:
         return None
     if not r.on_host:
@@ -123,6 +156,15 @@ def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> 
         return _cut(xp, x, 3, r.k0, r.k1, nk) if keys and x.shape[3] > 1 else x
     bounds = ((r.b0, r.b1), (None, None), (r.q0, r.q1), (r.k0, r.k1) if keys else (None, None))
     return x[tuple(slice(*b) if n > 1 else slice(None) for n, b in zip(x.shape, bounds))]
+
+
+def _and(xp: Backend, parts: Iterable[Array | None]) -> Array | None:
+    """The AND of the ``parts`` that are not None (None: every one is)."""
+    out = None
+    for part in parts:
+        if part is not None:
+            out = part if out is None else xp.logical_and(out, part)
+    return out
 
 
 class Mask:
@@ -188,14 +230,12 @@ class Mask:
     @property
     def bias(self) -> Array | None:
         """The float bias added to the scaled scores (4-D) or None."""
-        arrays = self.form("arrays")
-        return None if arrays is None else arrays.bias
+        return getattr(self.form("arrays"), "bias", None)
 
     @property
     def score_mod(self) -> Callable[..., Array] | None:
         """The ``score_mod`` function or None."""
-        form = self.form("score_mod")
-        return None if form is None else form.score_mod
+        return getattr(self.form("score_mod"), "score_mod", None)
 
     # -- predicates ------------------------------------------------------------------
     @property
@@ -255,11 +295,7 @@ class Mask:
         None when every query is known to see every key. Made once per Mask."""
 
         def make() -> Array | None:
-            visible = None
-            for form in self.forms:
-                part = form.visible(xp, self, device)
-                if part is not None:
-                    visible = part if visible is None else xp.logical_and(visible, part)
+            visible = _and(xp, (form.visible(xp, self, device) for form in self.forms))
             if visible is not None and visible.shape[-1] != self.num_keys:  # (q_idx alone)
                 visible = xp.broadcast_to(visible, tuple(visible.shape[:-1]) + (self.num_keys,))
             return visible
@@ -320,10 +356,8 @@ class Mask:
         return self._with(forms, len(rows), self.num_queries, self.num_keys)
 
     def block_at(self, q0: Any, k0: Any, num_queries: int, num_keys: int) -> Mask:
-        """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0,
-        k0 + num_keys)`` of every batch element; ``q0`` and ``k0`` ints or
-        traced (a scan's block), within the mask (a traced start is clamped
-        to it). Every form cuts its arrays there (``Backend.read_slice``)."""
+        """The Mask of the queries ``[q0, q0 + num_queries)`` and keys ``[k0, k0 +
+        num_keys)``; ``q0``, ``k0`` ints or traced (a scan's block; clamped to the mask)."""
         r = Region(0, self.batch, q0, q0 + num_queries, k0, k0 + num_keys, (num_queries, num_keys))
         forms = tuple(f.region(self, r) for f in self.forms)
         return self._with(forms, self.batch, num_queries, num_keys)
@@ -343,12 +377,7 @@ class Mask:
     def seen(self, xp: Backend, r: Region, device: Any) -> Array | None:
         """Device bool (0-d): whether some query of the region ``r`` may see
         some key of it, by every form that can tell (None: none can)."""
-        seen = None
-        for form in self.forms:
-            s = form.seen(xp, self, r, device)
-            if s is not None:
-                seen = s if seen is None else xp.logical_and(seen, s)
-        return seen
+        return _and(xp, (form.seen(xp, self, r, device) for form in self.forms))
 
     def key_span(self, b: int, q0: int, q1: int, start: int, stop: int) -> tuple[int, int]:
         """Host: the keys ``[start, stop)`` of element ``b``'s rows ``[q0, q1)``, every form's."""
