@@ -146,10 +146,10 @@ def dot_product_attention(
         scale = check_scale(scale)
         scale = default_scale(q.shape[-1]) if scale is None else scale
         out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key, line)
-        return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+        return out if ndim == 4 else out[:, 0]
     m, dropout, scale = _checked(B, q, k, valid_lens, dropout, scale, ndim, forms)
     out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
-    return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+    return out if ndim == 4 else out[:, 0]
 
 
 def _checked(
@@ -195,7 +195,7 @@ def _with_lse(
     if sinks is not None:
         out, lse = add_sinks(B, out, lse, sinks)
     if ndim == 3:
-        out = out.reshape((batch,) + tuple(out.shape[2:]))
+        out = out[:, 0]
     if not return_lse:
         return out
     return out, lse.reshape((batch, heads, num_q) if ndim == 4 else (batch, num_q))
@@ -413,7 +413,7 @@ def ring_attention(
     else:
         budget = memory_budget or DEFAULT_MEMORY_BUDGET
         out = ring(B, q, k, v, masks, scale, rank, size, shift, budget, layout, step_log)
-    return out if ndim == 4 else out.reshape((batch,) + tuple(out.shape[2:]))
+    return out if ndim == 4 else out[:, 0]
 
 
 def _rows_at(B: Backend, x: Array, start: Any, n: int) -> Array:
