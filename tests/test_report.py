@@ -221,8 +221,11 @@ def test_multi_head_heatmap_labels_each_row_with_its_batch_element():
     pytest.importorskip("matplotlib").use("Agg")
     from attention_multi.cli.report.render import multi_head_heatmaps
 
+    import matplotlib.pyplot as plt
+
     weights = np.random.default_rng(0).random((3 * 2, 4, 5))  # batch 3, 2 heads
     fig = multi_head_heatmaps(weights, 2, [1, 5, 2])
+    plt.close(fig)  # (its axes stay readable; later tests count the open figures)
     grid = [ax for ax in fig.axes if ax.get_images()]  # not the colorbar
     assert len(grid) == 6
     labels = [ax.get_ylabel() for ax in grid]
