@@ -11,7 +11,9 @@ MODERN := .venv-modern
 LINT := .venv-lint
 PEERS := .venv-peers
 # every core, a test file per worker (module fixtures run once), the slowest files
-# first (conftest.py: SLOWEST_FIRST)
+# first (conftest.py: SLOWEST_FIRST); one torch/MXNet thread per worker (TESTENV):
+# the workers fill the cores, and a second thread per worker only waits for the OS
+TESTENV := OMP_NUM_THREADS=1
 PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder --durations=20
 SHELL := /bin/bash
 
@@ -28,11 +30,11 @@ venvs: $(LEGACY)/ready $(MODERN)/ready $(LINT)/ready
 
 # Every CPU backend is required on the legacy stack: a missing one fails.
 test-legacy: $(LEGACY)/ready
-	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,mxnet $(LEGACY)/bin/$(PYTEST)
+	$(TESTENV) ATTENTION_MULTI_REQUIRE=numpy,torch,jax,mxnet $(LEGACY)/bin/$(PYTEST)
 
 # MXNet cannot be installed with numpy 2: its cases skip with a reason.
 test-modern: $(MODERN)/ready
-	ATTENTION_MULTI_REQUIRE=numpy,torch,jax $(MODERN)/bin/$(PYTEST)
+	$(TESTENV) ATTENTION_MULTI_REQUIRE=numpy,torch,jax $(MODERN)/bin/$(PYTEST)
 
 # Each gate runs even when an earlier one fails; check fails if any did.
 check: $(LINT)/ready
