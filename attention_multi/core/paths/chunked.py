@@ -13,7 +13,7 @@ from ..mask import EMPTY
 from ..mask.intervals import key_range
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
-from ..numerics import empty_rows, in_dtype, scaled
+from ..numerics import scaled
 from . import online
 from .call import Call, Plan, dropout_fn, expand_kv
 
@@ -71,7 +71,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     # keys: unrolled, its compiler may keep every block's scores alive at once)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
-    outs, lses = [], []
+    parts = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
         qs = scaled(xp, q[:, :, q0:q1], scale=call.scale, work=work)
@@ -107,19 +107,9 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             block_drop = None if drop is None else (lambda p, index=index: drop(p, index))
             cut = (slice(None), slice(None), slice(r.k0, r.k1))
             state = online.step(xp, state, qs, k, v, mask.region(r, st), work, block_drop, cut)
-        if state is None:  # no query of this block may see any key
-            shape = (batch, heads, q1 - q0, v.shape[-1])
-            outs.append(empty_rows(xp, shape, work, call.device, qs, k, v))
-            if call.lse:
-                lses.append(online.unseen_lse(xp, shape, work, call.device))
-        else:
-            outs.append(online.finish(xp, state))
-            if call.lse:
-                lses.append(online.log_sum_exp(xp, state))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
-    if call.lse:
-        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses)
-    return in_dtype(xp, out, call.dtype), None
+        # (None: no query of this block may see any key)
+        parts.append(online.rows(call, state, (batch, heads, q1 - q0, v.shape[-1]), qs, k, v))
+    return online.result(call, parts)
 
 
 def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> Array:

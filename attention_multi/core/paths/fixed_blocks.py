@@ -85,8 +85,7 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
             )
 
         state = xp.scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
-        out = online.finish(xp, state)
-        return (out, online.log_sum_exp(xp, state)) if call.lse else (out,)
+        return tuple(online.rows(call, state, ()))
 
     def rows(done: tuple[Array, ...], x: list[Array]) -> tuple[Array, ...]:
         parts = xp.checkpoint(row, x[0])
@@ -117,9 +116,9 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
     drop = dropout_fn(xp, call.dropout, call.key)
     per_element = table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
-    outs, lses = [], []
+    parts = []
     for b0, b1 in groups:
-        rows, lse_rows = [], []
+        rows = []
         for qi, (q0, again) in enumerate(zip(q_starts.tolist(), repeated.tolist())):
             qs = qs_all[b0:b1, :, q0 : q0 + bq]
             state: Any = online.start(xp, (b1 - b0, heads, bq), dv, work, device)
@@ -136,16 +135,9 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
                 state = online.step(xp, state, qs, kb, vb, sub, work, block_drop, hidden=hide)
-            out = online.finish(xp, state)
-            rows.append(out[:, :, again:] if again else out)
-            if call.lse:
-                lse = online.log_sum_exp(xp, state)
-                lse_rows.append(lse[:, :, again:] if again else lse)
-        outs.append(online.joined(xp, rows))
-        if call.lse:
-            lses.append(online.joined(xp, lse_rows))
-    out = in_dtype(xp, online.joined(xp, outs, 0), call.dtype)
-    return (out, None, online.joined(xp, lses, 0)) if call.lse else (out, None)
+            rows.append([x[:, :, again:] if again else x for x in online.rows(call, state, ())])
+        parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
+    return online.result(call, parts, 0)
 
 
 @functools.cache

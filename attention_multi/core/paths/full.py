@@ -102,5 +102,4 @@ def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:
     k, v = guard_unused(xp, mask, k, v)
     drop = dropout_fn(xp, call.dropout, call.key)
     state = online.softmax_block(xp, scaled(xp, q, call.scale, work), k, v, mask, work, drop)
-    out = in_dtype(xp, online.finish(xp, state), call.dtype)
-    return out, None, online.log_sum_exp(xp, state)
+    return online.result(call, [online.rows(call, state, ())])  # (call.lse)

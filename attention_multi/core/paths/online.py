@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..mask.rules import guard_block
-from ..numerics import constant, fill, fill_against, in_dtype, normalize
+from ..numerics import constant, empty_rows, fill, fill_against, in_dtype, normalize
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask
+    from .call import Call
 
 State = tuple[Any, Any, Any]  # (row max, row sum, accumulator), each (batch, heads, Q, 1|dv)
 EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed after
@@ -141,14 +142,33 @@ def log_sum_exp(xp: Backend, state: State) -> Array:
     )
 
 
-def unseen_lse(xp: Backend, shape: tuple[int, ...], work: str, device: Any) -> Array:
-    """The log-sum-exp of rows (``shape[:3]``) that see no key: ``-inf``."""
-    return xp.zeros(tuple(shape[:3]) + (1,), work, device) + minus_inf(xp, work, device)
+def rows(call: Call, state: State | None, shape: tuple[int, ...], *inputs: Array) -> list[Array]:
+    """``[output]``, with ``call.lse`` ``[output, log-sum-exp]``, of rows from
+    their ``state``; None (no row saw a key): zeros of ``shape`` (kept in the
+    autodiff graph of ``inputs`` when given) and ``-inf``."""
+    xp, work, device = call.xp, call.work, call.device
+    if state is None:
+        if inputs:
+            out = empty_rows(xp, shape, work, device, *inputs)
+        else:
+            out = xp.zeros(shape, work, device)
+        lse = xp.zeros(tuple(shape[:3]) + (1,), work, device) + minus_inf(xp, work, device)
+        return [out, lse] if call.lse else [out]
+    out = finish(xp, state)
+    return [out, log_sum_exp(xp, state)] if call.lse else [out]
 
 
 def joined(xp: Backend, parts: list[Array], axis: int = 2) -> Array:
-    """The log-sum-exp of blocks of rows, put back together along ``axis``."""
+    """Blocks of rows put back together along ``axis``."""
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
+
+
+def result(call: Call, parts: list[list[Array]], axis: int = 2) -> tuple[Any, ...]:
+    """``(output, None)``, with ``call.lse`` ``(output, None, log-sum-exp)``, of
+    ``parts`` (each ``rows``'s) joined along ``axis``; the output in the call's dtype."""
+    xp = call.xp
+    out = in_dtype(xp, joined(xp, [p[0] for p in parts], axis), call.dtype)
+    return (out, None, joined(xp, [p[1] for p in parts], axis)) if call.lse else (out, None)
 
 
 def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
-from ..numerics import in_dtype, scaled
+from ..numerics import scaled
 from . import online
 from .call import Call, Plan, expand_kv
 from .chunked import key_blocks
@@ -58,7 +58,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     # unrolled, its compiler may keep every block's scores alive at once)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
-    outs, lses = [], []
+    parts = []
     for b in range(batch):
         lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
 
@@ -88,10 +88,5 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             sub = mask.region(Region(b, b + 1, 0, num_q, k0, k1))
             cut = (slice(b, b + 1), slice(None), slice(k0, k1))
             state = online.step(xp, state, qs, k, v, sub, work, cut=cut, seen=seen(k0, k1))
-        outs.append(online.finish(xp, state))
-        if call.lse:
-            lses.append(online.log_sum_exp(xp, state))
-    out = outs[0] if batch == 1 else xp.concatenate(outs, 0)
-    if call.lse:
-        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses, 0)
-    return in_dtype(xp, out, call.dtype), None
+        parts.append(online.rows(call, state, ()))
+    return online.result(call, parts, 0)
