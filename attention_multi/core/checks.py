@@ -94,12 +94,11 @@ def valid_lens_checked(
 ) -> tuple[Array, np.ndarray | None]:
     """``(valid_lens_array(...), its int64 host copy or None while traced)``."""
     limit = INT32_MAX if num_keys is None else min(int(num_keys), INT32_MAX)
-    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
-        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
-        if fast is not None:
-            if backend.dtype_name(valid_lens) != "int32":
-                valid_lens = backend.astype(valid_lens, "int32")
-            return valid_lens, fast[0].astype(np.int64)
+    fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+    if fast is not None:
+        if backend.dtype_name(valid_lens) != "int32":
+            valid_lens = backend.astype(valid_lens, "int32")
+        return valid_lens, fast[0].astype(np.int64)
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
             host = np.asarray(valid_lens)
@@ -161,10 +160,9 @@ def lengths_for_compare(
     them: checked as ``valid_lens_checked``, a well-formed int32/int64/float32/
     float64 array as it is (exact, no cast); ``least`` None while traced."""
     limit = min(int(num_keys), INT32_MAX)
-    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
-        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
-        if fast is not None:
-            return valid_lens, fast[1]
+    fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+    if fast is not None:
+        return valid_lens, fast[1]
     lens, known = valid_lens_checked(
         backend, valid_lens, batch, queries, device=device, num_keys=num_keys
     )
@@ -176,10 +174,12 @@ _SMALL_HOST = 64  # up to this many values, Python's min/max beat NumPy's reduct
 
 
 def _well_formed_lens(
-    backend: Backend, lens: Array, batch: int, queries: int, limit: int
+    backend: Backend, lens: Any, batch: int, queries: int, limit: int
 ) -> tuple[np.ndarray, int] | None:
     """``(host values, least)`` of concrete lengths that need no conversion
     (``lens_kind``), all whole numbers in [0, limit]; else None (full checks)."""
+    if not (backend.is_array(lens) and backend.is_concrete(lens)):
+        return None
     kind = lens_kind(backend, lens, batch, queries)
     if kind is None:
         return None
@@ -240,7 +240,7 @@ def check_window(window: Any) -> tuple[int | None, ...] | None:
         raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
     for side in sides:
         if side is not None and (
-            isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral) or side < 0
+            _is_bool(side) or not isinstance(side, numbers.Integral) or side < 0
         ):
             raise ValueError(
                 f"window must be a non-negative int or a pair (left, "
@@ -288,11 +288,9 @@ def check_mask_array(
             f"{(batch, 1, q, k)} for each batch element or {(1, heads, q, k)} for each head"
         )
     if len(got) > len(against) or any(g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
-        names = (
-            ("batch", "heads", "queries", "keys")[-len(against) :]
-            if heads_axis or len(against) == 4
-            else ("batch", "queries", "keys")
-        )
+        names: tuple[str, ...] = ("batch", "heads", "queries", "keys")
+        if len(against) == 3:
+            names = ("batch", "queries", "keys")
         raise ValueError(
             f"{name} of shape {got} does not broadcast to "
             f"({', '.join(f'{n}={s}' for n, s in zip(names, against))})"

@@ -35,9 +35,7 @@ KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
 MIN_SCORES = 4 * DEFAULT_BLOCK * DEFAULT_BLOCK  # fewer (Q x K) scores: one dense call is cheaper
 PROGRAMMABLE = ("mask_mod", "score_mod", "segment_ids")
-TRACED_SHARE = 0.5
-"""The share of the scores a traced call is expected to compute: its blocks
-are skipped at run time, by values the plan cannot see."""
+TRACED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
 
 def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]:
@@ -72,10 +70,9 @@ def plan(call: Call) -> Plan | None:
             return None
         if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
             return None
-    block = (call.chunk_size, call.chunk_size) if call.chunk_size else None
-    fixed = _fixed(xp, traced)
-    table = None if traced else host_table(mask, *(block or pick_block(mask, False, fixed)))
-    block_q, block_k = block or pick_block(mask, table is None, fixed)
+    fixed, size = _fixed(xp, traced), call.chunk_size
+    block_q, block_k = (size, size) if size else pick_block(mask, traced, fixed)
+    table = None if traced else host_table(mask, block_q, block_k)
     if table is None:  # (conds compiled into one program: no kernel calls)
         return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
     if fixed:  # (a compiled kernel call per block that is not empty)

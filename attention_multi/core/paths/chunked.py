@@ -26,14 +26,12 @@ NAME = "chunked"
 DEFAULT_BLOCK_KEYS = 1024
 DIAGONAL_BLOCK = 256  # blocks under causal or window masks
 PASSES = 3
-"""Score-sized passes of online softmax, per score: it is the path for calls
-whose scores do not fit the budget, or that ask for it."""
+"""Score-sized passes of online softmax, per score."""
 
 
 def queries_per_block(xp: Backend, q: Array, block_k: int, memory_budget: int) -> int:
-    """Queries per block of online softmax over ``block_k`` keys: the block's
-    scores fill at most a sixteenth of ``memory_budget`` (the backward pass
-    holds about eight such arrays)."""
+    """Queries per block over ``block_k`` keys: the block's scores fill a
+    sixteenth of ``memory_budget`` (the backward pass holds about eight)."""
     batch, heads = q.shape[:2]
     itemsize = 8 if xp.dtype_name(q) == "float64" else 4
     return max(1, memory_budget // 16 // (batch * heads * block_k * itemsize))
@@ -113,8 +111,8 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
 
 
 def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> Array:
-    """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
-    block_k, d): the full blocks of keys from ``start``, to scan over."""
+    """The ``count`` full blocks of keys from ``start``, (count, batch, heads,
+    block_k, d), to scan over."""
     x = x[:, :, start : start + count * block_k]
     x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
     return xp.transpose(x, (2, 0, 1, 3, 4))
@@ -131,10 +129,9 @@ def _scan(
     count: int,
     drop: Any,
 ) -> Any:
-    """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
-    ``first, ...`` of ``grid`` (keys and values by ``key_blocks``, from key
-    ``start``), for the queries ``rows``: an interval mask, whose block Mask
-    comes from ``Mask.keys_from`` at a traced start. One ``Backend.scan``."""
+    """``state`` merged with the ``count`` blocks ``first, ...`` of ``grid``
+    (``key_blocks``) for the queries ``rows``, in one ``Backend.scan`` (an
+    interval mask: ``Mask.keys_from`` at a traced start)."""
     xp, mask = call.xp, call.mask
     q0, q1 = rows
     kb, vb, start = grid

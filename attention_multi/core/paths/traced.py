@@ -21,14 +21,11 @@ if TYPE_CHECKING:
 
 NAME = "tiled"
 DEFAULT_BLOCK_KEYS = 64
-SKIPPED_SHARE = 0.5
-"""The share of the scores a traced call is expected to compute: its blocks
-are skipped at run time, by values the plan cannot see."""
+SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
 
 def plan(call: Call) -> Plan | None:
-    """Traced intervals on a framework that branches at run time, without
-    dropout; its conds are compiled into one program, no kernel calls."""
+    """Traced intervals, a framework that branches at run time, no dropout."""
     xp, mask = call.xp, call.mask
     if not call.asks("tiled") or call.dropout or not xp.runtime_cond:
         return None
@@ -38,9 +35,8 @@ def plan(call: Call) -> Plan | None:
 
 
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
-    """Per batch element, its blocks of keys (at most 16, within the budget;
-    ``chunk_size`` keys each when given), each skipped when no query of the
-    element sees it."""
+    """Per batch element, its blocks of keys (at most 16 within the budget, or
+    ``chunk_size``), each skipped when no query of the element sees it."""
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)
