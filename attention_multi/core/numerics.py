@@ -66,16 +66,20 @@ def constant(xp: Backend, what: tuple[Any, ...], device: Any, make: Callable[[],
     return value
 
 
+def scalar(xp: Backend, name: str, value: float, dtype: str, device: Any) -> Array:
+    """``value`` as a 0-d array of ``dtype``, made once (``constant``)."""
+
+    def make() -> Array:
+        return xp.asarray(np.asarray(value, np.dtype(dtype)), device=device)
+
+    return constant(xp, (name, dtype), device, make)
+
+
 def fill(xp: Backend, dtype: str, device: Any) -> Array:
     """``fill_value`` as a 0-d array of the compute dtype (a Python float
     would promote float32 to float64 in NumPy 1.x)."""
     work = compute_dtype(dtype)
-    return constant(
-        xp,
-        ("fill", work),
-        device,
-        lambda: xp.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device),
-    )
+    return scalar(xp, "fill", fill_value(work), work, device)
 
 
 def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
@@ -86,12 +90,7 @@ def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
 
 def zero(xp: Backend, dtype: str, device: Any) -> Array:
     """0 as a 0-d array of ``dtype``."""
-    return constant(
-        xp,
-        ("zero", dtype),
-        device,
-        lambda: xp.asarray(np.zeros((), np.dtype(dtype)), device=device),
-    )
+    return scalar(xp, "zero", 0.0, dtype, device)
 
 
 def positions(

@@ -127,8 +127,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     per_element = not traced and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
     if kernel:
-        autodiff = any(xp.may_differentiate(x) for x in (q, k, v))
-        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k), autodiff)
+        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k))
     parts = []
     for b0, b1 in groups:
         done: dict[int, Array] = {}  # first row -> the output of its rows
@@ -138,7 +137,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             if len(spans) > 1:  # (consecutive rows over the keys they see together: one call)
                 spans = [[(min(s[0][0] for s in spans), max(s[0][1] for s in spans), None)]]
             where = (b0, b1, q0, q1)
-            out = _kernel_rows(xp, cuts, mask, spans[0], where, call.scale, call.dropout, finite)
+            out = _kernel_rows(call, cuts, spans[0], where, finite)
             if out is not None:
                 done[first] = in_dtype(xp, out, work)
         rows, qi = [], 0
@@ -195,16 +194,11 @@ class _Cuts:
     pieces of ``Backend.split`` (a slice's gradient is as large as its array)."""
 
     def __init__(
-        self,
-        xp: Backend,
-        arrays: tuple[Array, Array, Array],
-        per_element: bool,
-        block: tuple[int, int],
-        autodiff: bool,
+        self, xp: Backend, arrays: tuple[Array, ...], per_element: bool, block: Any
     ) -> None:
         self.xp, self.arrays, self.block = xp, arrays, block
         self.pieces = None
-        if autodiff:
+        if any(xp.may_differentiate(x) for x in arrays):
 
             def cut(x: Array, size: int) -> list[list[Array]]:
                 return [xp.split(e, size, 2) for e in (xp.split(x, 1, 0) if per_element else [x])]
@@ -236,20 +230,13 @@ class _Cuts:
 
 
 def _kernel_rows(
-    xp: Backend,
-    cuts: _Cuts,
-    mask: Mask,
-    spans: list[tuple[int, int, Any]],
-    where: tuple[int, int, int, int],
-    scale: float,
-    dropout: float,
-    finite: bool,
+    call: Call, cuts: _Cuts, spans: list[tuple[int, int, Any]], where: Any, finite: bool
 ) -> Array | None:
     """One block of queries (batch ``b0..b1``, queries ``q0..q1``) through
     ``fused.kernel``, over the runs of keys ``spans`` ``(k0, k1, state or
     None)`` (put side by side when there are several); None when the kernel
     declines or no key is visible."""
-    b0, b1, q0, q1 = where
+    xp, mask, (b0, b1, q0, q1) = call.xp, call.mask, where
     if not spans or (len(spans) > 1 and mask.bias is not None):
         return None
     subs = [mask.region(Region(b0, b1, q0, q1, k0, k1), st) for k0, k1, st in spans]
@@ -272,5 +259,5 @@ def _kernel_rows(
         )
         forms = (arrays(xp, allowed, None),)
         sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), forms, True, xp)
-    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, scale)
-    return fused.kernel(xp, *args, dropout=dropout, queries_finite=finite, keys_finite=finite)
+    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, call.scale)
+    return fused.kernel(xp, *args, dropout=call.dropout, queries_finite=finite, keys_finite=finite)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..mask.rules import guard_block
-from ..numerics import constant, empty_rows, fill, fill_against, in_dtype, normalize
+from ..numerics import empty_rows, fill, fill_against, in_dtype, normalize, scalar
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -113,12 +113,7 @@ def step(
 
 def minus_inf(xp: Backend, work: str, device: Any) -> Array:
     """``-inf`` as a 0-d array of ``work``: the log-sum-exp of a row that sees no key."""
-    return constant(
-        xp,
-        ("-inf", work),
-        device,
-        lambda: xp.asarray(np.asarray(-np.inf, np.dtype(work)), device=device),
-    )
+    return scalar(xp, "-inf", -np.inf, work, device)
 
 
 def log_sum_exp(xp: Backend, state: State) -> Array:

@@ -11,7 +11,7 @@ import numpy as np
 from ..mask.intervals import element_ranges
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
-from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled, work_itemsize
+from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled
 from . import fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
@@ -51,33 +51,26 @@ class Tiles(NamedTuple):
     scores: int
 
 
-def plan_tiles(
-    xp: Backend,
-    q: Array,
-    mask: Mask,
-    memory_budget: int | None = None,
-    chunk_size: int | None = None,
-    call_cost: float = 0.0,
-) -> Tiles | None:
+def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     """Per block of queries, the batch elements grouped by the keys they see
     (``grouped``); None while traced, or when one query's scores exceed the budget."""
+    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
     if not mask.known_on_host():
         return None
-    batch, heads, num_q = q.shape[:3]
-    block_q = max(1, min(num_q, chunk_size or DEFAULT_BLOCK_QUERIES))
-    per_query = 2 * heads * mask.num_keys * work_itemsize(xp, q) * xp.concurrency()
-    if memory_budget is not None:  # (scores and their exponentials, each tile at once)
-        block_q = min(block_q, memory_budget // per_query)
-        if block_q < 1:
-            return None
+    block_q = max(1, min(num_q, call.chunk_size or DEFAULT_BLOCK_QUERIES))
+    per_query = 2 * heads * mask.num_keys * call.itemsize * xp.concurrency()
+    # (scores and their exponentials, each tile at once)
+    block_q = min(block_q, memory_budget // per_query)
+    if block_q < 1:
+        return None
     gather = all(f.gathers for f in mask.forms)
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     groups, work = [], 0
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
-        most = batch if memory_budget is None else max(1, memory_budget // (per_query * (q1 - q0)))
-        block = grouped(starts, stops, whole, rows, call_cost, most, gather)
+        most = max(1, memory_budget // (per_query * (q1 - q0)))
+        block = grouped(starts, stops, whole, rows, call.call_cost, most, gather)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
     return Tiles(groups, blocks, work)
@@ -92,7 +85,7 @@ def plan(call: Call) -> Plan | None:
     if not named and xp.compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
-    tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
+    tiles = plan_tiles(call, budget)
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
