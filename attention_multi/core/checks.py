@@ -67,22 +67,6 @@ def check_float(backend: Backend, name: str, x: Array) -> None:
         raise TypeError(f"{name} must have a floating dtype, got {dtype}")
 
 
-def valid_lens_array(
-    backend: Backend,
-    valid_lens: Any,
-    batch: int,
-    queries: int,
-    name: str = "valid_lens",
-    device: Any = None,
-    num_keys: int | None = None,
-) -> Array:
-    """``valid_lens`` (the call's arrays, NumPy arrays or lists, placed on
-    ``device``) as int32 of shape (batch,) or (batch, queries); values checked
-    (>= 0, whole) unless traced; clamped to ``num_keys`` (or the int32 range)
-    on the host before a framework could wrap them, on the device while traced."""
-    return valid_lens_checked(backend, valid_lens, batch, queries, name, device, num_keys)[0]
-
-
 def valid_lens_checked(
     backend: Backend,
     valid_lens: Any,
@@ -92,7 +76,11 @@ def valid_lens_checked(
     device: Any = None,
     num_keys: int | None = None,
 ) -> tuple[Array, np.ndarray | None]:
-    """``(valid_lens_array(...), its int64 host copy or None while traced)``."""
+    """``(lengths, their int64 host copy or None while traced)``: ``valid_lens``
+    (the call's arrays, NumPy arrays or lists, placed on ``device``) as int32 of
+    shape (batch,) or (batch, queries); values checked (>= 0, whole) unless
+    traced; clamped to ``num_keys`` (or the int32 range) on the host before a
+    framework could wrap them, on the device while traced."""
     limit = INT32_MAX if num_keys is None else min(int(num_keys), INT32_MAX)
     fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
     if fast is not None:
@@ -210,13 +198,10 @@ def least_length(values: np.ndarray, kind: str, limit: int) -> int | None:
             return None
         return int(min(listed))
     least = values.min()
-    if not (
-        0 <= least
-        and values.max() <= limit
-        and (kind == "i" or bool((values == np.round(values)).all()))
-    ):
-        return None
-    return int(least)
+    if 0 <= least and values.max() <= limit:
+        if kind == "i" or bool((values == np.round(values)).all()):
+            return int(least)
+    return None
 
 
 def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:

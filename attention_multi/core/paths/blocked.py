@@ -1,13 +1,9 @@
 """The block-sparse path of the programmable forms (``mask_mod``,
-``score_mod``, ``segment_ids``): per batch element and block of queries, over
-the blocks of keys that are not empty.
-
-On the host (``mask.host_table``) empty blocks are never computed, full ones
-need no mask; a block of queries goes through ``fused.kernel`` over its runs of
-visible keys side by side, or, where the kernel declines, one online-softmax
-step per run. While traced, each block of the whole batch is a ``Backend.cond``
-on a device-side test (skipped at run time, nothing recompiles). A framework
-that compiles each new shape runs blocks of one shape (``fixed_blocks``).
+``score_mod``, ``segment_ids``): per block of queries, over the blocks of keys
+that are not empty (``mask.host_table``; full ones without a mask), through
+``fused.kernel`` over its runs of keys side by side, or one online-softmax step
+per run. While traced, each block is a ``Backend.cond`` on a device-side test.
+A framework that compiles each new shape runs ``fixed_blocks``.
 """
 
 from __future__ import annotations

@@ -50,13 +50,11 @@ class Call:
         self.queries, self.keys, self.values = queries, keys, values
         self.dropout, self.key, self.path = dropout, key, path
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
-        self.chunk_size, self.weights, self.private = chunk_size, weights, private
-        self.lse = lse
+        self.chunk_size, self.weights, self.private, self.lse = chunk_size, weights, private, lse
         self.batch, self.heads, self.num_queries = queries.shape[:3]
         self.num_keys = keys.shape[2]
-        self.dtype = xp.dtype_name(queries)
+        self.dtype, self.device = xp.dtype_name(queries), xp.device_of(queries)
         self.work = compute_dtype(self.dtype)
-        self.device = xp.device_of(queries)
         self.scores = self.batch * self.heads * self.num_queries * self.num_keys
         self.itemsize = work_itemsize(xp, queries)
         self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1

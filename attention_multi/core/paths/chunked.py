@@ -5,7 +5,7 @@ autodiff each block is recomputed in the backward pass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
+    from ..mask import Mask
 
 NAME = "chunked"
 DEFAULT_BLOCK_KEYS = 1024
@@ -96,7 +97,9 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                     full = (stop - start) // block_k
                     grid = (*(key_blocks(xp, x, start, block_k, full) for x in (k, v)), start)
                 first = (blocks[i][0].k0 - start) // block_k
-                state = _scan(call, state, qs, grid, (q0, q1), first, block_k, run, drop)
+                rows = mask.region(Region(0, mask.batch, q0, q1, 0, mask.num_keys))
+                index = q0 * mask.num_keys
+                state = scan_keys(call, state, qs, rows, grid, first, run, block_k, drop, index)
                 i += run
                 continue
             r, st = blocks[i]
@@ -118,34 +121,37 @@ def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> A
     return xp.transpose(x, (2, 0, 1, 3, 4))
 
 
-def _scan(
+def scan_keys(
     call: Call,
     state: Any,
     qs: Array,
+    rows: Mask,
     grid: tuple[Array, Array, int],
-    rows: tuple[int, int],
     first: int,
-    block_k: int,
     count: int,
-    drop: Any,
+    block_k: int,
+    drop: Any = None,
+    index: int = 0,
+    seen: Callable[[Any, Any], Array] | None = None,
 ) -> Any:
     """``state`` merged with the ``count`` blocks ``first, ...`` of ``grid``
-    (``key_blocks``) for the queries ``rows``, in one ``Backend.scan`` (an
-    interval mask: ``Mask.keys_from`` at a traced start)."""
-    xp, mask = call.xp, call.mask
-    q0, q1 = rows
+    (``key_blocks``) in one ``Backend.scan``, for the queries ``qs`` whose Mask
+    over every key is ``rows`` (an interval mask: ``Mask.keys_from`` at a traced
+    start); dropout draws from ``index`` plus the block's first key, and
+    ``seen(k0, k1)`` skips a block at run time."""
+    xp = call.xp
     kb, vb, start = grid
-    rows_mask = mask.region(Region(0, mask.batch, q0, q1, 0, mask.num_keys))
     starts = np.arange(first, first + count) * block_k + start
     xs = [kb[first : first + count], vb[first : first + count]]
     xs.append(xp.asarray(starts.astype(np.int32), device=call.device))
     if drop is not None:  # (the index each block's dropout draws from, as unrolled)
-        xs.append(xp.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=call.device))
+        xs.append(xp.asarray((starts + index).astype(np.uint32), device=call.device))
 
     def block(state: Any, x: Any) -> Any:
-        kb, vb, k0, *index = x
-        block_drop = None if drop is None else (lambda p: drop(p, index[0]))
-        sub = rows_mask.keys_from(k0, block_k)
-        return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop)
+        kb, vb, k0, *at = x
+        block_drop = None if drop is None else (lambda p: drop(p, at[0]))
+        sub = rows.keys_from(k0, block_k)
+        skip = None if seen is None else seen(k0, k0 + block_k)
+        return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop, seen=skip)
 
     return xp.scan(block, state, xs)

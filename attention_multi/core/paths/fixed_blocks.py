@@ -1,14 +1,10 @@
-"""The block-sparse path in blocks of one shape, for a framework that
-compiles each new shape (``Backend.compiles_per_shape``): what is compiled for
-one block serves every block and every length. The last block of each axis
-ends at the end, overlapping the one before: its queries are computed again
-and its keys the block before counted are hidden (``online.step``'s ``hidden``).
-
-- ``scanned`` (traced, ``Backend.sequential_scan``): a scan over the blocks of
-  queries, each a scan over the blocks of keys at traced offsets, each step
-  skipped at run time (``Backend.cond``); it compiles once per block shape.
-- ``compiled`` (the mask on the host): one call of one compiled kernel
-  (``Backend.compiled``) per block of keys that is not empty.
+"""The block-sparse path in blocks of one shape (``Backend.compiles_per_shape``):
+what is compiled for one block serves every block and length. The last block
+of each axis ends at the end, overlapping the one before (its queries computed
+again, its keys counted before hidden: ``online.step``'s ``hidden``).
+``scanned`` (traced, ``Backend.sequential_scan``): scans over blocks of queries
+and of keys, each step skipped at run time. ``compiled`` (host): one call of one
+compiled kernel per block of keys that is not empty.
 """
 
 from __future__ import annotations

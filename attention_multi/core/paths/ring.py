@@ -1,20 +1,15 @@
 """Ring (sequence-parallel) attention, written once against the protocol.
 
-Queries, keys and values are split along the sequence over ``size``
-participants in a **layout**: ``contiguous``, participant ``r`` holds the
-``r``-th of ``size`` chunks; ``zigzag``, chunks ``r`` and ``2 size - 1 - r`` of
-``2 size`` (under a causal mask every participant then sees as many keys).
-In ``size`` steps each participant merges its queries over the block it holds
-into its online-softmax state and passes the block on (``r`` to ``r + 1``).
-Per block of queries, each chunk of keys is asked its state
-(``Mask.block_state``): empty ones cost no call, full ones need no mask, a
-partial one is classified again in pieces, neighbours in one state are one
-call. Every exchange happens on every participant, and the last block stays
-in the output's graph (``numerics.kept``) so the backward exchanges pair up.
-While the rank is traced (``shard_map``) each chunk is skipped at run time
-(``Backend.cond``). Messages travel in the compute dtype (gradients summed
-round the ring are rounded once). Memory: O(T/P d). The communication is
-``Backend.ring_exchange(group)``: ``(rank, size, shift)``.
+The sequence is split over ``size`` participants in a **layout**:
+``contiguous`` (participant ``r`` holds chunk ``r`` of ``size``) or ``zigzag``
+(chunks ``r`` and ``2 size - 1 - r`` of ``2 size``: under a causal mask each
+then sees as many keys). In ``size`` steps each participant merges its queries
+over the block of keys it holds into its online-softmax state and passes the
+block on (``Backend.ring_exchange``); empty chunks cost no kernel call (while
+the rank is traced, ``Backend.cond`` skips them). Every exchange happens on
+every participant, and the last block stays in the output's graph so the
+backward exchanges pair up. Messages travel in the compute dtype. Memory:
+O(T/P d).
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
 from .call import Call, Plan, expand_kv
-from .chunked import key_blocks
+from .chunked import key_blocks, scan_keys
 
 if TYPE_CHECKING:
     from ...types import Array
@@ -67,18 +65,8 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
         state: Any = online.start(xp, (1, heads, num_q), dv, work, device)
         if full_blocks:
             element = mask.region(Region(b, b + 1, 0, num_q, 0, num_k))
-
-            def scanned(
-                state: Any, x: Any, qs: Array = qs, element: Any = element, seen: Any = seen
-            ) -> Any:
-                kb, vb, k0 = x
-                sub = element.keys_from(k0, block_k)
-                return online.step(xp, state, qs, kb, vb, sub, work, seen=seen(k0, k0 + block_k))
-
-            starts = (np.arange(full_blocks) * block_k).astype(np.int32)
-            xs = [key_blocks(xp, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)]
-            xs.append(xp.asarray(starts, device=device))
-            state = xp.scan(scanned, state, xs)
+            grid = (*(key_blocks(xp, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)), 0)
+            state = scan_keys(call, state, qs, element, grid, 0, full_blocks, block_k, seen=seen)
         for k0 in range(full_blocks * block_k, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
             sub = mask.region(Region(b, b + 1, 0, num_q, k0, k1))
