@@ -97,16 +97,13 @@ def positions(
     xp: Backend, num_keys: int, device: Any, dtype: str = "int32", ndim: int = 4
 ) -> Array:
     """Key positions 0..K-1 of ``dtype``, shaped (1, ..., 1, K) with ``ndim`` axes."""
-    return constant(
-        xp,
-        ("positions", num_keys, dtype, ndim),
-        device,
-        lambda: (
-            xp.astype(xp.arange(num_keys, device), dtype)
-            if dtype != "int32"
-            else xp.arange(num_keys, device)
-        ).reshape((1,) * (ndim - 1) + (num_keys,)),
-    )
+
+    def make() -> Array:
+        keys = xp.arange(num_keys, device)
+        keys = keys if dtype == "int32" else xp.astype(keys, dtype)
+        return keys.reshape((1,) * (ndim - 1) + (num_keys,))
+
+    return constant(xp, ("positions", num_keys, dtype, ndim), device, make)
 
 
 def size(x: Array) -> int:

@@ -132,8 +132,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             spans = [_spans(table, b0, qi, num_k, block_k) for qi in range(first, last + 1)]
             if len(spans) > 1:  # (consecutive rows over the keys they see together: one call)
                 spans = [[(min(s[0][0] for s in spans), max(s[0][1] for s in spans), None)]]
-            where = (b0, b1, q0, q1)
-            out = _kernel_rows(call, cuts, spans[0], where, finite)
+            out = _kernel_rows(call, cuts, spans[0], (b0, b1, q0, q1), finite)
             if out is not None:
                 done[first] = in_dtype(xp, out, work)
         rows, qi = [], 0

@@ -128,7 +128,7 @@ def ring(
             outs.append(empty_rows(xp, (batch, heads, b - a, dv), work, device, qs_i, k, v))
         else:
             outs.append(online.finish(xp, state))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
+    out = online.joined(xp, outs)
     # (the last block received stays in the graph: its exchange's backward
     # runs on every participant, even where every step was skipped)
     return in_dtype(xp, kept(xp, out, kv), dtype)
