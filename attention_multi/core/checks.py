@@ -286,8 +286,7 @@ def check_mask_array(
     return x.reshape(full)
 
 
-# Constructor arguments: TypeError for a wrong type, ValueError out of range;
-# the message names the argument and shows the value (repr).
+# Constructor arguments: TypeError for a wrong type, ValueError out of range.
 
 
 def _is_bool(value: Any) -> bool:

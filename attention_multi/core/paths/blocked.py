@@ -111,15 +111,13 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     k, v = expand_kv(xp, call.keys, call.values, heads)
     dv = v.shape[-1]
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (a block of queries through the backend's kernel, over its visible keys;
-    # kernels give no log-sum-exp)
+    # (blocks of queries through the backend's kernel, which gives no log-sum-exp)
     kernel = not traced and not call.lse and xp.has_fused_attention and mask.score_mod is None
     # (one read of the inputs instead of the NaN passes around each kernel call)
     finite = kernel and all_finite(xp, q, k, v)
     if not finite:
         k, v = guard_unused(xp, mask, k, v)
-    # (while traced the whole batch is one group: each block is one cond,
-    # skipped when empty for every element, and compiling does not grow with it)
+    # (traced: the whole batch is one group, each block one cond, skipped when empty for all)
     per_element = not traced and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
     if kernel:

@@ -66,8 +66,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
         if diagonal:
             block_q = min(block_q, block_k)
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (a framework whose scan is one compiled loop scans the full blocks of
-    # keys: unrolled, its compiler may keep every block's scores alive at once)
+    # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
     parts = []

@@ -48,8 +48,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     lo, hi = mask.intervals.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
     lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
-    # (a framework whose scan is one compiled loop scans the full blocks:
-    # unrolled, its compiler may keep every block's scores alive at once)
+    # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
     parts = []
