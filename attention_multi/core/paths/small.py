@@ -8,6 +8,7 @@ weights and name. ``select.straight_line`` decides when it applies.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from ..checks import INT32_MAX, least_length, lengths_for_compare, lens_kind
@@ -168,14 +169,5 @@ def _visible(
 
 def _made_once(make: Any) -> tuple[Any, Any]:
     """The two parts of ``make()``'s pair as functions; ``make`` runs once."""
-    made: list[Any] = []
-
-    def part(i: int) -> Any:
-        def get() -> Any:
-            if not made:
-                made.append(make())
-            return made[0][i]
-
-        return get
-
-    return part(0), part(1)
+    once = functools.cache(make)
+    return (lambda: once()[0]), (lambda: once()[1])
