@@ -18,7 +18,7 @@ from .core.checks import (
     check_heads,
     check_positive_int,
     check_scale,
-    valid_lens_array,
+    valid_lens_checked,
 )
 from .core.paths import small
 from .core.paths.online import add_sinks
@@ -40,7 +40,7 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     B = backend_of(X=X)
     check_array(B, "X", X, 2, "(N, T)")
     n, t = X.shape
-    lens = valid_lens_array(
+    lens, _ = valid_lens_checked(
         B, valid_len, n, -1, name="valid_len", device=B.device_of(X), num_keys=t
     )
     mask = make_mask(B, n, 1, 1, t, valid_lens=lens)

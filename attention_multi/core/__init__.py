@@ -9,44 +9,19 @@
 - ``checks.py``: argument checks (errors name the argument and the shapes).
 """
 
-from .checks import (
-    check_bool,
-    check_choice,
-    check_divides,
-    check_dropout,
-    check_nonnegative_int,
-    check_positive_int,
-)
 from .mask import Mask, MaskForms, checked_forms, make_mask, no_forms
 from .mask.rules import masked_softmax
-from .numerics import (
-    DEFAULT_MEMORY_BUDGET,
-    compute_dtype,
-    default_scale,
-    fill_value,
-    zeros_for_empty,
-)
-from .paths import PATHS
-from .select import SMALL_SCORES, attend, check_path_options, straight_line
+from .numerics import DEFAULT_MEMORY_BUDGET, default_scale, zeros_for_empty
+from .select import attend, check_path_options, straight_line
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
-    "PATHS",
-    "SMALL_SCORES",
     "Mask",
     "MaskForms",
     "attend",
-    "check_bool",
-    "check_choice",
-    "check_divides",
-    "check_dropout",
-    "check_nonnegative_int",
     "check_path_options",
-    "check_positive_int",
     "checked_forms",
-    "compute_dtype",
     "default_scale",
-    "fill_value",
     "make_mask",
     "masked_softmax",
     "no_forms",

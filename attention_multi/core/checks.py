@@ -67,34 +67,6 @@ def check_float(backend: Backend, name: str, x: Array) -> None:
         raise TypeError(f"{name} must have a floating dtype, got {dtype}")
 
 
-def check_same_dtype(backend: Backend, **arrays: Array) -> None:
-    dtypes = {n: backend.dtype_name(x) for n, x in arrays.items()}
-    if len(set(dtypes.values())) > 1:
-        listing = ", ".join(f"{n} is {d}" for n, d in dtypes.items())
-        raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
-
-
-def valid_lens_array(
-    backend: Backend,
-    valid_lens: Any,
-    batch: int,
-    queries: int,
-    name: str = "valid_lens",
-    device: Any = None,
-    num_keys: int | None = None,
-) -> Array:
-    """``valid_lens`` as an int32 array of shape (batch,) or (batch, queries).
-
-    Accepts arrays of the call's backend, NumPy arrays and lists (placed on
-    ``device``). Values are checked (>= 0, integer-valued) unless they are
-    traced (``jax.jit``, ``torch.compile``). A length past the last key means
-    no masking: lengths are clamped to ``num_keys`` (or to the int32 range),
-    on the host before they reach a framework that would wrap them (3e9 as
-    float32, 2**32 + 2 on JAX), and on the device while traced; never wrapped.
-    """
-    return valid_lens_checked(backend, valid_lens, batch, queries, name, device, num_keys)[0]
-
-
 def valid_lens_checked(
     backend: Backend,
     valid_lens: Any,
@@ -104,16 +76,17 @@ def valid_lens_checked(
     device: Any = None,
     num_keys: int | None = None,
 ) -> tuple[Array, np.ndarray | None]:
-    """``(valid_lens_array(...), its int64 host copy or None while traced)``:
-    the values read once on the host, for the checks and for the mask."""
+    """``(lengths, their int64 host copy or None while traced)``: ``valid_lens``
+    (the call's arrays, NumPy arrays or lists, placed on ``device``) as int32 of
+    shape (batch,) or (batch, queries); values checked (>= 0, whole) unless
+    traced; clamped to ``num_keys`` (or the int32 range) on the host before a
+    framework could wrap them, on the device while traced."""
     limit = INT32_MAX if num_keys is None else min(int(num_keys), INT32_MAX)
-    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
-        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
-        if fast is not None:
-            lens = fast[0]
-            if backend.dtype_name(lens) != "int32":
-                lens = backend.astype(lens, "int32")
-            return lens, fast[1].astype(np.int64)
+    fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+    if fast is not None:
+        if backend.dtype_name(valid_lens) != "int32":
+            valid_lens = backend.astype(valid_lens, "int32")
+        return valid_lens, fast[0].astype(np.int64)
     if not backend.is_array(valid_lens):
         if isinstance(valid_lens, (list, tuple, np.ndarray, np.generic, int, float)):
             host = np.asarray(valid_lens)
@@ -138,9 +111,8 @@ def valid_lens_checked(
     shape = tuple(valid_lens.shape)
     if shape not in ((batch,), (batch, queries)):
         raise ValueError(
-            f"{name} must have shape ({batch},) (one length per batch "
-            f"element) or ({batch}, {queries}) (one per query), got "
-            f"{shape}"
+            f"{name} must have shape ({batch},) (one length per batch element) or "
+            f"({batch}, {queries}) (one per query), got {shape}"
         )
     dtype = backend.dtype_name(valid_lens)
     kind: str
@@ -169,23 +141,16 @@ def valid_lens_checked(
     return valid_lens, known
 
 
-_EXACT_LENS = {"int32": "i", "int64": "i", "float32": "f", "float64": "f"}
-_SMALL_HOST = 64  # up to this many values, Python's min/max beat NumPy's reductions
-
-
 def lengths_for_compare(
     backend: Backend, valid_lens: Any, batch: int, queries: int, num_keys: int, device: Any
 ) -> tuple[Array, int | None]:
-    """``(lengths, least)`` for a caller that only compares key positions
-    with them (the straight line of small calls): ``valid_lens`` checked as
-    ``valid_lens_checked`` does; a well-formed int32/int64/float32/float64
-    array comes back as it is (every value is exact there, no cast), and
-    ``least`` is its smallest value (None while traced)."""
+    """``(lengths, least)`` for a caller that only compares key positions with
+    them: checked as ``valid_lens_checked``, a well-formed int32/int64/float32/
+    float64 array as it is (exact, no cast); ``least`` None while traced."""
     limit = min(int(num_keys), INT32_MAX)
-    if backend.is_array(valid_lens) and backend.is_concrete(valid_lens):
-        fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
-        if fast is not None:
-            return valid_lens, fast[2]
+    fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
+    if fast is not None:
+        return valid_lens, fast[1]
     lens, known = valid_lens_checked(
         backend, valid_lens, batch, queries, device=device, num_keys=num_keys
     )
@@ -197,24 +162,23 @@ _SMALL_HOST = 64  # up to this many values, Python's min/max beat NumPy's reduct
 
 
 def _well_formed_lens(
-    backend: Backend, lens: Array, batch: int, queries: int, limit: int
-) -> tuple[Array, np.ndarray, int] | None:
-    """The common case at the cost of one host read: a concrete int32/int64
-    (or float32/float64) array of the right shape whose values are whole
-    numbers in [0, limit]: ``(lens, its values on the host, the least)``.
-    None for anything else: the full checks then run and raise or convert."""
+    backend: Backend, lens: Any, batch: int, queries: int, limit: int
+) -> tuple[np.ndarray, int] | None:
+    """``(host values, least)`` of concrete lengths that need no conversion
+    (``lens_kind``), all whole numbers in [0, limit]; else None (full checks)."""
+    if not (backend.is_array(lens) and backend.is_concrete(lens)):
+        return None
     kind = lens_kind(backend, lens, batch, queries)
     if kind is None:
         return None
     values = backend.to_numpy(lens)
     least = least_length(values, kind, limit)
-    return None if least is None else (lens, values, least)
+    return None if least is None else (values, least)
 
 
 def lens_kind(backend: Backend, lens: Array, batch: int, queries: int) -> str | None:
-    """``"i"`` or ``"f"`` for lengths whose dtype and shape need no
-    conversion (int32/int64, float32/float64; (batch,) or (batch, queries),
-    not empty); None otherwise."""
+    """``"i"`` or ``"f"`` for int32/int64 or float32/float64 lengths of shape
+    (batch,) or (batch, queries), not empty; None otherwise."""
     kind = _EXACT_LENS.get(backend.dtype_name(lens))
     shape = tuple(lens.shape)
     if kind is None or shape not in ((batch,), (batch, queries)) or 0 in shape:
@@ -223,9 +187,8 @@ def lens_kind(backend: Backend, lens: Array, batch: int, queries: int) -> str | 
 
 
 def least_length(values: np.ndarray, kind: str, limit: int) -> int | None:
-    """The least of host lengths of ``kind`` (``lens_kind``) when every one
-    is a whole number in [0, limit]; None otherwise (the full checks then
-    raise or convert)."""
+    """The least of host lengths of ``kind`` (``lens_kind``) when every one is
+    a whole number in [0, limit]; None otherwise."""
     if values.size <= _SMALL_HOST:
         listed = values.ravel().tolist()
         if kind == "f":  # (NaN fails every comparison; min and max would skip it)
@@ -235,13 +198,10 @@ def least_length(values: np.ndarray, kind: str, limit: int) -> int | None:
             return None
         return int(min(listed))
     least = values.min()
-    if not (
-        0 <= least
-        and values.max() <= limit
-        and (kind == "i" or bool((values == np.round(values)).all()))
-    ):
-        return None
-    return int(least)
+    if 0 <= least and values.max() <= limit:
+        if kind == "i" or bool((values == np.round(values)).all()):
+            return int(least)
+    return None
 
 
 def _check_lens_values(name: str, values: np.ndarray, kind: str) -> None:
@@ -265,7 +225,7 @@ def check_window(window: Any) -> tuple[int | None, ...] | None:
         raise ValueError(f"window must be an int or a pair (left, right), got {window!r}")
     for side in sides:
         if side is not None and (
-            isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral) or side < 0
+            _is_bool(side) or not isinstance(side, numbers.Integral) or side < 0
         ):
             raise ValueError(
                 f"window must be a non-negative int or a pair (left, "
@@ -284,12 +244,8 @@ def check_mask_array(
     device: Any = None,
 ) -> Array:
     """A boolean ``mask`` or float ``bias`` as a 4-D array broadcastable to
-    ``shape`` = (batch, heads, Q, K).
-
-    With ``heads_axis`` (4-D inputs) ``x`` broadcasts against ``shape`` as
-    NumPy does; without (3-D inputs) against (batch, Q, K), and a 4-D ``x``
-    is (batch, heads, Q, K) (multi-head attention).
-    """
+    ``shape`` (batch, heads, Q, K): with ``heads_axis`` (4-D inputs) as NumPy
+    broadcasts, else against (batch, Q, K) unless ``x`` is 4-D."""
     if not backend.is_array(x):
         if isinstance(x, (np.ndarray, np.generic, list, tuple)):
             x = backend.asarray(np.asarray(x), device=device)
@@ -317,11 +273,9 @@ def check_mask_array(
             f"{(batch, 1, q, k)} for each batch element or {(1, heads, q, k)} for each head"
         )
     if len(got) > len(against) or any(g not in (1, w) for g, w in zip(got[::-1], against[::-1])):
-        names = (
-            ("batch", "heads", "queries", "keys")[-len(against) :]
-            if heads_axis or len(against) == 4
-            else ("batch", "queries", "keys")
-        )
+        names: tuple[str, ...] = ("batch", "heads", "queries", "keys")
+        if len(against) == 3:
+            names = ("batch", "queries", "keys")
         raise ValueError(
             f"{name} of shape {got} does not broadcast to "
             f"({', '.join(f'{n}={s}' for n, s in zip(names, against))})"
@@ -332,14 +286,15 @@ def check_mask_array(
     return x.reshape(full)
 
 
-# -- constructor arguments ------------------------------------------------------
-# Every module checks its constructor arguments with these, before it builds
-# anything: TypeError for a value of the wrong type, ValueError for a value out
-# of range; the message names the argument and shows the value (repr).
+# Constructor arguments: TypeError for a wrong type, ValueError out of range.
 
 
 def _is_bool(value: Any) -> bool:
     return isinstance(value, (bool, np.bool_))
+
+
+def _type_error(name: str, what: str, value: Any) -> TypeError:
+    return TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
 
 
 def _check_int(name: str, value: Any, least: int, what: str, allow_none: bool) -> Any:
@@ -348,7 +303,7 @@ def _check_int(name: str, value: Any, least: int, what: str, allow_none: bool) -
         return None
     what = f"None or {what}" if allow_none else what
     if _is_bool(value) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be {what}, got {value!r} (type {type(value).__name__})")
+        raise _type_error(name, what, value)
     if value < least:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return int(value)
@@ -356,8 +311,7 @@ def _check_int(name: str, value: Any, least: int, what: str, allow_none: bool) -
 
 def check_positive_int(name: str, value: Any, *, allow_none: bool = False) -> Any:
     """``value`` as a Python int >= 1 (NumPy integers accepted; bools, floats
-    and strings refused). With ``allow_none``, None passes through (a size
-    still to be learned, or no limit)."""
+    and strings refused). With ``allow_none``, None passes through."""
     return _check_int(name, value, 1, "a positive int", allow_none)
 
 
@@ -369,9 +323,7 @@ def check_nonnegative_int(name: str, value: Any, *, allow_none: bool = False) ->
 def check_dropout(name: str, value: Any) -> float:
     """``value`` as a float in [0, 1] (a rate: bools, strings and NaN refused)."""
     if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{name} must be a real number in [0, 1], got {value!r} (type {type(value).__name__})"
-        )
+        raise _type_error(name, "a real number in [0, 1]", value)
     rate = float(value)
     if not 0.0 <= rate <= 1.0:  # NaN fails both comparisons
         raise ValueError(f"{name} must be a real number in [0, 1], got {value!r}")
@@ -383,10 +335,7 @@ def check_scale(value: Any) -> float | None:
     if value is None:
         return None
     if _is_bool(value) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"scale must be None or a positive real number, got {value!r} "
-            f"(type {type(value).__name__})"
-        )
+        raise _type_error("scale", "None or a positive real number", value)
     scale = float(value)
     if not 0.0 < scale < float("inf"):  # NaN fails too
         raise ValueError(f"scale must be None or a finite real number > 0, got {value!r}")
@@ -396,27 +345,22 @@ def check_scale(value: Any) -> float | None:
 def check_bool(name: str, value: Any) -> bool:
     """``value`` as a Python bool (NumPy bools accepted; 0/1 and strings refused)."""
     if not _is_bool(value):
-        raise TypeError(
-            f"{name} must be True or False, got {value!r} (type {type(value).__name__})"
-        )
+        raise _type_error(name, "True or False", value)
     return bool(value)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """``value``, one of the strings ``choices``."""
+    what = f"one of {', '.join(map(repr, choices))}"
     if not isinstance(value, str):
-        raise TypeError(
-            f"{name} must be one of {', '.join(map(repr, choices))}, "
-            f"got {value!r} (type {type(value).__name__})"
-        )
+        raise _type_error(name, what, value)
     if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     return value
 
 
 def check_divides(name: str, value: int, of_name: str, of_value: int) -> None:
-    """ValueError unless ``value`` divides ``of_value`` (e.g. num_heads and
-    num_hiddens); both already checked positive ints."""
+    """ValueError unless ``value`` divides ``of_value`` (both positive ints)."""
     if of_value % value:
         raise ValueError(f"{of_name}={of_value!r} is not divisible by {name}={value!r}")
 

@@ -1,9 +1,8 @@
 """Numerics every path shares: the compute dtype, the fill value of masked
 scores, constants made once, and the arithmetic of empty rows.
 
-- Half precision (float16, bfloat16) is computed in float32, the product of
-  the weights and the values too: the output is rounded once (``weighted``),
-  the weights a user reads are rounded on their own.
+- Half precision is computed in float32, the product with the values too:
+  the output is rounded once (``weighted``).
 - A masked score becomes ``fill_value``, the lowest finite number of the
   compute dtype (never ``-inf``, so nothing becomes NaN).
 - A row that sees no key gives zeros, in the autodiff graph with exact zero
@@ -55,8 +54,7 @@ _CONSTANTS_MAX = 64
 
 
 def constant(xp: Backend, what: tuple[Any, ...], device: Any, make: Callable[[], Array]) -> Array:
-    """``make()``, kept for the next call outside traces (small calls pay
-    for every operator: constants are made once)."""
+    """``make()``, kept for the next calls outside traces (made once)."""
     if xp.is_tracing():
         return make()
     cache_key = (xp.name, what, device)
@@ -68,49 +66,44 @@ def constant(xp: Backend, what: tuple[Any, ...], device: Any, make: Callable[[],
     return value
 
 
+def scalar(xp: Backend, name: str, value: float, dtype: str, device: Any) -> Array:
+    """``value`` as a 0-d array of ``dtype``, made once (``constant``)."""
+
+    def make() -> Array:
+        return xp.asarray(np.asarray(value, np.dtype(dtype)), device=device)
+
+    return constant(xp, (name, dtype), device, make)
+
+
 def fill(xp: Backend, dtype: str, device: Any) -> Array:
     """``fill_value`` as a 0-d array of the compute dtype (a Python float
     would promote float32 to float64 in NumPy 1.x)."""
     work = compute_dtype(dtype)
-    return constant(
-        xp,
-        ("fill", work),
-        device,
-        lambda: xp.asarray(np.asarray(fill_value(work), np.dtype(work)), device=device),
-    )
+    return scalar(xp, "fill", fill_value(work), work, device)
 
 
 def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
-    """``fill_value`` to pass to ``where`` beside an array of the compute
-    dtype: a Python float where the backend keeps that array's dtype
-    (``Backend.weak_scalars``; torch's ``where`` is faster so), else ``fill``."""
+    """``fill_value`` for ``where`` beside the compute dtype: a Python float
+    where ``Backend.weak_scalars`` (torch's ``where`` is faster so), else ``fill``."""
     return fill_value(dtype) if xp.weak_scalars else fill(xp, dtype, device)
 
 
 def zero(xp: Backend, dtype: str, device: Any) -> Array:
     """0 as a 0-d array of ``dtype``."""
-    return constant(
-        xp,
-        ("zero", dtype),
-        device,
-        lambda: xp.asarray(np.zeros((), np.dtype(dtype)), device=device),
-    )
+    return scalar(xp, "zero", 0.0, dtype, device)
 
 
 def positions(
     xp: Backend, num_keys: int, device: Any, dtype: str = "int32", ndim: int = 4
 ) -> Array:
     """Key positions 0..K-1 of ``dtype``, shaped (1, ..., 1, K) with ``ndim`` axes."""
-    return constant(
-        xp,
-        ("positions", num_keys, dtype, ndim),
-        device,
-        lambda: (
-            xp.astype(xp.arange(num_keys, device), dtype)
-            if dtype != "int32"
-            else xp.arange(num_keys, device)
-        ).reshape((1,) * (ndim - 1) + (num_keys,)),
-    )
+
+    def make() -> Array:
+        keys = xp.arange(num_keys, device)
+        keys = keys if dtype == "int32" else xp.astype(keys, dtype)
+        return keys.reshape((1,) * (ndim - 1) + (num_keys,))
+
+    return constant(xp, ("positions", num_keys, dtype, ndim), device, make)
 
 
 def size(x: Array) -> int:
@@ -140,27 +133,22 @@ def in_dtype(xp: Backend, x: Array, dtype: str) -> Array:
 
 def weighted(xp: Backend, weights: Array, values: Array, dtype: str) -> Array:
     """``weights @ values`` in the compute dtype of ``dtype``, rounded to
-    ``dtype`` once (rounding half-precision weights before the product costs
-    as much again as rounding the output)."""
+    ``dtype`` once."""
     out = xp.matmul(weights, in_dtype(xp, values, compute_dtype(dtype)))
     return in_dtype(xp, out, dtype)
 
 
 def all_finite(xp: Backend, *arrays: Array) -> bool:
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
-    read on the host (False while traced, or when a sum overflows). A pass
-    over the keys and values to zero their unused rows then costs a read
-    instead of a write (torch's ``where`` broadcast over the last axis is slow)."""
+    read on the host (False while traced, or when a sum overflows)."""
     if not all(xp.is_concrete(x) for x in arrays):
         return False
     return all(np.isfinite(float(xp.to_numpy(xp.sum(x.reshape((-1,)), 0)))) for x in arrays)
 
 
 def normalize(xp: Backend, acc: Array, total: Array) -> Array:
-    """``acc / total`` per row, 0 where the row saw no key. A row's softmax
-    total is at least 1 when it saw a key (its largest term is exp(0)), and
-    exactly 0 when it saw none; NaN is not 0, so NaN in what the row saw
-    propagates (``total > 0`` would turn it into zeros)."""
+    """``acc / total`` per row, 0 where the row saw no key (total exactly 0;
+    else at least 1). NaN is not 0: NaN in what the row saw propagates."""
     has_keys = total != 0
     return xp.where(has_keys, acc / xp.where(has_keys, total, 1.0), 0.0)
 
@@ -168,9 +156,8 @@ def normalize(xp: Backend, acc: Array, total: Array) -> Array:
 def empty_rows(
     xp: Backend, shape: tuple[int, ...], dtype: str, device: Any, *inputs: Array
 ) -> Array:
-    """Zeros of ``shape`` for rows that see no key, computed by no kernel but
-    kept in the autodiff graph of ``inputs``: their gradients are exact zeros
-    (a select of one element of each, never taken, so NaN there stays out)."""
+    """Zeros of ``shape`` for rows that see no key, kept in the autodiff graph
+    of ``inputs`` (``kept``)."""
     return kept(xp, xp.zeros(shape, dtype, device), *inputs)
 
 
@@ -185,11 +172,9 @@ def kept(xp: Backend, out: Array, *inputs: Array) -> Array:
 
 
 def zeros_for_empty(xp: Backend, shape: tuple[int, ...], like: Array, *inputs: Array) -> Array:
-    """The answer when an axis is empty: zeros of ``shape`` in the dtype and
-    on the device of ``like``. No framework kernel sees a zero-size array (MXNet
-    1.9.1 crashes on some); the zeros stay in the autodiff graph through the
-    empty ones among ``like`` and ``inputs`` (whose sums are exactly 0), so
-    gradients are zero or empty, never NaN."""
+    """The answer when an axis is empty: zeros of ``shape`` in the dtype and on
+    the device of ``like``, no kernel called (MXNet 1.9.1 crashes on some); in
+    the graph of the empty ones among ``like`` and ``inputs``: no NaN gradient."""
     out = xp.zeros(shape, xp.dtype_name(like), xp.device_of(like))
     for x in (like, *inputs):
         if 0 in tuple(x.shape):

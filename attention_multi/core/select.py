@@ -1,14 +1,11 @@
 """The one chooser: which path computes a call.
 
-- The straight line (``paths/small.py``) for small calls with lengths or
-  nothing, decided before any ``Mask`` is built (``straight_line``).
-- Else ``attend``: the full path at once for calls with at most
-  ``SMALL_SCORES`` scores or whose weights will be read, within the memory
-  budget; otherwise every path of ``paths.REGISTRY`` is asked for its plan,
-  and the cheapest runs (a plan's cost counts the scores it computes and
-  ``Backend.call_cost()`` per kernel call: on a busy machine each call
-  waits for descheduled threads). A kernel that declines at run time hands
-  the call to the next plan. A path asked for by name is tried alone first.
+Small calls with lengths or nothing take the straight line (``straight_line``,
+decided before any ``Mask`` is built). Else ``attend``: the full path at once
+for at most ``SMALL_SCORES`` scores or weights read now, within the budget;
+otherwise the cheapest plan of ``paths.REGISTRY`` runs (scores computed plus
+``Backend.call_cost()`` per kernel call), a kernel that declines handing the
+call to the next. A path asked for by name is tried alone first.
 """
 
 from __future__ import annotations
@@ -31,11 +28,8 @@ if TYPE_CHECKING:
 
 SMALL_SCORES = 1 << 15
 """``"auto"`` takes the full path at once for calls with at most this many
-(batch * heads * Q * K) scores: there, planning tiles and dispatching to a
-kernel cost more host time than the arithmetic they could save (the d2l
-examples and chapter-11 training batches are far below it), and the full
-path keeps the weights. Those with lengths or nothing take it as a straight
-line (``paths/small.py``)."""
+(batch * heads * Q * K) scores: planning and dispatching to a kernel would
+cost more host time than they save (d2l's examples are far below it)."""
 
 
 def check_path_options(
@@ -60,13 +54,11 @@ def straight_line(
     weights_read: bool = False,
     memory_budget: int | None = None,
 ) -> small.Line | None:
-    """The straight line's ``Line`` when it applies, else None: ``path``
-    "auto" or "full", every mask form but ``valid_lens`` unset (``forms``,
-    the call's checked ``MaskForms``), no empty axis, a feature size, and
-    "auto" would take the full path: the scores fit in ``memory_budget``,
-    and there are at most ``SMALL_SCORES`` of them or the weights are read.
-    A module keeps a ``reusable`` line (whose choice depended on none of the
-    call's state but its budget) for the next calls of the same signature."""
+    """The straight line's ``Line`` when it applies, else None: ``path`` "auto"
+    or "full", no mask form but ``valid_lens`` (``forms``), no empty axis, and
+    "auto" would take the full path (within ``memory_budget``, at most
+    ``SMALL_SCORES`` scores or the weights read). A module keeps a ``reusable``
+    line for the next calls of the same signature."""
     if path not in ("auto", "full") or not no_forms(forms):
         return None
     qs, ks = queries.shape, keys.shape
@@ -106,24 +98,19 @@ def attend(
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
-    K, d|dv); ``mask`` the normalized ``Mask``; ``scale`` default
-    ``1/sqrt(d)``; ``dropout`` the rate on the weights (0: none), ``key`` the
-    PRNG key where the framework needs one (JAX). ``path``: ``"auto"``, or a
-    path's name (tried first; when it cannot run, ``"auto"`` chooses: no
-    kernel for the case, traced lengths, too small a budget, keyed dropout on
-    the tiles). ``weights``: ``"now"`` (the caller will read them: the full
-    path is worth it within the budget), ``"later"`` (kept as a function of
-    copies of the inputs; with ``private``, queries and keys only this call
-    holds are kept as they are), ``"never"``. ``lse``: return each row's
-    log-sum-exp (batch, heads, Q, 1), in the compute dtype, ``-inf`` where a
-    row sees no key, in place of the weights (on a path that gives it:
-    ``Call.lse``).
+    K, d|dv); ``mask`` the normalized ``Mask``; ``scale`` default 1/sqrt(d);
+    ``dropout`` the weights' rate, ``key`` the PRNG key (JAX). ``path``:
+    ``"auto"``, or a path's name (tried first; ``"auto"`` chooses when it
+    cannot run). ``weights``: ``"now"`` (read: the full path is worth it),
+    ``"later"`` (a function of copies of the inputs; ``private``: of the
+    inputs as they are), ``"never"``. ``lse``: each row's log-sum-exp
+    (batch, heads, Q, 1) in the compute dtype (``-inf``: no key) in place of
+    the weights.
 
-    Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K) or
-    a function computing them or None, path taken)``. When an axis is empty
-    no kernel is called: the path is ``"empty"`` and the output is zeros. A
-    feature size d of 0 gives scores of 0: uniform weights over the visible
-    keys. The weights are those before dropout.
+    Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K)
+    before dropout, a function computing them, or None; path taken)``. An
+    empty axis calls no kernel: path ``"empty"``, zeros. d = 0 gives scores
+    of 0: uniform weights over the visible keys.
     """
     if path not in PATHS:
         check_path_options(path, memory_budget, chunk_size)  # raises
@@ -142,22 +129,8 @@ def attend(
                 rows = rows + online.minus_inf(xp, xp.dtype_name(rows), xp.device_of(rows))
             return out, rows, "empty"
         return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
-    call = Call(
-        xp,
-        queries,
-        keys,
-        values,
-        mask,
-        scale,
-        dropout,
-        key,
-        path,
-        memory_budget,
-        chunk_size,
-        weights,
-        private,
-        lse,
-    )
+    options = (path, memory_budget, chunk_size, weights, private, lse)
+    call = Call(xp, queries, keys, values, mask, scale, dropout, key, *options)
     if path == "auto" and full.fits(call) and (call.scores <= SMALL_SCORES or weights == "now"):
         ran = full.run(call)
         return ran[0], ran[-1], "full"
@@ -184,8 +157,8 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:
-    """The weights of this call as a function, from its inputs as they are
-    now (``Backend.keep``; projections only this call holds, as they are)."""
+    """The weights of this call as a function of its inputs as they are now
+    (``Backend.keep``; private ones as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
     kept = (lambda: (q, k)) if call.private else xp.keep(q, k)

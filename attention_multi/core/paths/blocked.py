@@ -1,19 +1,9 @@
 """The block-sparse path of the programmable forms (``mask_mod``,
-``score_mod``, ``segment_ids``): per batch element and block of queries,
-over the blocks of keys that are not empty.
-
-On the host (values concrete) the block states come from
-``mask.host_table``: empty blocks are never computed, full ones without a
-mask. A block of queries goes through the backend's kernel
-(``fused.kernel``) over its runs of visible keys, put side by side, with the
-block's mask; where the kernel declines (none, a ``score_mod``), each run is
-an online-softmax step. While traced (``torch.compile``, ``jax.jit``), each
-block of the whole batch goes through ``Backend.cond`` on a device-side test
-of every form, so blocks are skipped at run time, nothing recompiles when the
-layout changes, and the program does not grow with the batch. A framework
-that compiles each new shape runs blocks of one shape (``fixed_blocks``):
-while traced, a scan (the program does not grow with the length either);
-eagerly, one compiled kernel per block shape.
+``score_mod``, ``segment_ids``): per block of queries, over the blocks of keys
+that are not empty (``mask.host_table``; full ones without a mask), through
+``fused.kernel`` over its runs of keys side by side, or one online-softmax step
+per run. While traced, each block is a ``Backend.cond`` on a device-side test.
+A framework that compiles each new shape runs ``fixed_blocks``.
 """
 
 from __future__ import annotations
@@ -41,16 +31,13 @@ KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
 MIN_SCORES = 4 * DEFAULT_BLOCK * DEFAULT_BLOCK  # fewer (Q x K) scores: one dense call is cheaper
 PROGRAMMABLE = ("mask_mod", "score_mod", "segment_ids")
-TRACED_SHARE = 0.5
-"""The share of the scores a traced call is expected to compute: its blocks
-are skipped at run time, by values the plan cannot see."""
+TRACED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
 
 def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]:
-    """Blocks of queries x keys: a BlockMask's own, else square blocks when
-    every block has one shape (``fixed``: ``fixed_blocks``; under a scan,
-    128 computed 2.3x faster than 256 at T=4096) or while traced, else short
-    blocks of keys (runs of them are computed as one)."""
+    """Blocks of queries x keys: a BlockMask's own, else square ones when
+    ``fixed`` (under a scan 128 ran 2.3x faster than 256 at T=4096) or
+    ``traced``, else short blocks of keys (runs of them are one call)."""
     form = mask.form("mask_mod")
     if form is not None and form.block_mask is not None:
         return form.block_mask.block_q, form.block_mask.block_k
@@ -62,17 +49,14 @@ def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]
 
 
 def _fixed(xp: Backend, traced: bool) -> bool:
-    """Whether the blocks have one shape (``fixed_blocks``): while traced on
-    a framework whose scan is one loop, eagerly on one that compiles each
-    new shape."""
+    """Whether the blocks have one shape (``fixed_blocks``)."""
     return xp.sequential_scan if traced else xp.compiles_per_shape
 
 
 def plan(call: Call) -> Plan | None:
-    """A programmable form is set and the call is large enough (or traced on
-    a framework that skips blocks at run time), or the path is asked for by
-    name. The cost: the scores of the blocks that are not empty and one
-    kernel call per block of queries (while traced, half the scores)."""
+    """A programmable form, and a large enough call (or traced where blocks
+    are skipped at run time), or asked for by name. The cost: the non-empty
+    blocks' scores and a kernel call per block of queries (traced: a share)."""
     xp, mask = call.xp, call.mask
     if not call.asks("tiled") or not any(mask.form(n) for n in PROGRAMMABLE):
         return None
@@ -82,10 +66,9 @@ def plan(call: Call) -> Plan | None:
             return None
         if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
             return None
-    block = (call.chunk_size, call.chunk_size) if call.chunk_size else None
-    fixed = _fixed(xp, traced)
-    table = None if traced else host_table(mask, *(block or pick_block(mask, False, fixed)))
-    block_q, block_k = block or pick_block(mask, table is None, fixed)
+    fixed, size = _fixed(xp, traced), call.chunk_size
+    block_q, block_k = (size, size) if size else pick_block(mask, traced, fixed)
+    table = None if traced else host_table(mask, block_q, block_k)
     if table is None:  # (conds compiled into one program: no kernel calls)
         return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
     if fixed:  # (a compiled kernel call per block that is not empty)
@@ -98,10 +81,9 @@ def plan(call: Call) -> Plan | None:
 
 def _spans(
     table: np.ndarray | None, b: int, qi: int, num_k: int, block_k: int
-) -> list[tuple[int, int, int]]:
+) -> list[tuple[int, int, Any]]:
     """``(k0, k1, state)`` of one row of blocks: every block while traced
-    (``table`` None), else the runs of blocks that are not empty, each
-    computed as one (full when all its blocks are)."""
+    (``table`` None), else each run of non-empty blocks (full if all are)."""
     starts = range(0, num_k, block_k)
     if table is None:
         return [(k0, min(num_k, k0 + block_k), PARTIAL) for k0 in starts]
@@ -118,85 +100,47 @@ def _spans(
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced)."""
-    xp, q, mask, scale, work, device = (
-        call.xp,
-        call.queries,
-        call.mask,
-        call.scale,
-        call.work,
-        call.device,
-    )
+    xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
-    k, v = expand_kv(xp, call.keys, call.values, heads)
-    dv = v.shape[-1]
     block_q, block_k, table = plan.detail
     traced = table is None
     if _fixed(xp, traced):  # (traced: one loop's program; eager: one compiled kernel)
         if traced:
             return fixed_blocks.scanned(call, block_q, block_k)
         return fixed_blocks.compiled(call, block_q, block_k, table)
+    k, v = expand_kv(xp, call.keys, call.values, heads)
+    dv = v.shape[-1]
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (a block of queries through the backend's kernel, over its visible keys)
-    kernel = (
-        table is not None
-        and not call.lse  # (kernels give no log-sum-exp)
-        and xp.has_fused_attention
-        and mask.score_mod is None
-    )
+    # (blocks of queries through the backend's kernel, which gives no log-sum-exp)
+    kernel = not traced and not call.lse and xp.has_fused_attention and mask.score_mod is None
     # (one read of the inputs instead of the NaN passes around each kernel call)
     finite = kernel and all_finite(xp, q, k, v)
     if not finite:
         k, v = guard_unused(xp, mask, k, v)
-    # (while traced the whole batch is one group: each block is one cond,
-    # skipped when empty for every element, and compiling does not grow with it)
-    per_element = table is not None and table.shape[0] > 1
+    # (traced: the whole batch is one group, each block one cond, skipped when empty for all)
+    per_element = not traced and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
     if kernel:
-        autodiff = any(xp.may_differentiate(x) for x in (q, k, v))
-        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k), autodiff)
-    outs, lses = [], []
-    starts = range(0, num_q, block_q)
+        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k))
+    parts = []
     for b0, b1 in groups:
         done: dict[int, Array] = {}  # first row -> the output of its rows
-        if kernel:
-            stacked = _stacked(table, b0, b1, (num_q, num_k), (block_q, block_k), heads, call)
-            for first, last in stacked:
-                q0, q1 = first * block_q, min(num_q, (last + 1) * block_q)
-                if first == last:
-                    where = (b0, b1, q0, q1, first)
-                    args = (xp, cuts, mask, table, where, block_k, scale, call.dropout, finite)
-                    out = _kernel_rows(*args)
-                else:  # (consecutive rows over the keys they see together: one call)
-                    spans = [
-                        _spans(table, b0, qi, num_k, block_k)[0] for qi in range(first, last + 1)
-                    ]
-                    k0, k1 = min(sp[0] for sp in spans), max(sp[1] for sp in spans)
-                    sub = mask.region(Region(b0, b1, q0, q1, k0, k1))
-                    ks, vs = cuts.keys(b0, b1, [(k0, k1, PARTIAL)])
-                    queries = cuts.queries(b0, b1, q0, q1)
-                    out = fused.kernel(
-                        xp,
-                        queries,
-                        ks,
-                        vs,
-                        sub,
-                        scale,
-                        dropout=call.dropout,
-                        queries_finite=finite,
-                        keys_finite=finite,
-                    )
-                if out is not None:
-                    done[first] = in_dtype(xp, out, work)
-        rows, lse_rows = [], []
-        qi = 0
-        while qi < len(starts):
+        for first, last in _stacked(table, b0, b1, block_q, block_k, call) if kernel else ():
+            q0, q1 = first * block_q, min(num_q, (last + 1) * block_q)
+            spans = [_spans(table, b0, qi, num_k, block_k) for qi in range(first, last + 1)]
+            if len(spans) > 1:  # (consecutive rows over the keys they see together: one call)
+                spans = [[(min(s[0][0] for s in spans), max(s[0][1] for s in spans), None)]]
+            out = _kernel_rows(call, cuts, spans[0], (b0, b1, q0, q1), finite)
+            if out is not None:
+                done[first] = in_dtype(xp, out, work)
+        rows, qi = [], 0
+        while qi * block_q < num_q:
             if qi in done:
-                rows.append(done[qi])
+                rows.append([done[qi]])
                 qi += -(-done[qi].shape[2] // block_q)
                 continue
-            q0 = starts[qi]
-            q1 = min(num_q, q0 + block_q)
-            qs = scaled(xp, q[b0:b1, :, q0:q1], scale, work)
+            q0, q1 = qi * block_q, min(num_q, (qi + 1) * block_q)
+            qs = scaled(xp, q[b0:b1, :, q0:q1], call.scale, work)
             state = online.start(xp, tuple(qs.shape[:3]), dv, work, device) if traced else None
             for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
                 r = Region(b0, b1, q0, q1, k0, k1)
@@ -206,41 +150,19 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 cut = (slice(b0, b1), slice(None), slice(k0, k1))
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)
-            if state is None:
-                rows.append(xp.zeros((b1 - b0, heads, q1 - q0, dv), work, device))
-                if call.lse:
-                    shape = (b1 - b0, heads, q1 - q0)
-                    lse_rows.append(online.unseen_lse(xp, shape, work, device))
-            else:
-                rows.append(online.finish(xp, state))
-                if call.lse:
-                    lse_rows.append(online.log_sum_exp(xp, state))
+            rows.append(online.rows(call, state, (b1 - b0, heads, q1 - q0, dv)))
             qi += 1
-        outs.append(rows[0] if len(rows) == 1 else xp.concatenate(rows, 2))
-        if call.lse:
-            lses.append(online.joined(xp, lse_rows))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 0)
-    if call.lse:
-        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses, 0)
-    return in_dtype(xp, out, call.dtype), None
+        parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
+    return online.result(call, parts, 0)
 
 
 def _stacked(
-    table: np.ndarray,
-    b0: int,
-    b1: int,
-    sizes: tuple[int, int],
-    block: tuple[int, int],
-    heads: int,
-    call: Call,
+    table: np.ndarray, b0: int, b1: int, block_q: int, block_k: int, call: Call
 ) -> list[tuple[int, int]]:
-    """``(first, last)`` rows of blocks of queries that one kernel call
-    computes: consecutive rows that each see one run of keys are stacked over
-    the keys they see together where that costs less than a call each
-    (``call.grouped``); a row with several runs, or none, is alone."""
-    (num_q, num_k), (block_q, block_k), call_cost = sizes, block, call.call_cost
-    rows = -(-num_q // block_q)
-    spans = [_spans(table, b0, qi, num_k, block_k) for qi in range(rows)]
+    """``(first, last)`` rows of blocks of queries per kernel call: rows that
+    each see one run of keys are stacked where that costs less (``grouped``)."""
+    rows = -(-call.num_queries // block_q)
+    spans = [_spans(table, b0, qi, call.num_keys, block_k) for qi in range(rows)]
     out: list[tuple[int, int]] = []
     qi = 0
     while qi < rows:
@@ -253,30 +175,23 @@ def _stacked(
             end += 1
         k0 = np.array([spans[i][0][0] for i in range(qi, end)])
         k1 = np.array([spans[i][0][1] for i in range(qi, end)])
-        work = (b1 - b0) * heads * block_q
-        for members, _, _, _ in grouped(k0, k1, k0 < 0, work, call_cost, end - qi, False):
+        work = (b1 - b0) * call.heads * block_q
+        for members, _, _, _ in grouped(k0, k1, k0 < 0, work, call.call_cost, end - qi, False):
             out.append((qi + int(members[0]), qi + int(members[-1])))
         qi = end
     return out
 
 
 class _Cuts:
-    """The queries of a block and the keys and values of a run of key
-    blocks: slices, or under autodiff pieces of ``Backend.split``, the keys'
-    side by side (a slice's gradient is as large as the array it was cut
-    from, one per block; the pieces' are gathered by one concatenation)."""
+    """Blocks of queries and runs of keys and values: slices, or under autodiff
+    pieces of ``Backend.split`` (a slice's gradient is as large as its array)."""
 
     def __init__(
-        self,
-        xp: Backend,
-        arrays: tuple[Array, Array, Array],
-        per_element: bool,
-        block: tuple[int, int],
-        autodiff: bool,
+        self, xp: Backend, arrays: tuple[Array, ...], per_element: bool, block: Any
     ) -> None:
         self.xp, self.arrays, self.block = xp, arrays, block
         self.pieces = None
-        if autodiff:
+        if any(xp.may_differentiate(x) for x in arrays):
 
             def cut(x: Array, size: int) -> list[list[Array]]:
                 return [xp.split(e, size, 2) for e in (xp.split(x, 1, 0) if per_element else [x])]
@@ -292,9 +207,8 @@ class _Cuts:
         pieces = self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // size : -(-q1 // size)]
         return pieces[0] if len(pieces) == 1 else self.xp.concatenate(pieces, 2)
 
-    def keys(self, b0: int, b1: int, spans: list[tuple[int, int, int]]) -> tuple[Array, Array]:
-        """Keys and values of the runs ``spans`` ``(k0, k1, state)``
-        (block-aligned), side by side."""
+    def keys(self, b0: int, b1: int, spans: list[tuple[int, int, Any]]) -> tuple[Array, Array]:
+        """Keys and values of the runs ``spans`` (block-aligned), side by side."""
         xp = self.xp
         if self.pieces is None:
             runs = [[x[b0:b1, :, k0:k1] for k0, k1, _ in spans] for x in self.arrays[1:]]
@@ -309,22 +223,13 @@ class _Cuts:
 
 
 def _kernel_rows(
-    xp: Backend,
-    cuts: _Cuts,
-    mask: Mask,
-    table: np.ndarray,
-    where: tuple[int, int, int, int, int],
-    block_k: int,
-    scale: float,
-    dropout: float,
-    finite: bool,
+    call: Call, cuts: _Cuts, spans: list[tuple[int, int, Any]], where: Any, finite: bool
 ) -> Array | None:
-    """One block of queries (batch ``b0..b1``, queries ``q0..q1``, row ``qi``
-    of ``table``) through ``fused.kernel``, over its runs of visible keys (put
-    side by side when there are several); None when the kernel declines or no
-    key is visible."""
-    b0, b1, q0, q1, qi = where
-    spans = _spans(table, b0, qi, mask.num_keys, block_k)
+    """One block of queries (batch ``b0..b1``, queries ``q0..q1``) through
+    ``fused.kernel``, over the runs of keys ``spans`` ``(k0, k1, state or
+    None)`` (put side by side when there are several); None when the kernel
+    declines or no key is visible."""
+    xp, mask, (b0, b1, q0, q1) = call.xp, call.mask, where
     if not spans or (len(spans) > 1 and mask.bias is not None):
         return None
     subs = [mask.region(Region(b0, b1, q0, q1, k0, k1), st) for k0, k1, st in spans]
@@ -347,5 +252,5 @@ def _kernel_rows(
         )
         forms = (arrays(xp, allowed, None),)
         sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), forms, True, xp)
-    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, scale)
-    return fused.kernel(xp, *args, dropout=dropout, queries_finite=finite, keys_finite=finite)
+    args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, call.scale)
+    return fused.kernel(xp, *args, dropout=call.dropout, queries_finite=finite, keys_finite=finite)

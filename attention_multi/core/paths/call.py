@@ -25,12 +25,9 @@ jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 
 
 class Call:
-    """``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
-    K, d|dv); ``dropout`` the weights' rate, ``key`` the PRNG key where needed
-    (JAX); ``path`` asked for (``"auto"``: cheapest); ``budget`` bytes of
-    score-sized intermediates; ``private``: arrays only this call holds (kept
-    without copies); ``lse``: each row's log-sum-exp is read (``run`` returns
-    it third, (batch, heads, Q, 1) in the compute dtype; a kernel: no plan)."""
+    """The arguments of ``select.attend`` (``budget``: its ``memory_budget``,
+    bytes of score-sized intermediates) and what every plan reads of them;
+    with ``lse`` a path's ``run`` returns the log-sum-exp third."""
 
     def __init__(
         self,
@@ -53,13 +50,11 @@ class Call:
         self.queries, self.keys, self.values = queries, keys, values
         self.dropout, self.key, self.path = dropout, key, path
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
-        self.chunk_size, self.weights, self.private = chunk_size, weights, private
-        self.lse = lse
+        self.chunk_size, self.weights, self.private, self.lse = chunk_size, weights, private, lse
         self.batch, self.heads, self.num_queries = queries.shape[:3]
         self.num_keys = keys.shape[2]
-        self.dtype = xp.dtype_name(queries)
+        self.dtype, self.device = xp.dtype_name(queries), xp.device_of(queries)
         self.work = compute_dtype(self.dtype)
-        self.device = xp.device_of(queries)
         self.scores = self.batch * self.heads * self.num_queries * self.num_keys
         self.itemsize = work_itemsize(xp, queries)
         self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
@@ -80,8 +75,8 @@ class Call:
 
 
 class Plan(NamedTuple):
-    """What a path would do: ``cost`` in scores (each kernel call counting
-    ``Backend.call_cost()``) and the path's own ``detail`` for its ``run``."""
+    """``cost`` in scores (a kernel call: ``Backend.call_cost()``) and the
+    path's own ``detail`` for its ``run``."""
 
     cost: float
     detail: Any = None
@@ -96,8 +91,8 @@ def expand_kv(xp: Backend, keys: Array, values: Array, heads: int) -> tuple[Arra
 
 
 def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
-    """``drop(weights, index)``: dropout at ``rate`` with the ``index``-th key
-    folded from ``key`` (None when the rate is 0)."""
+    """``drop(weights, index)``: dropout with the ``index``-th key folded from
+    ``key`` (None when ``rate`` is 0)."""
     if not rate:
         return None
     return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
@@ -113,10 +108,9 @@ def grouped(
     gather: bool,
 ) -> list[tuple[np.ndarray, int, int, bool]]:
     """``(elements, k0, k1, whole)`` groups of at most ``most`` elements, each
-    one kernel call over the keys its elements see together (``starts``,
-    ``stops``: each element's), at least scores (``rows`` per element and key)
-    plus ``call_cost`` per group: consecutive, or sorted by keys when
-    ``gather``. Elements that see no key: one group, last (no kernel call)."""
+    one kernel call over the keys its elements see (``starts``, ``stops``), at
+    least cost (``rows`` scores per element and key, ``call_cost`` per group):
+    consecutive, or sorted by keys when ``gather``; those that see none last."""
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:

@@ -5,7 +5,7 @@ autodiff each block is recomputed in the backward pass."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from ..mask import EMPTY
 from ..mask.intervals import key_range
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
-from ..numerics import empty_rows, in_dtype, scaled
+from ..numerics import scaled
 from . import online
 from .call import Call, Plan, dropout_fn, expand_kv
 
@@ -21,19 +21,18 @@ if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
+    from ..mask import Mask
 
 NAME = "chunked"
 DEFAULT_BLOCK_KEYS = 1024
 DIAGONAL_BLOCK = 256  # blocks under causal or window masks
 PASSES = 3
-"""Score-sized passes of online softmax, per score: it is the path for calls
-whose scores do not fit the budget, or that ask for it."""
+"""Score-sized passes of online softmax, per score."""
 
 
 def queries_per_block(xp: Backend, q: Array, block_k: int, memory_budget: int) -> int:
-    """Queries per block of online softmax over ``block_k`` keys: the block's
-    scores fill at most a sixteenth of ``memory_budget`` (the backward pass
-    holds about eight such arrays)."""
+    """Queries per block over ``block_k`` keys: the block's scores fill a
+    sixteenth of ``memory_budget`` (the backward pass holds about eight)."""
     batch, heads = q.shape[:2]
     itemsize = 8 if xp.dtype_name(q) == "float64" else 4
     return max(1, memory_budget // 16 // (batch * heads * block_k * itemsize))
@@ -67,11 +66,10 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
         if diagonal:
             block_q = min(block_q, block_k)
     drop = dropout_fn(xp, call.dropout, call.key)
-    # (a framework whose scan is one compiled loop scans the full blocks of
-    # keys: unrolled, its compiler may keep every block's scores alive at once)
+    # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
-    outs, lses = [], []
+    parts = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
         qs = scaled(xp, q[:, :, q0:q1], scale=call.scale, work=work)
@@ -98,7 +96,9 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                     full = (stop - start) // block_k
                     grid = (*(key_blocks(xp, x, start, block_k, full) for x in (k, v)), start)
                 first = (blocks[i][0].k0 - start) // block_k
-                state = _scan(call, state, qs, grid, (q0, q1), first, block_k, run, drop)
+                rows = mask.region(Region(0, mask.batch, q0, q1, 0, mask.num_keys))
+                index = q0 * mask.num_keys
+                state = scan_keys(call, state, qs, rows, grid, first, run, block_k, drop, index)
                 i += run
                 continue
             r, st = blocks[i]
@@ -107,58 +107,50 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             block_drop = None if drop is None else (lambda p, index=index: drop(p, index))
             cut = (slice(None), slice(None), slice(r.k0, r.k1))
             state = online.step(xp, state, qs, k, v, mask.region(r, st), work, block_drop, cut)
-        if state is None:  # no query of this block may see any key
-            shape = (batch, heads, q1 - q0, v.shape[-1])
-            outs.append(empty_rows(xp, shape, work, call.device, qs, k, v))
-            if call.lse:
-                lses.append(online.unseen_lse(xp, shape, work, call.device))
-        else:
-            outs.append(online.finish(xp, state))
-            if call.lse:
-                lses.append(online.log_sum_exp(xp, state))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
-    if call.lse:
-        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses)
-    return in_dtype(xp, out, call.dtype), None
+        # (None: no query of this block may see any key)
+        parts.append(online.rows(call, state, (batch, heads, q1 - q0, v.shape[-1]), qs, k, v))
+    return online.result(call, parts)
 
 
 def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> Array:
-    """``x[:, :, start : start + count * block_k]`` as (count, batch, heads,
-    block_k, d): the full blocks of keys from ``start``, to scan over."""
+    """The ``count`` full blocks of keys from ``start``, (count, batch, heads,
+    block_k, d), to scan over."""
     x = x[:, :, start : start + count * block_k]
     x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
     return xp.transpose(x, (2, 0, 1, 3, 4))
 
 
-def _scan(
+def scan_keys(
     call: Call,
     state: Any,
     qs: Array,
+    rows: Mask,
     grid: tuple[Array, Array, int],
-    rows: tuple[int, int],
     first: int,
-    block_k: int,
     count: int,
-    drop: Any,
+    block_k: int,
+    drop: Any = None,
+    index: int = 0,
+    seen: Callable[[Any, Any], Array] | None = None,
 ) -> Any:
-    """``state`` merged with ``count`` blocks of ``block_k`` keys, the blocks
-    ``first, ...`` of ``grid`` (keys and values by ``key_blocks``, from key
-    ``start``), for the queries ``rows``: an interval mask, whose block Mask
-    comes from ``Mask.keys_from`` at a traced start. One ``Backend.scan``."""
-    xp, mask = call.xp, call.mask
-    q0, q1 = rows
+    """``state`` merged with the ``count`` blocks ``first, ...`` of ``grid``
+    (``key_blocks``) in one ``Backend.scan``, for the queries ``qs`` whose Mask
+    over every key is ``rows`` (an interval mask: ``Mask.keys_from`` at a traced
+    start); dropout draws from ``index`` plus the block's first key, and
+    ``seen(k0, k1)`` skips a block at run time."""
+    xp = call.xp
     kb, vb, start = grid
-    rows_mask = mask.region(Region(0, mask.batch, q0, q1, 0, mask.num_keys))
     starts = np.arange(first, first + count) * block_k + start
     xs = [kb[first : first + count], vb[first : first + count]]
     xs.append(xp.asarray(starts.astype(np.int32), device=call.device))
     if drop is not None:  # (the index each block's dropout draws from, as unrolled)
-        xs.append(xp.asarray((starts + q0 * mask.num_keys).astype(np.uint32), device=call.device))
+        xs.append(xp.asarray((starts + index).astype(np.uint32), device=call.device))
 
     def block(state: Any, x: Any) -> Any:
-        kb, vb, k0, *index = x
-        block_drop = None if drop is None else (lambda p: drop(p, index[0]))
-        sub = rows_mask.keys_from(k0, block_k)
-        return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop)
+        kb, vb, k0, *at = x
+        block_drop = None if drop is None else (lambda p: drop(p, at[0]))
+        sub = rows.keys_from(k0, block_k)
+        skip = None if seen is None else seen(k0, k0 + block_k)
+        return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop, seen=skip)
 
     return xp.scan(block, state, xs)

@@ -1,22 +1,10 @@
-"""The block-sparse path in blocks of one shape, for a framework that
-compiles each new shape (``Backend.compiles_per_shape``): what is compiled
-for one block serves every block, and every length.
-
-Every block of queries and of keys has the same size: the last one of each
-axis ends at the end, overlapping the one before it. Its queries are
-computed again (each row's output is its own) and its keys that the block
-before counted are hidden (``online.step``'s ``hidden``).
-
-- ``scanned``, while traced on a framework whose scan is one compiled loop
-  (``Backend.sequential_scan``): a scan over the blocks of queries, each a
-  scan over the blocks of keys at traced offsets (``Mask.block_at``), each
-  step skipped at run time (``Backend.cond``) when no query of the block may
-  see a key of it. The program holds one step whatever the length: it
-  compiles once per block shape, and in time independent of the length.
-- ``compiled``, the mask known on the host: per batch element (or the whole
-  batch) and block of queries, one call of one compiled kernel
-  (``Backend.compiled``) per block of keys that is not empty. The kernel is
-  compiled once per block shape; a new length compiles only the cuts.
+"""The block-sparse path in blocks of one shape (``Backend.compiles_per_shape``):
+what is compiled for one block serves every block and length. The last block
+of each axis ends at the end, overlapping the one before (its queries computed
+again, its keys counted before hidden: ``online.step``'s ``hidden``).
+``scanned`` (traced, ``Backend.sequential_scan``): scans over blocks of queries
+and of keys, each step skipped at run time. ``compiled`` (host): one call of one
+compiled kernel per block of keys that is not empty.
 """
 
 from __future__ import annotations
@@ -30,7 +18,7 @@ from ..mask import EMPTY, PARTIAL, Mask
 from ..mask.arrays import arrays
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
-from ..numerics import in_dtype, scaled
+from ..numerics import scaled
 from . import online
 from .call import Call, dropout_fn, expand_kv
 
@@ -41,18 +29,16 @@ if TYPE_CHECKING:
 
 
 def starts(n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(start, hidden)`` int32, per block of ``block`` positions over
-    ``n``: the last block starts at ``n - block``, and ``hidden`` counts its
-    positions that the block before it covers."""
+    """``(start, hidden)`` int32 per block of ``block`` positions over ``n``
+    (the last starts at ``n - block``, hiding what the one before covers)."""
     first = np.arange(0, n, block)
     start = np.minimum(first, n - block)
     return start.astype(np.int32), (first - start).astype(np.int32)
 
 
 def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
-    """Traced: a scan over the blocks of queries, each a scan over the
-    blocks of keys; a block no query of it may see is skipped at run time.
-    ``(output, None)``, or ``(output, None, log-sum-exp)`` with ``call.lse``."""
+    """Traced: scans over the blocks of queries and of keys; ``(output, None)``,
+    or ``(output, None, log-sum-exp)`` with ``call.lse``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)  # (guarded per block: no dense mask)
@@ -67,9 +53,7 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
     cols = [xp.asarray(x, "int32", device) for x in (k_starts, hidden)]
 
     def row(q0: Array) -> tuple[Array, ...]:
-        """The output (and log-sum-exp) of the queries ``[q0, q0 + bq)``.
-        Under autodiff its inputs are ``q0`` and arrays every row shares: the
-        backward pass recomputes one row at a time, holding its blocks only."""
+        """The rows ``[q0, q0 + bq)``, recomputed one at a time backward."""
         qs = xp.read_slice(qs_all, q0, bq, 2)
 
         def col(state: Any, y: list[Array]) -> Any:
@@ -85,8 +69,7 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
             )
 
         state = xp.scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
-        out = online.finish(xp, state)
-        return (out, online.log_sum_exp(xp, state)) if call.lse else (out,)
+        return tuple(online.rows(call, state, ()))
 
     def rows(done: tuple[Array, ...], x: list[Array]) -> tuple[Array, ...]:
         parts = xp.checkpoint(row, x[0])
@@ -95,15 +78,12 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
     widths = (dv, 1) if call.lse else (dv,)
     done = tuple(xp.zeros((batch, heads, num_q, n), work, device) for n in widths)
     done = xp.scan(rows, done, [xp.asarray(q_starts, "int32", device)])
-    out = in_dtype(xp, done[0], call.dtype)
-    return (out, None, done[1]) if call.lse else (out, None)
+    return online.result(call, [list(done)])
 
 
 def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Any, ...]:
-    """Known on the host: the blocks of keys that are not empty (``table``,
-    int8 (batch|1, Q blocks, K blocks) states), each one call of the
-    compiled kernel (a ``score_mod`` or dropout: the step itself). Returns
-    as ``scanned``."""
+    """The blocks of keys not empty in ``table`` (host states), each one call of
+    the compiled kernel (a ``score_mod`` or dropout: the step). As ``scanned``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)
@@ -117,9 +97,9 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
     drop = dropout_fn(xp, call.dropout, call.key)
     per_element = table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
-    outs, lses = [], []
+    parts = []
     for b0, b1 in groups:
-        rows, lse_rows = [], []
+        rows = []
         for qi, (q0, again) in enumerate(zip(q_starts.tolist(), repeated.tolist())):
             qs = qs_all[b0:b1, :, q0 : q0 + bq]
             state: Any = online.start(xp, (b1 - b0, heads, bq), dv, work, device)
@@ -136,22 +116,14 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
                 state = online.step(xp, state, qs, kb, vb, sub, work, block_drop, hidden=hide)
-            out = online.finish(xp, state)
-            rows.append(out[:, :, again:] if again else out)
-            if call.lse:
-                lse = online.log_sum_exp(xp, state)
-                lse_rows.append(lse[:, :, again:] if again else lse)
-        outs.append(online.joined(xp, rows))
-        if call.lse:
-            lses.append(online.joined(xp, lse_rows))
-    out = in_dtype(xp, online.joined(xp, outs, 0), call.dtype)
-    return (out, None, online.joined(xp, lses, 0)) if call.lse else (out, None)
+            rows.append([x[:, :, again:] if again else x for x in online.rows(call, state, ())])
+        parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
+    return online.result(call, parts, 0)
 
 
 @functools.cache
 def _kernel(xp: Backend, work: str) -> Callable[..., Any]:
-    """The compiled step of one block: ``(state, scaled queries, keys,
-    values, visible or None, bias or None, hidden) -> state``."""
+    """The compiled step ``(state, qs, k, v, visible, bias, hidden) -> state``."""
 
     def kernel(
         state: Any, qs: Array, k: Array, v: Array, visible: Any, bias: Any, hidden: Any

@@ -20,8 +20,7 @@ if TYPE_CHECKING:
 
 NAME = "full"
 PASSES = 4
-"""Its cost per score: it writes the scores and the weights out and reads
-them back, four passes where a kernel makes one."""
+"""Its cost per score: the scores and weights written and read back."""
 
 
 def weights4(
@@ -34,10 +33,8 @@ def weights4(
     before_product: bool = False,
     rounded: bool = True,
 ) -> Array:
-    """The (batch, heads, Q, K) weights in the dtype of ``q`` (in its compute
-    dtype unless ``rounded``); ``k`` expanded;
-    ``keys_guarded``: key rows nobody sees were zeroed; ``before_product``:
-    as ``masked_softmax``'s."""
+    """The (batch, heads, Q, K) weights in the dtype of ``q`` (its compute dtype
+    unless ``rounded``); ``keys_guarded``: key rows nobody sees were zeroed."""
     dtype = xp.dtype_name(q)
     work = compute_dtype(dtype)
     qs = scaled(xp, q, scale, work)
@@ -78,9 +75,8 @@ def plan(call: Call) -> Plan | None:
 
 
 def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
-    """``(output, weights)``, weights (batch * heads, Q, K) before dropout,
-    as a function that reshapes them when they are read (a reshape is an
-    operator call: MXNet's cost about as much as a small product)."""
+    """``(output, weights)``, weights (batch * heads, Q, K) before dropout, as a
+    function that reshapes them when read (a reshape costs an operator call)."""
     xp, q, mask = call.xp, call.queries, call.mask
     k, v = expand_kv(xp, call.keys, call.values, call.heads)
     if call.lse:
@@ -96,11 +92,9 @@ def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
 
 
 def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:
-    """``(output, None, log-sum-exp)``: every key as one online-softmax
-    block, whose state gives both (``k``, ``v`` expanded)."""
+    """``(output, None, log-sum-exp)`` of every key as one online-softmax block."""
     xp, q, mask, work = call.xp, call.queries, call.mask, call.work
     k, v = guard_unused(xp, mask, k, v)
     drop = dropout_fn(xp, call.dropout, call.key)
     state = online.softmax_block(xp, scaled(xp, q, call.scale, work), k, v, mask, work, drop)
-    out = in_dtype(xp, online.finish(xp, state), call.dtype)
-    return out, None, online.log_sum_exp(xp, state)
+    return online.result(call, [online.rows(call, state, ())])  # (call.lse)

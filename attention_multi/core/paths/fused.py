@@ -32,10 +32,9 @@ def kernel(
     keys_finite: bool = False,
     guarded: bool = True,
 ) -> Array | None:
-    """The backend's kernel (None when it declines), with the core's rules
-    around it: unused key/value rows zeroed before, empty rows zeroed after,
-    NaN kept where the kernel would not. Not ``guarded``: empty rows zeroed
-    only (the caller checks ``rules.unguarded_holds`` on the output)."""
+    """The backend's kernel (None when it declines) with the core's rules
+    around it (``rules.kernel_inputs``); not ``guarded``: empty rows zeroed only
+    (the caller checks ``rules.unguarded_holds``)."""
     if not xp.has_fused_attention or mask.score_mod is not None:
         return None
     if not guarded:
@@ -47,17 +46,14 @@ def kernel(
 
 
 def trusting(xp: Backend, *arrays: Array) -> bool:
-    """Whether to run kernels without the NaN guards first: the values are
-    on the host to check afterwards (eager), and the backend's kernel does
-    not keep NaN as the contract says by itself."""
+    """Whether to run kernels without the NaN guards first: eager, and the
+    kernel does not keep NaN by itself."""
     return not xp.fused_keeps_nan and all(xp.is_concrete(x) for x in arrays)
 
 
 def plan(call: Call) -> Plan | None:
-    """One kernel call over every score (half of them for top-left causal,
-    where the kernel skips the rest), when the backend has a kernel that can
-    take the case; it may still decline at run time (memory, layout). Not
-    when the log-sum-exp is asked for: kernels do not give it."""
+    """One kernel call over every score (half for top-left causal) when the
+    backend's kernel can take the case (it may decline at run time); no lse."""
     xp, mask = call.xp, call.mask
     if call.lse or not (call.asks("fused") and xp.has_fused_attention and mask.score_mod is None):
         return None

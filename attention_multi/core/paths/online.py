@@ -1,10 +1,8 @@
 """The online-softmax step, written once: the state ``(row max, row sum,
-accumulator)`` of a block of queries over one block of keys, merged into a
-running state, recomputed in the backward pass under autodiff
-(``Backend.checkpoint``) and skipped at run time when the block is not seen
-(``Backend.cond``). Its state also gives the log-sum-exp of each row
-(``log_sum_exp``), and attention sinks are one more term of the row sum
-(``add_sinks``)."""
+accumulator)`` of a block of queries over a block of keys, merged into a
+running state, recomputed in the backward pass (``Backend.checkpoint``),
+skipped at run time when not seen (``Backend.cond``); it also gives each row's
+log-sum-exp, and attention sinks are one more term of the row sum."""
 
 from __future__ import annotations
 
@@ -13,13 +11,14 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..mask.rules import guard_block
-from ..numerics import constant, fill, fill_against, in_dtype, normalize
+from ..numerics import empty_rows, fill, fill_against, in_dtype, normalize, scalar
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
     from ..mask import Mask
+    from .call import Call
 
 State = tuple[Any, Any, Any]  # (row max, row sum, accumulator), each (batch, heads, Q, 1|dv)
 EXP_FLOOR = -80.0  # masked exponents: exp(-80) is a normal float32, zeroed after
@@ -36,13 +35,10 @@ def softmax_block(
     hidden: Any = None,
     guard: bool = False,
 ) -> State:
-    """The state of scaled queries ``qs`` over one block of keys and values,
-    whose Mask is ``mask``. A row with no visible key in the block has sum 0
-    and accumulator 0. ``dropout`` (a function of the probabilities) applies
-    to the product only. ``hidden`` (an int, or traced): the block's first
-    keys that no query sees here (a block overlapping the one before it).
-    ``guard``: the block's keys and values no query of it sees are zeroed
-    here (``rules.guard_block``), not by the caller."""
+    """The state of scaled queries ``qs`` over one block of keys and values
+    (a row with no visible key: sum and accumulator 0). ``dropout`` applies to
+    the product only; ``hidden``: the block's first keys no query sees here
+    (an overlapping block); ``guard``: zero the keys no query sees here."""
     device = xp.device_of(qs)
     visible = mask.boolean(xp, device)
     if hidden is not None:
@@ -76,8 +72,7 @@ def merge(xp: Backend, a: State | None, b: State | None) -> State | None:
 
 
 def start(xp: Backend, shape: tuple[int, ...], dv: int, work: str, device: Any) -> State:
-    """The state of rows (batch, heads, Q) that have seen no key yet, for a
-    loop whose steps may be skipped at run time (a traced ``cond``)."""
+    """The state of rows (batch, heads, Q) that have seen no key yet."""
     zero = xp.zeros(tuple(shape) + (1,), work, device)
     return zero + fill(xp, work, device), zero, xp.zeros(tuple(shape) + (dv,), work, device)
 
@@ -102,12 +97,9 @@ def step(
     hidden: Any = None,
     guard: bool = False,
 ) -> State | None:
-    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (whole when
-    ``cut`` is None), whose Mask is ``mask``, its first ``hidden`` keys
-    unseen, guarded when ``guard`` (``softmax_block``). Recomputed in the
-    backward pass, which keeps only the running state, not the block's
-    scores nor the cut keys; with ``seen`` (a device bool), skipped at run
-    time when False."""
+    """``state`` merged with the block ``k[cut]``, ``v[cut]`` (``softmax_block``),
+    recomputed in the backward pass (which keeps only the running state);
+    with ``seen`` (a device bool), skipped at run time when False."""
 
     def block(state: State | None, qs: Array, k: Array, v: Array) -> State | None:
         if cut is not None:
@@ -121,18 +113,12 @@ def step(
 
 def minus_inf(xp: Backend, work: str, device: Any) -> Array:
     """``-inf`` as a 0-d array of ``work``: the log-sum-exp of a row that sees no key."""
-    return constant(
-        xp,
-        ("-inf", work),
-        device,
-        lambda: xp.asarray(np.asarray(-np.inf, np.dtype(work)), device=device),
-    )
+    return scalar(xp, "-inf", -np.inf, work, device)
 
 
 def log_sum_exp(xp: Backend, state: State) -> Array:
-    """(batch, heads, Q, 1): ``log(sum(exp(scores)))`` over the keys each row
-    saw (natural log, scaled scores after ``score_mod``): row max + log(row
-    sum); ``-inf`` for a row that saw no key, with a zero gradient there."""
+    """(batch, heads, Q, 1): the natural ``log(sum(exp(scores)))`` over the keys
+    each row saw; ``-inf`` for a row that saw no key, with a zero gradient."""
     row_max, row_sum, _ = state
     seen = row_sum != 0  # (NaN is seen: it propagates)
     total = xp.log(xp.where(seen, row_sum, 1.0))
@@ -141,23 +127,39 @@ def log_sum_exp(xp: Backend, state: State) -> Array:
     )
 
 
-def unseen_lse(xp: Backend, shape: tuple[int, ...], work: str, device: Any) -> Array:
-    """The log-sum-exp of rows (``shape[:3]``) that see no key: ``-inf``."""
-    return xp.zeros(tuple(shape[:3]) + (1,), work, device) + minus_inf(xp, work, device)
+def rows(call: Call, state: State | None, shape: tuple[int, ...], *inputs: Array) -> list[Array]:
+    """``[output]``, with ``call.lse`` ``[output, log-sum-exp]``, of rows from
+    their ``state``; None (no row saw a key): zeros of ``shape`` (kept in the
+    autodiff graph of ``inputs`` when given) and ``-inf``."""
+    xp, work, device = call.xp, call.work, call.device
+    if state is None:
+        if inputs:
+            out = empty_rows(xp, shape, work, device, *inputs)
+        else:
+            out = xp.zeros(shape, work, device)
+        lse = xp.zeros(tuple(shape[:3]) + (1,), work, device) + minus_inf(xp, work, device)
+        return [out, lse] if call.lse else [out]
+    out = finish(xp, state)
+    return [out, log_sum_exp(xp, state)] if call.lse else [out]
 
 
 def joined(xp: Backend, parts: list[Array], axis: int = 2) -> Array:
-    """The log-sum-exp of blocks of rows, put back together along ``axis``."""
+    """Blocks of rows put back together along ``axis``."""
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
 
 
+def result(call: Call, parts: list[list[Array]], axis: int = 2) -> tuple[Any, ...]:
+    """``(output, None)``, with ``call.lse`` ``(output, None, log-sum-exp)``, of
+    ``parts`` (each ``rows``'s) joined along ``axis``; the output in the call's dtype."""
+    xp = call.xp
+    out = in_dtype(xp, joined(xp, [p[0] for p in parts], axis), call.dtype)
+    return (out, None, joined(xp, [p[1] for p in parts], axis)) if call.lse else (out, None)
+
+
 def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
-    """Attention sinks: one logit per head added to each row's softmax
-    denominator only (gpt-oss): ``out * exp(lse - lse')`` with ``lse' =
-    logaddexp(lse, sink)``, which is ``out * sigmoid(lse - sink)``.
-    ``out`` (batch, heads, Q, dv); ``lse`` (batch, heads, Q, 1) of the
-    compute dtype; ``sinks`` (heads,). Returns ``(out, lse')``: a row that
-    sees no key keeps a zero output, and its ``lse'`` is the sink."""
+    """Attention sinks (gpt-oss): one logit per head in each row's softmax
+    denominator only: ``out * exp(lse - lse')``, ``lse' = logaddexp(lse, sink)``;
+    ``sinks`` (heads,). Returns ``(out, lse')`` (no key: zeros, the sink)."""
     work = xp.dtype_name(lse)
     sink = xp.astype(sinks, work) if xp.dtype_name(sinks) != work else sinks
     sink = sink.reshape((1, sink.shape[0], 1, 1))

@@ -1,36 +1,15 @@
 """Ring (sequence-parallel) attention, written once against the protocol.
 
-Queries, keys and values are split along the sequence over ``size``
-participants (processes or devices), each holding equal parts. A **layout**
-says which: ``contiguous``, participant ``r`` holds the ``r``-th of ``size``
-consecutive chunks; ``zigzag``, the sequence is cut into ``2 size`` chunks
-and participant ``r`` holds chunks ``r`` and ``2 size - 1 - r`` (under a
-causal mask every participant then sees as many keys as any other).
-
-In ``size`` steps each participant attends its queries to the block of keys
-and values it holds, merges the result into its running online-softmax state
-(``online.py``) and passes the block to its neighbour (``r`` to ``r + 1``),
-receiving the block of ``r - 1``. Per step and per block of local queries,
-each chunk of the block of keys is asked its state from the positions of the
-whole sequence (``Mask.block_state``): an empty one costs no kernel call, a
-full one is computed without a mask, a partial one (a diagonal) is classified
-again in pieces of as many keys as the block has queries, and neighbours in
-one state are computed in one call. Every exchange still happens on every participant, and
-the last block received is kept in the output's autodiff graph
-(``numerics.kept``): the backward exchanges then pair up whatever was skipped.
-While the rank is traced (JAX under ``shard_map``) the states are decided on
-the device, each chunk skipped at run time (``Backend.cond``).
-
-Messages (keys and values together) travel in the compute dtype: for half
-precision float32, so that the gradients of keys and values, summed round
-the ring in the backward pass, are rounded once, not once per participant.
-Memory per participant: its parts, one block in flight, the (Q, dv) state,
-and the scores of a block of queries within the memory budget: O(T/P d).
-
-The communication is the backend's ``ring_exchange(group)`` capability:
-``(rank, size, shift)``, ``shift(x)`` sending ``x`` to the next participant
-and returning what the previous one sent (torch.distributed point-to-point,
-``jax.lax.ppermute`` inside ``shard_map``).
+The sequence is split over ``size`` participants in a **layout**:
+``contiguous`` (participant ``r`` holds chunk ``r`` of ``size``) or ``zigzag``
+(chunks ``r`` and ``2 size - 1 - r`` of ``2 size``: under a causal mask each
+then sees as many keys). In ``size`` steps each participant merges its queries
+over the block of keys it holds into its online-softmax state and passes the
+block on (``Backend.ring_exchange``); empty chunks cost no kernel call (while
+the rank is traced, ``Backend.cond`` skips them). Every exchange happens on
+every participant, and the last block stays in the output's graph so the
+backward exchanges pair up. Messages travel in the compute dtype. Memory:
+O(T/P d).
 """
 
 from __future__ import annotations
@@ -63,9 +42,8 @@ def chunks_per_participant(layout: str) -> int:
 
 
 def held_chunks(layout: str, rank: Any, size: int) -> list[Any]:
-    """The indices of the chunks that participant ``rank`` (an int, or
-    traced) holds, in its order, the sequence cut into
-    ``chunks_per_participant(layout) * size`` equal chunks."""
+    """The chunks (of ``chunks_per_participant(layout) * size``) that
+    participant ``rank`` (an int, or traced) holds, in its order."""
     if chunks_per_participant(layout) == 1:
         return [rank]
     return [rank, 2 * size - 1 - rank]
@@ -85,15 +63,12 @@ def ring(
     layout: str = "contiguous",
     log: list[dict[str, Any]] | None = None,
 ) -> Array:
-    """Attention of the local queries ``q`` (batch, heads, Q, d) over the
-    keys and values of every participant; ``k``, ``v`` (batch, kv_heads, K,
-    d|dv) are the local parts, in ``layout``. ``masks``: per chunk of local
-    queries, its ``Mask`` over all ``size * K`` keys (positions of the whole
-    sequence). The scores of a step are computed a block of queries at a
-    time, within ``memory_budget`` bytes as on the chunked path. ``log``: a
-    list that gets, per step, the scores computed, the kernel calls and the
-    seconds of compute and exchange (while the rank is known on the host).
-    Returns (batch, heads, Q, dv) in the dtype of ``q``."""
+    """Attention of the local queries ``q`` (batch, heads, Q, d) over every
+    participant's keys; ``k``, ``v`` the local parts in ``layout``; ``masks``:
+    per chunk of local queries, its ``Mask`` over all ``size * K`` keys. Blocks
+    of queries fit ``memory_budget`` as on the chunked path. ``log`` gets per
+    step the scores, kernel calls and seconds of compute and exchange (rank
+    on the host). Returns (batch, heads, Q, dv) in the dtype of ``q``."""
     dtype = xp.dtype_name(q)
     work = compute_dtype(dtype)
     device = xp.device_of(q)
@@ -129,51 +104,41 @@ def ring(
         kb, vb = expand_kv(xp, kv[..., :d], kv[..., d:], heads)
         scores = calls = 0
         for i, (a, b, sub) in enumerate(rows):
-            if not host:
-                for j, g in enumerate(starts):
-                    block = sub.keys_from(g, chunk_k)
-                    cut = slice(j * chunk_k, (j + 1) * chunk_k)
-                    kc, vc = guard_unused(xp, block, kb[:, :, cut], vb[:, :, cut])
-                    seen = block.seen(xp, block.whole(), device)
-                    states[i] = online.step(xp, states[i], qs[i], kc, vc, block, work, seen=seen)
-                continue
-            for cut, block in _blocks(sub, starts, chunk_k):
+            if host:
+                blocks = _blocks(sub, starts, chunk_k)
+            else:  # (every chunk, skipped at run time)
+                cuts = [slice(j * chunk_k, (j + 1) * chunk_k) for j in range(len(starts))]
+                blocks = [(cut, sub.keys_from(g, chunk_k)) for cut, g in zip(cuts, starts)]
+            for cut, block in blocks:
                 kc, vc = guard_unused(xp, block, kb[:, :, cut], vb[:, :, cut])
-                states[i] = online.step(xp, states[i], qs[i], kc, vc, block, work)
+                seen = None if host else block.seen(xp, block.whole(), device)
+                states[i] = online.step(xp, states[i], qs[i], kc, vc, block, work, seen=seen)
                 scores += batch * heads * (b - a) * block.num_keys
                 calls += 1
         computed = time.perf_counter()
         if step + 1 < size:
             kv = shift(kv)
         if log is not None and host:
-            log.append(
-                {
-                    "step": step,
-                    "scores": scores,
-                    "calls": calls,
-                    "compute_s": computed - began,
-                    "exchange_s": time.perf_counter() - computed,
-                }
-            )
+            exchange = time.perf_counter() - computed
+            entry = dict(step=step, scores=scores, calls=calls, compute_s=computed - began)
+            log.append({**entry, "exchange_s": exchange})
     outs = []
     for (a, b, _), qs_i, state in zip(rows, qs, states):
         if state is None:  # no query of these rows may see any key
             outs.append(empty_rows(xp, (batch, heads, b - a, dv), work, device, qs_i, k, v))
         else:
             outs.append(online.finish(xp, state))
-    out = outs[0] if len(outs) == 1 else xp.concatenate(outs, 2)
+    out = online.joined(xp, outs)
     # (the last block received stays in the graph: its exchange's backward
     # runs on every participant, even where every step was skipped)
     return in_dtype(xp, kept(xp, out, kv), dtype)
 
 
 def _blocks(sub: Mask, starts: list[int], chunk_k: int) -> list[tuple[slice, Mask]]:
-    """The (cut of the local keys, Mask) of each kernel call of rows whose
-    Mask is ``sub`` over the chunks of keys at ``starts`` (global positions,
-    known on the host). A chunk that some rows see and others do not (a
-    diagonal) is classified again in pieces as long as the rows are many:
-    empty pieces and chunks are skipped, neighbours in one state computed in
-    one call (full ones without a mask, anywhere in the block)."""
+    """``(cut of the local keys, Mask)`` per kernel call of rows whose Mask is
+    ``sub`` over the chunks at ``starts`` (host positions): a partial chunk is
+    classified again in pieces as long as the rows are many; empty ones are
+    skipped, neighbours in one state are one call (full ones without a mask)."""
     piece = sub.num_queries
     spans: list[list[int]] = []  # [first, last local key, first global key, state]
     for j, g in enumerate(starts):

@@ -1,16 +1,14 @@
 """The straight line for small calls: ``valid_lens`` or nothing, few scores.
 
-At d2l's sizes a call's arithmetic costs a few microseconds, less than
-building a ``Mask`` and planning a path. Here the full path's computation
-runs as one straight line: the lengths are read once on the host, the mask
-is one comparison, and the rules are the mask package's
-(``intervals.lengths_visible``, ``rules.masked_softmax``, unused value rows
-zeroed). The answer, the weights kept and the path reported (``"full"``) are
-those of the full path. ``select.straight_line`` decides when it applies.
+At d2l's sizes building a ``Mask`` and planning cost more than the arithmetic:
+the full path's computation runs as one straight line (lengths read once, the
+mask one comparison, the mask package's rules), with the full path's answer,
+weights and name. ``select.straight_line`` decides when it applies.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from ..checks import INT32_MAX, least_length, lengths_for_compare, lens_kind
@@ -29,10 +27,8 @@ if TYPE_CHECKING:
 def signature(
     queries: Array, keys: Array, values: Array, valid_lens: Any
 ) -> tuple[Any, ...] | None:
-    """What a call's input checks and its ``Line`` depend on: the types,
-    shapes and dtypes of its arrays. None when ``valid_lens`` is neither None
-    nor an array of the queries' type (a list...): such a call is checked in
-    full every time."""
+    """The types, shapes and dtypes a call's checks and ``Line`` depend on; None
+    when ``valid_lens`` is neither None nor of the queries' type (checked in full)."""
     if valid_lens is None:
         lens = None
     elif type(valid_lens) is type(queries):
@@ -44,12 +40,10 @@ def signature(
 
 
 class Line:
-    """What the straight line decides from a call's ``signature``, once:
-    a module keeps it and calls with the same signature reuse it (outside
-    traces: ``Backend.is_tracing``). Of arrays it holds only the mask of the
-    last lengths it saw (``lengths``, see ``_lengths``). ``reusable``: its
-    choice of the straight line did not depend on the call's state (the
-    weights being read, the memory budget)."""
+    """What the straight line decides from a call's ``signature``, once (a
+    module reuses it outside traces); of arrays it holds only the last lengths'
+    mask (``_lengths``). ``reusable``: the choice did not depend on the call's
+    state (weights read, memory budget)."""
 
     __slots__ = tuple("reusable expand flat ndim num_keys scale lens_kind limit big".split())
     __slots__ += ("dtype", "work", "lengths")
@@ -70,11 +64,8 @@ class Line:
         self.scale = default_scale(qs[-1])  # (the modules' scale)
         group = qs[1] // ks[1] if self.flat else 1
         self.expand = group != 1
-        self.lens_kind = (
-            None
-            if valid_lens is None or not xp.is_array(valid_lens) or not xp.is_concrete(valid_lens)
-            else lens_kind(xp, valid_lens, qs[0], qs[-2])
-        )
+        known = valid_lens is not None and xp.is_array(valid_lens) and xp.is_concrete(valid_lens)
+        self.lens_kind = lens_kind(xp, valid_lens, qs[0], qs[-2]) if known else None
         self.limit = min(int(ks[-2]), INT32_MAX)
         self.big = (size(keys) + size(values)) * group >= xp.finite_check_min
         self.dtype = xp.dtype_name(queries)
@@ -93,10 +84,8 @@ def attention(
     key: Any,
     line: Line,
 ) -> tuple[Array, Any]:
-    """``(output, weights)`` of (batch, [heads,] n, d) inputs, as the full
-    path gives them: weights (batch * heads, Q, K) before dropout, as a
-    function (``Backend.nan_rows`` and the reshape run when they are read).
-    ``valid_lens`` None, (batch,) or (batch, Q), checked as everywhere."""
+    """``(output, weights)`` of (batch, [heads,] n, d) inputs as the full path
+    gives them (weights before dropout, as a function run when read)."""
     if line.expand:
         keys, values = expand_kv(xp, keys, values, queries.shape[1])
     visible = used = device = None
@@ -144,11 +133,8 @@ def attention(
 def _lengths(
     xp: Backend, line: Line, queries: Array, valid_lens: Array, device: Any
 ) -> tuple[Array, int | None, Any, Any]:
-    """``(lens, least, visible, used)`` of a call's lengths, checked as
-    everywhere; ``visible`` and ``used`` are None when every key is seen.
-    The line keeps the last of them, keyed by the lengths' host bytes and
-    device: a module called again with equal lengths (a training loop's
-    fixed batch, the seeds' examples) reuses the mask."""
+    """``(lens, least, visible, used)`` of checked lengths (None, None: every
+    key seen); the line keeps the last, keyed by the lengths' bytes and device."""
     kind = line.lens_kind
     if kind is not None:
         host = xp.to_numpy(valid_lens)
@@ -171,8 +157,8 @@ def _lengths(
 def _visible(
     xp: Backend, line: Line, lens: Array, least: int | None, device: Any
 ) -> tuple[Any, Any]:
-    """``lengths_visible``'s pair, or (None, None) when every key is seen;
-    on ``Backend.masks_by_lengths``, functions that make it if asked."""
+    """``lengths_visible``'s pair ((None, None): every key seen), made when
+    asked on ``Backend.masks_by_lengths``."""
     num_k = line.num_keys
     if least is not None and least >= num_k:
         return None, None
@@ -182,16 +168,6 @@ def _visible(
 
 
 def _made_once(make: Any) -> tuple[Any, Any]:
-    """The two parts of the pair ``make()`` returns, as two functions that
-    call ``make`` once, when the first of them is called."""
-    made: list[Any] = []
-
-    def part(i: int) -> Any:
-        def get() -> Any:
-            if not made:
-                made.append(make())
-            return made[0][i]
-
-        return get
-
-    return part(0), part(1)
+    """The two parts of ``make()``'s pair as functions; ``make`` runs once."""
+    once = functools.cache(make)
+    return (lambda: once()[0]), (lambda: once()[1])

@@ -11,7 +11,7 @@ import numpy as np
 from ..mask.intervals import element_ranges
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
-from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled, work_itemsize
+from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled
 from . import fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
@@ -27,9 +27,8 @@ TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls cou
 
 
 class Group(NamedTuple):
-    """One kernel call: the batch elements ``rows`` (a range is sliced, other
-    rows gathered), queries ``[q0, q1)`` over keys ``[k0, k1)``; ``whole``:
-    every row sees all of those keys (no mask)."""
+    """One kernel call: batch elements ``rows``, queries ``[q0, q1)`` over keys
+    ``[k0, k1)``; ``whole``: every row sees all of them (no mask)."""
 
     rows: np.ndarray
     q0: int
@@ -45,42 +44,33 @@ class Group(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """The groups of each block of queries ``blocks`` (their rows, in group
-    order, a permutation of the batch); ``scores`` the scores computed."""
+    """The groups of each block of queries; ``scores`` the scores computed."""
 
     groups: list[list[Group]]
     blocks: list[tuple[int, int]]
     scores: int
 
 
-def plan_tiles(
-    xp: Backend,
-    q: Array,
-    mask: Mask,
-    memory_budget: int | None = None,
-    chunk_size: int | None = None,
-    call_cost: float = 0.0,
-) -> Tiles | None:
-    """The tiles of a call (None: the intervals traced, or not one query's
-    scores within the budget): per block of queries, the batch elements
-    grouped by the keys they see at least cost (``call.grouped``)."""
+def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
+    """Per block of queries, the batch elements grouped by the keys they see
+    (``grouped``); None while traced, or when one query's scores exceed the budget."""
+    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
     if not mask.known_on_host():
         return None
-    batch, heads, num_q = q.shape[:3]
-    block_q = max(1, min(num_q, chunk_size or DEFAULT_BLOCK_QUERIES))
-    per_query = 2 * heads * mask.num_keys * work_itemsize(xp, q) * xp.concurrency()
-    if memory_budget is not None:  # (scores and their exponentials, each tile at once)
-        block_q = min(block_q, memory_budget // per_query)
-        if block_q < 1:
-            return None
+    block_q = max(1, min(num_q, call.chunk_size or DEFAULT_BLOCK_QUERIES))
+    per_query = 2 * heads * mask.num_keys * call.itemsize * xp.concurrency()
+    # (scores and their exponentials, each tile at once)
+    block_q = min(block_q, memory_budget // per_query)
+    if block_q < 1:
+        return None
     gather = all(f.gathers for f in mask.forms)
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     groups, work = [], 0
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
-        most = batch if memory_budget is None else max(1, memory_budget // (per_query * (q1 - q0)))
-        block = grouped(starts, stops, whole, rows, call_cost, most, gather)
+        most = max(1, memory_budget // (per_query * (q1 - q0)))
+        block = grouped(starts, stops, whole, rows, call.call_cost, most, gather)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
     return Tiles(groups, blocks, work)
@@ -88,15 +78,14 @@ def plan_tiles(
 
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
-    (a jitted call draws as an eager one) or ``lse`` (kernels give none), nor,
-    unless named, where each new shape compiles."""
+    or ``lse``, nor, unless named, where each new shape compiles."""
     xp, named, cost = call.xp, call.path == "tiled", call.call_cost
     if not call.asks("tiled") or call.keyed_dropout or call.lse:
         return None
     if not named and xp.compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
-    tiles = plan_tiles(xp, call.queries, call.mask, budget, call.chunk_size, cost)
+    tiles = plan_tiles(call, budget)
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
@@ -104,8 +93,8 @@ def plan(call: Call) -> Plan | None:
 
 
 def calls(tiles: Tiles) -> int:
-    """The framework calls the tiles make beside every path's: a kernel call
-    per group (with 3 gathers unless a range), one per block out of order."""
+    """Framework calls: one per group (3 gathers more unless a range), one per
+    block out of order."""
     count = sum(_back_order(block) is not None for block in tiles.groups)
     for g in (g for block in tiles.groups for g in block):
         count += (g.k1 > g.k0) * (1 if g.ranged else 4)
@@ -119,8 +108,8 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
 
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
-    """The groups of ``plan`` on ``Backend.parallel_map``, back in batch order;
-    eager, unguarded first where one check of the output allows (``fused.trusting``)."""
+    """The groups on ``Backend.parallel_map``, back in batch order; unguarded
+    first where one check of the output allows (``fused.trusting``)."""
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
     if xp.has_fused_attention and fused.trusting(xp, q, k, v):
         out = _groups(call, plan.detail, guarded=False)
@@ -183,9 +172,8 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
 def softmax_product(
     xp: Backend, q: Array, k: Array, v: Array, mask: Mask, scale: float, dropout: Any = None
 ) -> Array:
-    """``softmax(scale q k^T) v`` of one tile, ``dropout`` (a function of the
-    probabilities) on the product only; no pass for the row maxima where
-    Cauchy-Schwarz bounds every score well inside exp's range (host check)."""
+    """``softmax(scale q k^T) v`` of one tile (``dropout`` on the product only);
+    no row maxima where Cauchy-Schwarz keeps every score inside exp's range."""
     dtype = xp.dtype_name(q)
     work = compute_dtype(dtype)
     k, v = expand_kv(xp, k, v, q.shape[1])

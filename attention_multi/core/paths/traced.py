@@ -7,28 +7,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
-from ..numerics import in_dtype, scaled
+from ..numerics import scaled
 from . import online
 from .call import Call, Plan, expand_kv
-from .chunked import key_blocks
+from .chunked import key_blocks, scan_keys
 
 if TYPE_CHECKING:
     from ...types import Array
 
 NAME = "tiled"
 DEFAULT_BLOCK_KEYS = 64
-SKIPPED_SHARE = 0.5
-"""The share of the scores a traced call is expected to compute: its blocks
-are skipped at run time, by values the plan cannot see."""
+SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
 
 def plan(call: Call) -> Plan | None:
-    """Traced intervals on a framework that branches at run time, without
-    dropout; its conds are compiled into one program, no kernel calls."""
+    """Traced intervals, a framework that branches at run time, no dropout."""
     xp, mask = call.xp, call.mask
     if not call.asks("tiled") or call.dropout or not xp.runtime_cond:
         return None
@@ -38,9 +33,8 @@ def plan(call: Call) -> Plan | None:
 
 
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
-    """Per batch element, its blocks of keys (at most 16, within the budget;
-    ``chunk_size`` keys each when given), each skipped when no query of the
-    element sees it."""
+    """Per batch element, its blocks of keys (at most 16 within the budget, or
+    ``chunk_size``), each skipped when no query of the element sees it."""
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     k, v = expand_kv(xp, call.keys, call.values, heads)
@@ -54,11 +48,10 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     lo, hi = mask.intervals.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
     lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
-    # (a framework whose scan is one compiled loop scans the full blocks:
-    # unrolled, its compiler may keep every block's scores alive at once)
+    # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
-    outs, lses = [], []
+    parts = []
     for b in range(batch):
         lo_b, hi_b, rows_b = (x[b : b + 1] if x.shape[0] > 1 else x for x in (lo, hi, rows))
 
@@ -71,27 +64,12 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
         state: Any = online.start(xp, (1, heads, num_q), dv, work, device)
         if full_blocks:
             element = mask.region(Region(b, b + 1, 0, num_q, 0, num_k))
-
-            def scanned(
-                state: Any, x: Any, qs: Array = qs, element: Any = element, seen: Any = seen
-            ) -> Any:
-                kb, vb, k0 = x
-                sub = element.keys_from(k0, block_k)
-                return online.step(xp, state, qs, kb, vb, sub, work, seen=seen(k0, k0 + block_k))
-
-            starts = (np.arange(full_blocks) * block_k).astype(np.int32)
-            xs = [key_blocks(xp, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)]
-            xs.append(xp.asarray(starts, device=device))
-            state = xp.scan(scanned, state, xs)
+            grid = (*(key_blocks(xp, x[b : b + 1], 0, block_k, full_blocks) for x in (k, v)), 0)
+            state = scan_keys(call, state, qs, element, grid, 0, full_blocks, block_k, seen=seen)
         for k0 in range(full_blocks * block_k, num_k, block_k):
             k1 = min(num_k, k0 + block_k)
             sub = mask.region(Region(b, b + 1, 0, num_q, k0, k1))
             cut = (slice(b, b + 1), slice(None), slice(k0, k1))
             state = online.step(xp, state, qs, k, v, sub, work, cut=cut, seen=seen(k0, k1))
-        outs.append(online.finish(xp, state))
-        if call.lse:
-            lses.append(online.log_sum_exp(xp, state))
-    out = outs[0] if batch == 1 else xp.concatenate(outs, 0)
-    if call.lse:
-        return in_dtype(xp, out, call.dtype), None, online.joined(xp, lses, 0)
-    return in_dtype(xp, out, call.dtype), None
+        parts.append(online.rows(call, state, ()))
+    return online.result(call, parts, 0)
