@@ -339,6 +339,12 @@ class ScoreMod(Form):
 # -- block states of a mask_mod, evaluated one block row at a time --------------------------
 
 
+# Block rows evaluated together when framework calls cost more than elements
+# (a busy machine: torch's parallel regions wait), in calls per evaluation
+# (the function's, the reductions'), and at most this many elements at once.
+_CALLS, _MOST = 8, 1 << 23
+
+
 def evaluate(
     xp: Backend,
     mask_mod: Callable[..., Array],
@@ -349,8 +355,9 @@ def evaluate(
     bases: Bases = (0, 0, 0),
 ) -> np.ndarray:
     """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
-    evaluated one block row (bq x K indices) at a time: per key, whether
-    some query of the row sees it and whether all do; then per block."""
+    evaluated on whole block rows (bq x K indices, one or a few at a time):
+    per key of a block row, whether some query sees it and whether all do;
+    then per block."""
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
@@ -360,29 +367,39 @@ def evaluate(
     kv = kv + bases[2]
     b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
     h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
-    first = xp.arange(bq, dev).reshape((1, 1, bq, 1))
+    whole = num_queries // bq  # (block rows with no query past Q)
+    per_row = batch * heads * bq * width
+    m = max(1, min(int(_CALLS * xp.call_cost()), _MOST) // per_row)
+    groups = [(i, min(m, whole - i)) for i in range(0, whole, m)]
+    groups += [(whole, 1)] if whole < nqb else []
 
-    def row(i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(b|1, h|1, keys): whether some query of row ``i`` sees each key,
-        whether all do."""
-        q = first + i * bq
-        n = min(bq, num_queries - i * bq)  # (the last row may end before bq)
-        if n < bq:
+    def group(g: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """(b|1, h|1, rows, keys) of ``rows`` block rows from row ``i``:
+        whether some query of the row sees each key, whether all do."""
+        i, rows = g
+        q = xp.arange(rows * bq, dev).reshape((1, 1, rows * bq, 1)) + i * bq
+        n = min(rows * bq, num_queries - i * bq)  # (a last row may end before bq)
+        if n < rows * bq:
             q = xp.where(q < num_queries, q, num_queries - 1)
         grid = (b, h, q + bases[1], kv)
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
-            grid = tuple(xp.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
+            grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
         # (torch reduces bytes ~7x faster than booleans)
         v = xp.astype(checked_mask(xp, mask_mod, grid, dev), "uint8")
         if v.shape[2] > n:
             v = v[:, :, :n]
-        at = (v.shape[0], v.shape[1], width)
-        some, every = (xp.to_numpy(f(v, 2)).reshape(at[:2] + (-1,)) for f in (xp.max, xp.min))
-        return np.broadcast_to(some, at), np.broadcast_to(every, at)
+        at = (v.shape[0], v.shape[1], rows, width)
+        if v.shape[2] > 1 and rows > 1:  # (whole rows only)
+            v = v.reshape((at[0], at[1], rows, bq, v.shape[3]))
+        some, every = (xp.to_numpy(f(v, -2)) for f in (xp.max, xp.min))
+        some, every = (
+            np.broadcast_to(x.reshape(at[:2] + (-1, x.shape[-1])), at) for x in (some, every)
+        )
+        return some, every
 
-    rows = xp.parallel_map(row, range(nqb))
+    done = zip(*xp.parallel_map(group, groups))
     # (b|1, h|1, Q blocks, K blocks, bk); keys past K are seen by none and by all
-    some, every = (np.stack(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in zip(*rows))
+    some, every = (np.concatenate(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in done)
     pad = np.arange(width).reshape(nkb, bk) >= num_keys
     seen = np.any(some & ~pad, 4)
     full = np.all(every | pad, 4)
