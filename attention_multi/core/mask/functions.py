@@ -336,7 +336,7 @@ class ScoreMod(Form):
         return ScoreMod(self.score_mod, _shifted(self.bases, r))
 
 
-# -- block states of a mask_mod, evaluated one block row at a time --------------------------
+# -- block states of a mask_mod, evaluated on whole block rows ------------------------------
 
 
 # Block rows evaluated together when framework calls cost more than elements
@@ -426,8 +426,9 @@ def block_mask(
     """A reusable ``BlockMask`` of ``mask_mod`` over (batch, heads, Q, K),
     blocks of ``block`` (an int or (queries, keys)); ``batch`` or ``heads``
     may be 1 when the function ignores them. The function is evaluated on one
-    block row (block_q x K indices) at a time, on ``backend`` (default: the
-    current one); host memory is the (batch, heads, blocks) states. ``batch``
+    block row (block_q x K indices) at a time (a few where calls cost more,
+    on a busy machine), on ``backend`` (default: the current one); host
+    memory is the (batch, heads, blocks) states. ``batch``
     or ``heads`` None is 1, broadcast (flex's)."""
     from ...config import get_backend, native_device
 
