@@ -20,6 +20,7 @@ SAME_SPELLING = (
     "sqrt",
     "where",
     "max",
+    "min",
     "sum",
     "any",
     "repeat",

@@ -143,7 +143,7 @@ class Backend:
     # Declared, not defined, here: ``NumpyLike`` binds them from ``xp`` (the
     # same spelling in every framework: ``numpy_like.SAME_SPELLING``) or
     # writes them once; a backend overrides only what its framework spells
-    # differently (torch: ``max = torch.amax``).
+    # differently (torch: ``max = torch.amax``, ``min = torch.amin``).
     matmul: Callable[..., Array]  # (a, b, transpose_b=False): over the last two axes
     linear: Callable[..., Array]  # (x, weight, bias=None): x @ weight.T + bias
     softmax: Callable[..., Array]  # (x, axis=-1)
@@ -158,6 +158,7 @@ class Backend:
     sqrt: Callable[..., Array]
     where: Callable[..., Array]
     max: Callable[..., Array]
+    min: Callable[..., Array]
     sum: Callable[..., Array]
     any: Callable[..., Array]
     repeat: Callable[..., Array]

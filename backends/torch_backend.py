@@ -132,6 +132,7 @@ class TorchBackend(NumpyLike):
 
     # torch spells these differently from NumPy
     max = staticmethod(torch.amax)
+    min = staticmethod(torch.amin)
     repeat = staticmethod(torch.repeat_interleave)
     transpose = staticmethod(torch.permute)
 

@@ -342,6 +342,29 @@ def test_block_mask_states_and_skipping(backend):
     assert fractions[0] == fractions[1] == fractions[2] < 0.5, fractions
 
 
+def test_block_states_of_answers_that_broadcast(backend):
+    """Functions that ignore an axis (an answer of size 1 there, or a Python
+    bool) get the dense mask's block states too: blocks past Q or K cut short,
+    blocks of (5, 8), heads apart."""
+    B, H, Q, K, bq, bk = 2, 3, 23, 19, 5, 8
+    mods = {
+        "queries only": lambda b, h, q, k: q % 7 < 4,
+        "keys only": lambda b, h, q, k: k % 8 != 3,
+        "heads and keys": lambda b, h, q, k: (h * 5 + k) % 9 < 6,
+        "batch and queries": lambda b, h, q, k: (b * 11 + q) % 6 > 0,
+        "a bool": lambda b, h, q, k: True,
+    }
+    for name, mod in mods.items():
+        bm = am.block_mask(mod, B, H, Q, K, block=(bq, bk), backend=backend)
+        dense = np.broadcast_to(oracle.allowed_keys(B, H, Q, K, mask_mod=mod), (B, H, Q, K))
+        s = bm.states
+        for b, h, i, j in np.ndindex(B, H, -(-Q // bq), -(-K // bk)):
+            tile = dense[b, h, i * bq : (i + 1) * bq, j * bk : (j + 1) * bk]
+            want = EMPTY if not tile.any() else FULL if tile.all() else PARTIAL
+            got = s[min(b, s.shape[0] - 1), min(h, s.shape[1] - 1), i, j]
+            assert got == want, (name, b, h, i, j)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_interval_block_states_match_the_dense_mask(seed):
     """``mask.host_table`` classifies the blocks of interval masks (lengths

@@ -219,9 +219,9 @@ def test_bad_arguments_are_named(tmp_path, args, words):
 
 def test_multi_head_heatmap_labels_each_row_with_its_batch_element():
     pytest.importorskip("matplotlib").use("Agg")
-    from attention_multi.cli.report.render import multi_head_heatmaps
-
     import matplotlib.pyplot as plt
+
+    from attention_multi.cli.report.render import multi_head_heatmaps
 
     weights = np.random.default_rng(0).random((3 * 2, 4, 5))  # batch 3, 2 heads
     fig = multi_head_heatmaps(weights, 2, [1, 5, 2])

@@ -292,7 +292,13 @@ class ScoreMod(Form):
         return ScoreMod(self.score_mod, _shifted(self.bases, r))
 
 
-# -- block states of a mask_mod, evaluated one block row at a time --------------------------
+# -- block states of a mask_mod, evaluated on whole block rows ------------------------------
+
+
+# Block rows evaluated together when framework calls cost more than elements
+# (a busy machine: torch's parallel regions wait), in calls per evaluation
+# (the function's, the reductions'), and at most this many elements at once.
+_CALLS, _MOST = 8, 1 << 23
 
 
 def evaluate(
@@ -304,37 +310,56 @@ def evaluate(
     dev: Any,
     bases: Bases = (0, 0, 0),
 ) -> np.ndarray:
-    """int8 (batch|1, heads|1, Q blocks, K blocks) states, one block row (bq x K) at a time."""
+    """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
+    evaluated on whole block rows (bq x K indices, one or a few at a time):
+    per key of a block row, whether some query sees it and whether all do;
+    then per block."""
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
-    padded = width > num_keys  # (a last block of keys past K)
     kv = xp.arange(width, dev).reshape((1, 1, 1, width))
-    col_ok = kv < num_keys
-    kv = xp.where(col_ok, kv, num_keys - 1) + bases[2]  # (padding: a function may index arrays)
+    if width > num_keys:  # (a last block of keys past K: a function may index arrays)
+        kv = xp.where(kv < num_keys, kv, num_keys - 1)
+    kv = kv + bases[2]
     b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
     h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
-    rows = []
-    for i in range(nqb):
-        q = xp.arange(bq, dev).reshape((1, 1, bq, 1)) + i * bq
-        ok = None  # (only a row with padding needs it: the last one, or every one)
-        if padded or (i + 1) * bq > num_queries:
-            ok = xp.logical_and(q < num_queries, col_ok)
+    whole = num_queries // bq  # (block rows with no query past Q)
+    per_row = batch * heads * bq * width
+    m = max(1, min(int(_CALLS * xp.call_cost()), _MOST) // per_row)
+    groups = [(i, min(m, whole - i)) for i in range(0, whole, m)]
+    groups += [(whole, 1)] if whole < nqb else []
+
+    def group(g: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """(b|1, h|1, rows, keys) of ``rows`` block rows from row ``i``:
+        whether some query of the row sees each key, whether all do."""
+        i, rows = g
+        q = xp.arange(rows * bq, dev).reshape((1, 1, rows * bq, 1)) + i * bq
+        n = min(rows * bq, num_queries - i * bq)  # (a last row may end before bq)
+        if n < rows * bq:
             q = xp.where(q < num_queries, q, num_queries - 1)
         grid = (b, h, q + bases[1], kv)
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
-            grid = tuple(xp.broadcast_to(x, (batch, heads, bq, width)) for x in grid)
-        v = checked_mask(xp, mask_mod, grid, dev)
-        v = xp.broadcast_to(v, (v.shape[0], v.shape[1], bq, width))
-        if ok is not None:
-            v = xp.logical_and(v, ok)
-        # (a sum of booleans, then exact integers: one pass over the row)
-        seen = xp.astype(xp.sum(v.reshape((v.shape[0], v.shape[1], bq, nkb, bk)), 4), "int32")
-        rows.append(xp.to_numpy(xp.sum(seen, 2)))
-    counts = np.stack(rows, 2)  # (b|1, h|1, nqb, nkb)
-    qn = np.minimum(bq, num_queries - np.arange(nqb) * bq)
-    kn = np.minimum(bk, num_keys - np.arange(nkb) * bk)
-    return state_of(counts == 0, counts == qn[:, None] * kn[None, :])
+            grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
+        # (torch reduces bytes ~7x faster than booleans)
+        v = xp.astype(checked_mask(xp, mask_mod, grid, dev), "uint8")
+        if v.shape[2] > n:
+            v = v[:, :, :n]
+        at = (v.shape[0], v.shape[1], rows, width)
+        if v.shape[2] > 1 and rows > 1:  # (whole rows only)
+            v = v.reshape((at[0], at[1], rows, bq, v.shape[3]))
+        some, every = (xp.to_numpy(f(v, -2)) for f in (xp.max, xp.min))
+        some, every = (
+            np.broadcast_to(x.reshape(at[:2] + (-1, x.shape[-1])), at) for x in (some, every)
+        )
+        return some, every
+
+    done = zip(*map(group, groups))  # (in turn: a user's function may not be thread-safe)
+    # (b|1, h|1, Q blocks, K blocks, bk); keys past K are seen by none and by all
+    some, every = (np.concatenate(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in done)
+    pad = np.arange(width).reshape(nkb, bk) >= num_keys
+    seen = np.any(some & ~pad, 4)
+    full = np.all(every | pad, 4)
+    return state_of(~seen, full)
 
 
 def block_mask(
@@ -351,8 +376,9 @@ def block_mask(
     """A reusable ``BlockMask`` of ``mask_mod`` over (batch, heads, Q, K),
     blocks of ``block`` (an int or (queries, keys)); ``batch`` or ``heads``
     may be 1 when the function ignores them. The function is evaluated on one
-    block row (block_q x K indices) at a time, on ``backend`` (default: the
-    current one); host memory is the (batch, heads, blocks) states. ``batch``
+    block row (block_q x K indices) at a time (a few where calls cost more,
+    on a busy machine), on ``backend`` (default: the current one); host
+    memory is the (batch, heads, blocks) states. ``batch``
     or ``heads`` None is 1, broadcast (flex's)."""
     from ...config import get_backend, native_device
 
