@@ -11,9 +11,7 @@ MODERN := .venv-modern
 LINT := .venv-lint
 PEERS := .venv-peers
 # every core, a test file per worker (module fixtures run once), the slowest files
-# first (conftest.py: SLOWEST_FIRST); one torch/MXNet thread per worker (TESTENV):
-# the workers fill the cores, and a second thread per worker only waits for the OS
-TESTENV := OMP_NUM_THREADS=1
+# first (conftest.py: SLOWEST_FIRST)
 PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder --durations=20
 SHELL := /bin/bash
 
@@ -30,11 +28,11 @@ venvs: $(LEGACY)/ready $(MODERN)/ready $(LINT)/ready
 
 # Every CPU backend is required on the legacy stack: a missing one fails.
 test-legacy: $(LEGACY)/ready
-	$(TESTENV) ATTENTION_MULTI_REQUIRE=numpy,torch,jax,mxnet $(LEGACY)/bin/$(PYTEST)
+	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,mxnet $(LEGACY)/bin/$(PYTEST)
 
 # MXNet cannot be installed with numpy 2: its cases skip with a reason.
 test-modern: $(MODERN)/ready
-	$(TESTENV) ATTENTION_MULTI_REQUIRE=numpy,torch,jax $(MODERN)/bin/$(PYTEST)
+	ATTENTION_MULTI_REQUIRE=numpy,torch,jax $(MODERN)/bin/$(PYTEST)
 
 # Each gate runs even when an earlier one fails; check fails if any did.
 check: $(LINT)/ready
