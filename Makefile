@@ -10,9 +10,8 @@ LEGACY := .venv-legacy
 MODERN := .venv-modern
 LINT := .venv-lint
 PEERS := .venv-peers
-# every core, a test file per worker (module fixtures run once), the slowest files
-# first (conftest.py: SLOWEST_FIRST)
-PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --no-loadscope-reorder --durations=20
+# every core, a test file per worker (module fixtures run once)
+PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --durations=20
 SHELL := /bin/bash
 
 .PHONY: report test venvs test-legacy test-modern check docs peers

@@ -30,35 +30,6 @@ if JAX_CACHE not in os.environ:
 os.environ.setdefault("ATTENTION_MULTI_CALL_COST", "idle")
 
 
-# The slowest files first: xdist (--dist loadfile --no-loadscope-reorder, see
-# the Makefile) hands out files in collection order, so the long ones start
-# early and no worker is left running one at the end. Seconds, summed over both
-# stacks in one run of `make test`; a file not named keeps its place after these.
-SLOWEST_FIRST = (
-    "test_docs",  # 780
-    "test_conform",  # 570
-    "test_graphs",  # 480
-    "test_mods",  # 450
-    "test_jit_gradients",  # 340
-    "test_report",  # 330
-    "test_flex",  # 320
-    "test_distributed",  # 300
-    "test_export",  # 290
-    "test_paths",  # 270
-    "test_properties",  # 220
-    "test_testing",  # 200
-    "test_conform_compiled",  # 190
-    "test_forms",  # 190
-    "test_cli_files",  # 180
-    "test_fixed_blocks",  # 170
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # (stable)
-
-
 def pytest_unconfigure(config):
     if _made_jax_cache is not None:
         shutil.rmtree(_made_jax_cache, ignore_errors=True)
