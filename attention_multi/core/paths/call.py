@@ -134,9 +134,8 @@ def grouped(
                 best[j], cut[j] = best[i] + group, i
     out, j = [], len(bounds) - 1
     while j > 0:
-        members = np.sort(
-            order[bounds[cut[j]] : bounds[j]]
-        )  # (a whole range is sliced, not gathered)
+        # (sorted: a whole range is sliced, not gathered)
+        members = np.sort(order[bounds[cut[j]] : bounds[j]])
         k0, k1 = int(starts[members].min()), int(stops[members].max())
         same = (starts[members] == k0).all() and (stops[members] == k1).all()
         out.append((members, k0, k1, bool(same and whole[members].all())))
