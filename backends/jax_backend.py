@@ -214,6 +214,11 @@ class JaxBackend(NumpyLike):
     def to_device(self, x, device):
         return x if device is None else jax.device_put(x, device)
 
+    def on_accelerator(self, device):
+        """A committed array's device, else where JAX places arrays (and
+        what ``jit`` compiles for): its default backend."""
+        return (jax.default_backend() if device is None else device.platform) != "cpu"
+
     def dropout(self, x, p, key=None):
         if key is None:
             raise ValueError(

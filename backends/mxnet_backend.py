@@ -263,6 +263,9 @@ class MXNetBackend(NumpyLike):
     def to_device(self, x, device):
         return x if device is None else x.as_in_ctx(device)
 
+    def on_accelerator(self, device):
+        return device is not None and device.device_type != "cpu"
+
     def uniform(self, shape, low, high, dtype="float32", device=None):
         return mnp.random.uniform(low, high, size=shape, ctx=device).astype(dtype)
 

@@ -178,6 +178,10 @@ class Backend:
     # work alive at a time, where unrolled independent steps may all be live
     sequential_scan: bool = False
     kernel_call_cost: int = 16384  # one more kernel call costs as much as this many scores, idle
+    # on an accelerator (a GPU): a launch and its host dispatch cost as much as
+    # this many scores (an H200 computes 1e11-5e11 scores a second; a call from
+    # Python takes 20-50 us), so one fused call over every score beats a few
+    accelerator_call_cost: int = 1 << 23
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal
@@ -313,13 +317,25 @@ class Backend:
         parallelize each operation itself."""
         return [fn(t) for t in tasks]
 
-    def call_cost(self) -> float:
-        """What one more framework call costs now, in scores: ``kernel_call_cost``
-        on an idle machine; more where the backend measures that its calls
-        wait (a parallel region waits for the threads the OS has descheduled
-        on a busy machine). ``ATTENTION_MULTI_CALL_COST=idle`` keeps the idle
-        cost (reproducible choices, for tests)."""
-        return self.kernel_call_cost
+    def call_cost(self, device: Any = None) -> float:
+        """What one more framework call on ``device`` (``device_of``) costs
+        now, in scores: ``accelerator_call_cost`` on an accelerator;
+        ``kernel_call_cost`` on an idle CPU, more where the backend measures
+        that its calls wait (a parallel region waits for the threads the OS
+        has descheduled on a busy machine). ``ATTENTION_MULTI_CALL_COST=idle``
+        keeps the idle cost (reproducible choices, for tests)."""
+        return self.accelerator_call_cost if self.on_accelerator(device) else self.kernel_call_cost
+
+    def compiled_call_cost(self, device: Any = None) -> float:
+        """What one more branch or loop step inside a compiled program
+        (``jax.jit``) costs, in scores: nothing on the CPU (the program runs
+        on); on an accelerator, launches and a host round trip for the branch."""
+        return self.accelerator_call_cost if self.on_accelerator(device) else 0.0
+
+    def on_accelerator(self, device: Any) -> bool:
+        """Whether ``device`` (``device_of``: None where the framework places
+        arrays itself) is an accelerator, not the CPU."""
+        return False
 
     def concurrency(self) -> int:
         """How many tasks ``parallel_map`` runs at once."""

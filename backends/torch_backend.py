@@ -176,12 +176,17 @@ class TorchBackend(NumpyLike):
     def zeros(self, shape, dtype, device=None):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
 
-    def call_cost(self):
-        """``kernel_call_cost`` plus what a parallel region waits now on the
-        CPU (``_Waits``); while tracing, the idle cost (nothing runs)."""
+    def call_cost(self, device=None):
+        """On the CPU ``kernel_call_cost`` plus what a parallel region waits
+        now (``_Waits``); while tracing, the idle cost (nothing runs)."""
+        if self.on_accelerator(device):
+            return self.accelerator_call_cost
         if self.is_tracing():
             return self.kernel_call_cost
         return self.kernel_call_cost + self._waits.cost()
+
+    def on_accelerator(self, device):
+        return device is not None and device.type != "cpu"
 
     def is_concrete(self, x):
         """False while torch traces (``is_tracing``) and for tensor

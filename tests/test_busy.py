@@ -82,6 +82,49 @@ def test_packed_rows_are_stacked_when_calls_wait(waits):
     assert calls["busy"] < calls["idle"], calls
 
 
+@pytest.fixture
+def accelerator(monkeypatch):
+    """torch's CPU arrays taken as on an accelerator (a GPU's choices, here)."""
+    xp = am.get_backend("torch")
+    monkeypatch.setattr(type(xp), "on_accelerator", lambda self, device: True)
+    return xp
+
+
+def test_on_an_accelerator_a_call_is_one_kernel_call_and_no_host_read(accelerator):
+    """A GPU computes scores far faster than Python launches kernels, and a
+    host read waits for every kernel queued before it: padding and packed
+    documents take one kernel call, and no array is read back."""
+    from attention_multi.core import numerics
+
+    xp = accelerator
+    assert xp.call_cost(torch.device("cpu")) == xp.accelerator_call_cost
+    reads = []  # (what the host reads: lengths and ids to plan, no sum of an array)
+    to_numpy = xp.to_numpy
+    xp.to_numpy = lambda x: reads.append(tuple(x.shape)) or to_numpy(x)
+    try:
+        rng = np.random.default_rng(2)
+        q, k, v = (rng.standard_normal((16, 2, 256, 32)).astype(np.float32) for _ in range(3))
+        lens = rng.integers(64, 257, 16)
+        ids = np.repeat(np.arange(4), 64)[None].repeat(16, 0)
+        allowed = (ids[:, :, None] == ids[:, None, :]) & np.tril(np.ones((256, 256), bool))
+        cases = [
+            (dict(valid_lens=torch.tensor(lens)), oracle.attention(q, k, v, lens)[0]),
+            (
+                dict(segment_ids=torch.tensor(ids), causal=True),
+                oracle.attention(q, k, v, mask=allowed[:, None])[0],
+            ),
+        ]
+        args = [torch.tensor(x) for x in (q, k, v)]
+        for kw, want in cases:
+            out, calls = _kernel_calls(lambda kw=kw: am.dot_product_attention(*args, **kw))
+            np.testing.assert_allclose(out.numpy(), want, rtol=2e-5, atol=2e-5)
+            assert calls == 1, (list(kw), calls)
+        assert numerics.all_finite(xp, args[0]) is False
+        assert () not in reads, reads
+    finally:
+        xp.to_numpy = to_numpy
+
+
 def test_the_bench_counts_parallel_regions():
     """The bench's call count: one for SDPA over the whole batch, none for
     work below torch's grain or for views, one per compiled region."""

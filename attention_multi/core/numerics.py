@@ -138,10 +138,17 @@ def weighted(xp: Backend, weights: Array, values: Array, dtype: str) -> Array:
     return in_dtype(xp, out, dtype)
 
 
+def readable(xp: Backend, *arrays: Array) -> bool:
+    """Whether the host may read what ``arrays`` hold: eager, and not on an
+    accelerator (a read waits there for every kernel queued before it)."""
+    return all(xp.is_concrete(x) and not xp.on_accelerator(xp.device_of(x)) for x in arrays)
+
+
 def all_finite(xp: Backend, *arrays: Array) -> bool:
     """Whether every entry of ``arrays`` is known to be finite: one sum each,
-    read on the host (False while traced, or when a sum overflows)."""
-    if not all(xp.is_concrete(x) for x in arrays):
+    read on the host (False where the host does not read them, ``readable``,
+    or when a sum overflows)."""
+    if not readable(xp, *arrays):
         return False
     return all(np.isfinite(float(xp.to_numpy(xp.sum(x.reshape((-1,)), 0)))) for x in arrays)
 

@@ -325,7 +325,7 @@ def evaluate(
     h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
     whole = num_queries // bq  # (block rows with no query past Q)
     per_row = batch * heads * bq * width
-    m = max(1, min(int(_CALLS * xp.call_cost()), _MOST) // per_row)
+    m = max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row)
     groups = [(i, min(m, whole - i)) for i in range(0, whole, m)]
     groups += [(whole, 1)] if whole < nqb else []
 

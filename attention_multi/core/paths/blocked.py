@@ -69,8 +69,10 @@ def plan(call: Call) -> Plan | None:
     fixed, size = _fixed(xp, traced), call.chunk_size
     block_q, block_k = (size, size) if size else pick_block(mask, traced, fixed)
     table = None if traced else host_table(mask, block_q, block_k)
-    if table is None:  # (conds compiled into one program: no kernel calls)
-        return Plan(TRACED_SHARE * call.scores, (block_q, block_k, None))
+    if table is None:  # (a branch per block, compiled into one program)
+        branches = -(-mask.num_queries // block_q) * -(-mask.num_keys // block_k)
+        cost = TRACED_SHARE * call.scores + branches * call.compiled_call_cost
+        return Plan(cost, (block_q, block_k, None))
     if fixed:  # (a compiled kernel call per block that is not empty)
         calls = int((table != EMPTY).sum()) * (call.batch if table.shape[0] == 1 else 1)
     else:

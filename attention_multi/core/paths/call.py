@@ -60,7 +60,8 @@ class Call:
         self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
         self.scores_bytes = self.scores * self.itemsize * self.held
         self.keyed_dropout = bool(dropout) and key is not None
-        self.call_cost = xp.call_cost()  # (in scores: what one more framework call costs now)
+        self.call_cost = xp.call_cost(self.device)  # (in scores: one more framework call, now)
+        self.compiled_call_cost = xp.compiled_call_cost(self.device)  # (a branch under jit)
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 NAME = "full"
 PASSES = 4
 """Its cost per score: the scores and weights written and read back."""
+CALLS = 5
+"""Its kernel calls, at least: scale, scores, mask, softmax, product."""
 
 
 def weights4(
@@ -68,9 +70,10 @@ def fits(call: Call) -> bool:
 
 
 def plan(call: Call) -> Plan | None:
-    """Within the memory budget (or asked for by name), ``PASSES`` per score."""
+    """Within the memory budget (or asked for by name), ``PASSES`` per score
+    and ``CALLS`` kernel calls."""
     if call.path == "full" or (call.path == "auto" and fits(call)):
-        return Plan(PASSES * call.scores)
+        return Plan(PASSES * call.scores + CALLS * call.call_cost)
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..mask.rules import kernel_inputs, unguarded_holds, zero_empty_rows
+from ..numerics import readable
 from .call import Call, Plan
 
 if TYPE_CHECKING:
@@ -46,18 +47,27 @@ def kernel(
 
 
 def trusting(xp: Backend, *arrays: Array) -> bool:
-    """Whether to run kernels without the NaN guards first: eager, and the
+    """Whether to run kernels without the NaN guards first (then one host
+    check of the output): the host reads the arrays (``readable``), and the
     kernel does not keep NaN by itself."""
-    return not xp.fused_keeps_nan and all(xp.is_concrete(x) for x in arrays)
+    return not xp.fused_keeps_nan and readable(xp, *arrays)
+
+
+def takes(call: Call) -> bool:
+    """Whether the backend's kernel takes this call's form and dropout."""
+    xp = call.xp
+    return (
+        xp.has_fused_attention
+        and call.mask.score_mod is None
+        and (not call.dropout or xp.fused_dropout)
+    )
 
 
 def plan(call: Call) -> Plan | None:
     """One kernel call over every score (half for top-left causal) when the
     backend's kernel can take the case (it may decline at run time); no lse."""
     xp, mask = call.xp, call.mask
-    if call.lse or not (call.asks("fused") and xp.has_fused_attention and mask.score_mod is None):
-        return None
-    if call.dropout and not xp.fused_dropout:
+    if call.lse or not (call.asks("fused") and takes(call)):
         return None
     share = CAUSAL_SHARE if mask.top_left_causal and xp.fused_causal else 1.0
     return Plan(share * call.scores + call.call_cost)

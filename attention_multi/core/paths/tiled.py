@@ -11,8 +11,8 @@ import numpy as np
 from ..mask.intervals import element_ranges
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
-from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, scaled
-from . import fused
+from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, readable, scaled
+from . import full, fused
 from .call import Call, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
@@ -89,7 +89,9 @@ def plan(call: Call) -> Plan | None:
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    return Plan((tiles.scores + cost * calls(tiles)) / TILED_WORK_MAX, tiles)
+    # (a tile without the framework's kernel is several calls, as the full path)
+    per_tile = 1 if fused.takes(call) else full.CALLS
+    return Plan((tiles.scores + cost * per_tile * calls(tiles)) / TILED_WORK_MAX, tiles)
 
 
 def calls(tiles: Tiles) -> int:
@@ -185,7 +187,7 @@ def softmax_product(
     visible = mask.boolean(xp, xp.device_of(q))
     if visible is not None:
         s = xp.where(visible, s, fill_against(xp, work, xp.device_of(q)))
-    shift = mask.bias is not None or mask.score_mod is not None or not xp.is_concrete(q)
+    shift = mask.bias is not None or mask.score_mod is not None or not readable(xp, q)
     if not shift:
         info = np.finfo(np.dtype(work))
         limit = min(np.log(info.max) - np.log(max(1, s.shape[-1])), -np.log(info.tiny)) - 2

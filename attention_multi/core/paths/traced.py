@@ -29,7 +29,18 @@ def plan(call: Call) -> Plan | None:
         return None
     if mask.intervals is None or mask.known_on_host():
         return None
-    return Plan(SKIPPED_SHARE * call.scores)
+    branches = call.batch * -(-call.num_keys // _block_keys(call))  # (per element and block)
+    return Plan(SKIPPED_SHARE * call.scores + branches * call.compiled_call_cost)
+
+
+def _block_keys(call: Call) -> int:
+    """Keys per block: ``chunk_size``, or at most 16 blocks (small blocks skip
+    more), within the budget."""
+    block_k = call.chunk_size
+    if not block_k:
+        fits = call.budget // (3 * call.heads * call.num_queries * call.itemsize)
+        block_k = min(max(DEFAULT_BLOCK_KEYS, -(-call.num_keys // 16)), max(1, fits))
+    return max(1, min(call.num_keys, block_k))
 
 
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
@@ -40,11 +51,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     k, v = expand_kv(xp, call.keys, call.values, heads)
     k, v = guard_unused(xp, mask, k, v)
     dv = v.shape[-1]
-    block_k = call.chunk_size
-    if not block_k:  # small blocks skip more; at most 16 of them, within the budget
-        fits = call.budget // (3 * heads * num_q * call.itemsize)
-        block_k = min(max(DEFAULT_BLOCK_KEYS, -(-num_k // 16)), max(1, fits))
-    block_k = max(1, min(num_k, block_k))
+    block_k = _block_keys(call)
     lo, hi = mask.intervals.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
     lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
