@@ -108,6 +108,10 @@ class Backend:
         """The NumPy name of ``x``'s dtype (``"float32"``, ``"bfloat16"``...)."""
         raise NotImplementedError
 
+    def host_sum(self, x: Array) -> float:
+        """The sum of every entry of a concrete ``x``, read on the host."""
+        return float(self.to_numpy(self.sum(x.reshape((-1,)), 0)))
+
     def astype(self, x: Array, dtype: DType) -> Array:
         """``x`` cast to the dtype named ``dtype``."""
         raise NotImplementedError

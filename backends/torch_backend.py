@@ -161,6 +161,13 @@ class TorchBackend(NumpyLike):
         x = x.detach().cpu()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
+    def host_sum(self, x):
+        """On the CPU NumPy's sum of a view (one thread: no parallel region
+        waits on a busy machine); elsewhere torch's, read back."""
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+            return float(np.sum(x.detach().numpy()))
+        return float(torch.sum(x.detach()))
+
     def dtype_name(self, x):
         name = _DTYPE_NAMES.get(x.dtype)
         if name is None:

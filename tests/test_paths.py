@@ -437,3 +437,33 @@ def test_tiles_skip_padding_per_batch_element(backend, mask):
     out = m(*(backend.asarray(x, "float32") for x in (q, k, v)), backend.asarray(lens))
     assert m.last_path == "tiled"
     np.testing.assert_allclose(backend.to_numpy(out), ref, **TOL)
+
+
+def test_the_tiles_bound_never_exceeds_their_plan():
+    """``tiled.bound`` lets the chooser skip planning the tiles where another
+    plan costs less: it must be at most the tiles' cost, whatever the mask."""
+    from attention_multi.core.paths import tiled
+    from attention_multi.core.paths.call import Call
+
+    xp = am.get_backend("numpy")
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        batch, heads = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        nq, nk = int(rng.integers(1, 300)), int(rng.integers(1, 300))
+        forms = {}
+        if rng.random() < 0.6:
+            shape = (batch,) if rng.random() < 0.5 else (batch, nq)
+            forms["valid_lens"] = rng.integers(0, nk + 2, shape)
+        if rng.random() < 0.4:
+            forms["causal"] = True
+        if rng.random() < 0.3:
+            forms["window"] = (int(rng.integers(0, nk)), int(rng.integers(0, nk)))
+        q = np.zeros((batch, heads, nq, 4), np.float32)
+        k = np.zeros((batch, heads, nk, 4), np.float32)
+        mask = make_mask(xp, batch, heads, nq, nk, **forms)
+        budget = int(rng.choice([0, 1 << 12, 1 << 16])) or None
+        chunk = int(rng.choice([0, 16, 64])) or None
+        call = Call(xp, q, k, k, mask, 0.5, budget=budget, chunk_size=chunk)
+        plan = tiled.plan(call)
+        if plan is not None:
+            assert tiled.bound(call) <= plan.cost * (1 + 1e-12), forms

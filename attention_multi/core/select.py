@@ -143,17 +143,36 @@ def attend(
 
 
 def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
-    """The cheapest plan that runs: ``(output, weights or None, its NAME)``."""
-    plans = []
+    """The cheapest plan that runs: ``(output, weights or None, its NAME)``. A
+    path with a ``bound`` (a lower bound of its cost, cheaper than its plan)
+    is planned only once no cheaper plan is left to run."""
+    plans, later = [], []
     for order, module in enumerate(paths.REGISTRY):
-        plan = module.plan(call)
-        if plan is not None:
-            plans.append((plan.cost, order, module, plan))
-    for _, _, module, plan in sorted(plans, key=lambda p: p[:2]):
+        if hasattr(module, "bound"):
+            later.append((module.bound(call), order, module))
+        else:
+            plans.append(_plan(call, order, module))
+    plans = [p for p in plans if p is not None]
+    while plans or later:
+        best = min(plans, key=lambda p: p[:2], default=None)
+        waiting = min(later, key=lambda m: m[:2], default=None)
+        if waiting is not None and (best is None or waiting[:2] <= best[:2]):
+            later.remove(waiting)
+            planned = _plan(call, *waiting[1:])
+            plans += [] if planned is None else [planned]
+            continue
+        assert best is not None
+        plans.remove(best)
+        _, _, module, plan = best
         done = module.run(call, plan)
         if done is not None:  # (the log-sum-exp in place of the weights, when asked for)
             return done[0], done[2] if call.lse else done[1], module.NAME
     return None
+
+
+def _plan(call: Call, order: int, module: Any) -> tuple[float, int, Any, Any] | None:
+    plan = module.plan(call)
+    return None if plan is None else (plan.cost, order, module, plan)
 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:

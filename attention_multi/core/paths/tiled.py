@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from ..mask.intervals import element_ranges
+from ..mask.intervals import element_ranges, host_bounds
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
 from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, readable, scaled
@@ -92,6 +92,18 @@ def plan(call: Call) -> Plan | None:
     # (a tile without the framework's kernel is several calls, as the full path)
     per_tile = 1 if fused.takes(call) else full.CALLS
     return Plan((tiles.scores + cost * per_tile * calls(tiles)) / TILED_WORK_MAX, tiles)
+
+
+def bound(call: Call) -> float:
+    """A lower bound of ``plan``'s cost, from the rows' intervals alone: the
+    tiles compute at least the scores the rows' intervals hold, in one call
+    if any (0 where another form narrows the keys, or while traced)."""
+    known = host_bounds(call.mask)
+    if known is None or any(f.narrows for f in call.mask.forms):
+        return 0.0
+    seen = np.maximum(known[1] - known[0], 0)  # (batch|1, Q|1)
+    rows = int(seen.sum()) * (call.batch // seen.shape[0]) * (call.num_queries // seen.shape[1])
+    return (call.heads * rows + call.call_cost * (rows > 0)) / TILED_WORK_MAX
 
 
 def calls(tiles: Tiles) -> int:
