@@ -146,13 +146,14 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
     """The cheapest plan that runs: ``(output, weights or None, its NAME)``. A
     path with a ``bound`` (a lower bound of its cost, cheaper than its plan)
     is planned only once no cheaper plan is left to run."""
-    plans, later = [], []
+    plans: list[tuple[float, int, Any, Any]] = []
+    later: list[tuple[float, int, Any]] = []
     for order, module in enumerate(paths.REGISTRY):
         if hasattr(module, "bound"):
             later.append((module.bound(call), order, module))
         else:
-            plans.append(_plan(call, order, module))
-    plans = [p for p in plans if p is not None]
+            planned = _plan(call, order, module)
+            plans += [] if planned is None else [planned]
     while plans or later:
         best = min(plans, key=lambda p: p[:2], default=None)
         waiting = min(later, key=lambda m: m[:2], default=None)
