@@ -186,6 +186,9 @@ class Backend:
     # this many scores (an H200 computes 1e11-5e11 scores a second; a call from
     # Python takes 20-50 us), so one fused call over every score beats a few
     accelerator_call_cost: int = 1 << 23
+    # what a mask costs a kernel per score it computes, in scores (a pass of
+    # ``where``): a tile of elements that see different keys is masked
+    masked_score_cost: float = 1.0
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal

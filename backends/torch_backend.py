@@ -193,7 +193,7 @@ class TorchBackend(NumpyLike):
         return self.kernel_call_cost + self._waits.cost()
 
     def on_accelerator(self, device):
-        return device is not None and device.type != "cpu"
+        return device is not None and device.type not in ("cpu", "meta")
 
     def is_concrete(self, x):
         """False while torch traces (``is_tracing``) and for tensor

@@ -467,3 +467,20 @@ def test_the_tiles_bound_never_exceeds_their_plan():
         plan = tiled.plan(call)
         if plan is not None:
             assert tiled.bound(call) <= plan.cost * (1 + 1e-12), forms
+
+
+def test_tiles_weigh_the_mask_of_elements_that_see_different_keys():
+    """Two elements that see 400 and 300 keys: one call over 400 keys saves a
+    call, but the shorter one's tile is then masked (a pass over its scores):
+    with that pass counted (``Backend.masked_score_cost``), they stay apart;
+    elements that see the same keys share a call unmasked."""
+    from attention_multi.core.paths.call import grouped
+
+    starts, stops = np.array([0, 0]), np.array([400, 300])
+    whole = np.array([True, True])
+    merged = grouped(starts, stops, whole, 128, 16384, 16, False)
+    assert [list(g[0]) for g in merged] == [[0, 1]]
+    apart = grouped(starts, stops, whole, 128, 16384, 16, False, masked_cost=1.0)
+    assert [(list(g[0]), g[2]) for g in apart] == [([0], 400), ([1], 300)]
+    same = grouped(starts, np.array([300, 300]), whole, 128, 16384, 16, False, masked_cost=1.0)
+    assert [(list(g[0]), g[3]) for g in same] == [([0, 1], True)]

@@ -107,11 +107,14 @@ def grouped(
     call_cost: float,
     most: int,
     gather: bool,
+    masked_cost: float = 0.0,
 ) -> list[tuple[np.ndarray, int, int, bool]]:
     """``(elements, k0, k1, whole)`` groups of at most ``most`` elements, each
     one kernel call over the keys its elements see (``starts``, ``stops``), at
-    least cost (``rows`` scores per element and key, ``call_cost`` per group):
-    consecutive, or sorted by keys when ``gather``; those that see none last."""
+    least cost (``rows`` scores per element and key, ``call_cost`` per group,
+    and ``masked_cost`` more per score where its elements see different keys:
+    the mask's pass); consecutive, or sorted by keys when ``gather``; those
+    that see none last."""
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:
@@ -124,11 +127,12 @@ def grouped(
     bounds = [i for i in range(n) if i == 0 or most < n or keys[i] != keys[i - 1]] + [n]
     best, cut = [0.0] * len(bounds), [0] * len(bounds)
     for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
-        lo, hi, best[j] = np.inf, -np.inf, np.inf
+        lo, hi, best[j], mixed = np.inf, -np.inf, np.inf, False
         for i in range(j - 1, -1, -1):  # the last group: from bounds[i]
             size = bounds[j] - bounds[i]
             lo, hi = min(lo, keys[bounds[i]][0]), max(hi, keys[bounds[i]][1])
-            group = size * rows * (hi - lo) + per_group
+            mixed = mixed or keys[bounds[i]] != keys[bounds[j] - 1]
+            group = size * rows * (hi - lo) * (1 + masked_cost * mixed) + per_group
             if size > most or group >= best[j]:  # (an earlier start only adds to it)
                 break
             if best[i] + group <= best[j]:

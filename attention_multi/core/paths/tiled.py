@@ -64,13 +64,14 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     if block_q < 1:
         return None
     gather = all(f.gathers for f in mask.forms)
+    masked = xp.masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     groups, work = [], 0
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
         most = max(1, memory_budget // (per_query * (q1 - q0)))
-        block = grouped(starts, stops, whole, rows, call.call_cost, most, gather)
+        block = grouped(starts, stops, whole, rows, call.call_cost, most, gather, masked)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
     return Tiles(groups, blocks, work)
