@@ -1,9 +1,9 @@
 """JAX on its default device (the GPU on a GPU machine): ours under jit against
 jax.nn.dot_product_attention, medians of interleaved runs (tests/gpu/run.sh)."""
 
-import statistics
 import time
 
+import gpu_timing  # (beside this script)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,25 +14,8 @@ print("jax", jax.__version__, jax.devices(), flush=True)
 small = jax.devices()[0].platform == "cpu"
 
 
-def timed(fns, reps=20, inner=5):
-    for f in fns.values():
-        jax.block_until_ready(f())
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            t = time.perf_counter()
-            for _ in range(inner):
-                out = f()
-            jax.block_until_ready(out)
-            times[k].append((time.perf_counter() - t) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def row(title, fns, base):
-    t = timed(fns)
-    parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
-    ratios = ", ".join(f"{k}/{base} {t[k] / t[base]:.2f}x" for k in t if k != base)
-    print(f"{title}: {parts}; {ratios}", flush=True)
+    gpu_timing.row(title, fns, base, jax.block_until_ready)
 
 
 def theirs(q, k, v, **kw):  # (jax's layout is (B, T, N, H))

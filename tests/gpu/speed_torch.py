@@ -2,10 +2,10 @@
 runs in one process (tests/gpu/run.sh). usage: speed_torch.py [cuda|cpu]
 (cpu: small shapes, to check the script on a machine without a GPU)."""
 
-import statistics
 import sys
 import time
 
+import gpu_timing  # (beside this script)
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import flex_attention as tflex
@@ -18,28 +18,8 @@ small = dev == "cpu"
 sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
 
-def timed(fns, reps=20, inner=5):
-    for f in fns.values():
-        f()
-        f()
-    sync()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
-            sync()
-            t = time.perf_counter()
-            for _ in range(inner):
-                f()
-            sync()
-            times[k].append((time.perf_counter() - t) / inner)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def row(title, fns, base):
-    t = timed(fns)
-    parts = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in t.items())
-    ratios = ", ".join(f"{k}/{base} {t[k] / t[base]:.2f}x" for k in t if k != base)
-    print(f"{title}: {parts}; {ratios}", flush=True)
+    gpu_timing.row(title, fns, base, lambda out: sync())
 
 
 def err(a, b):
