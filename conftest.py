@@ -5,13 +5,45 @@ ATTENTION_MULTI_REQUIRE (e.g. ``numpy,torch,jax,mxnet``): then they fail.
 The ``cuda`` device skips with a reason where no GPU is present.
 """
 
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
 from attention_multi import backends
+
+# Idle OpenMP threads sleep instead of spinning (read when torch loads, later):
+# the suite's workers share the cores (in CI, two stacks of two workers on two),
+# and a torch thread that spins after each parallel region takes the time of
+# the process beside it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _fast_xla_compiles():
+    """XLA's CPU code without its newer fusion emitters
+    (``--xla_cpu_use_fusion_emitters=false``): eager JAX compiles each new
+    shape's ops, and with those emitters (JAX 0.10) that took a third longer
+    (tests/test_mods.py and test_forms.py on JAX: 147 s -> 111 s; JAX 0.6.2
+    takes the same time either way). Kept only where this XLA knows the flag
+    (an unknown one aborts at start-up), checked once in a subprocess."""
+    flag = "--xla_cpu_use_fusion_emitters=false"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if os.environ.get("ATTENTION_MULTI_XLA_PROBED") or importlib.util.find_spec("jax") is None:
+        return
+    os.environ["ATTENTION_MULTI_XLA_PROBED"] = "1"  # (once: the workers inherit the answer)
+    if "fusion_emitters" in flags:
+        return
+    env = dict(os.environ, XLA_FLAGS=f"{flags} {flag}".strip(), JAX_PLATFORMS="cpu")
+    probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
+    if subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0:
+        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+
+
+_fast_xla_compiles()
 
 # One JAX compilation cache for the whole run, made by the first process (the
 # xdist controller) and inherited through the environment: the workers and the
