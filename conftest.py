@@ -62,24 +62,6 @@ if JAX_CACHE not in os.environ:
 os.environ.setdefault("ATTENTION_MULTI_CALL_COST", "idle")
 
 
-# The longest files first (worker-seconds on the modern stack, 2026-11-27: 93, 70,
-# 54, 44, 41, 36): each worker takes whole files (--dist loadfile), and a long one
-# taken last leaves the other worker idle at the end.
-LONGEST_FILES = (
-    "test_mods.py",
-    "test_docs.py",
-    "test_paths.py",
-    "test_distributed.py",
-    "test_conform.py",
-    "test_report.py",
-)
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable)
-
-
 def pytest_unconfigure(config):
     if _made_jax_cache is not None:
         shutil.rmtree(_made_jax_cache, ignore_errors=True)
