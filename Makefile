@@ -59,17 +59,15 @@ peers: $(PEERS)/ready
 	exit $$status
 
 # One line per package while pip works (several venvs build at once with -j).
-# --no-compile: Python byte-compiles the modules it imports, once, instead of pip
-# compiling every file of every framework (the modern venv: 44 s -> 23 s).
 .venv-%/ready: requirements/%.txt pyproject.toml requirements/numpy_bool_for_mxnet.pth
 	@echo "[venv $*] building .venv-$* from requirements/$*.txt"
 	@start=$$(date +%s); set -o pipefail; \
 	rm -rf .venv-$* && $(PYTHON) -m venv .venv-$* && \
-	PYTHONUNBUFFERED=1 .venv-$*/bin/python -m pip install --progress-bar off --prefer-binary --no-compile \
+	PYTHONUNBUFFERED=1 .venv-$*/bin/python -m pip install --progress-bar off --prefer-binary \
 		-r requirements/$*.txt \
 		| { grep --line-buffered -E "^(Collecting|Installing|Successfully)" || true; } \
 		| sed -u -e "s/^/[venv $*] /" -e "s/ (from -r .*//" && \
-	.venv-$*/bin/python -m pip install -q --no-compile --no-deps -e . && \
+	.venv-$*/bin/python -m pip install -q --no-deps -e . && \
 	if grep -q "^mxnet" requirements/$*.txt; then \
 		cp requirements/numpy_bool_for_mxnet.pth "$$(.venv-$*/bin/python -c \
 			'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"; \
