@@ -160,7 +160,7 @@ def test_eager_kernel_is_reused_by_a_new_length():
     """Eager, the block-sparse path's kernel is compiled once per block
     shape: a call at a new length (blocks of 128, the last overlapping)
     compiles no kernel again, and each answer is the oracle's."""
-    from attention_multi.core.paths import blocked, fixed_blocks
+    from attention_multi.core.paths import blocked, online
     from attention_multi.core.paths.call import Call
 
     B = am.get_backend("jax")
@@ -173,7 +173,7 @@ def test_eager_kernel_is_reused_by_a_new_length():
         got, _ = blocked.run(call, blocked.plan(call))
         want, _ = oracle.attention(q, k, v, segment_ids=ids, causal=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
-        sizes.append(fixed_blocks._kernel(B, "float32")._cache_size())
+        sizes.append(online.compiled_step(B, "float32")._cache_size())
     assert sizes[0] >= 1
     assert sizes[1] == sizes[0]
 

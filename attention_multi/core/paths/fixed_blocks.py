@@ -9,13 +9,11 @@ compiled kernel per block of keys that is not empty.
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..mask import EMPTY, PARTIAL, Mask
-from ..mask.arrays import arrays
+from ..mask import EMPTY, PARTIAL
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
@@ -23,8 +21,6 @@ from . import online
 from .call import Call, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
-    from attention_multi.backends import Backend
-
     from ...types import Array
 
 
@@ -93,7 +89,7 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
     q_starts, repeated = starts(num_q, bq)
     k_starts, hidden = starts(num_k, bk)
     qs_all = scaled(xp, call.queries, call.scale, work)
-    step = _kernel(xp, work) if mask.score_mod is None and not call.dropout else None
+    step = online.compiled_step(xp, work) if mask.score_mod is None and not call.dropout else None
     drop = dropout_fn(xp, call.dropout, call.key)
     per_element = table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
@@ -119,18 +115,3 @@ def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple
             rows.append([x[:, :, again:] if again else x for x in online.rows(call, state, ())])
         parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
     return online.result(call, parts, 0)
-
-
-@functools.cache
-def _kernel(xp: Backend, work: str) -> Callable[..., Any]:
-    """The compiled step ``(state, qs, k, v, visible, bias, hidden) -> state``."""
-
-    def kernel(
-        state: Any, qs: Array, k: Array, v: Array, visible: Any, bias: Any, hidden: Any
-    ) -> Any:
-        batch, heads, num_q = qs.shape[:3]
-        forms = () if visible is None and bias is None else (arrays(xp, visible, bias),)
-        sub = Mask(batch, heads, num_q, k.shape[2], forms, True, xp)
-        return online.step(xp, state, qs, k, v, sub, work, hidden=hidden)
-
-    return xp.compiled(kernel)

@@ -6,10 +6,13 @@ log-sum-exp, and attention sinks are one more term of the row sum."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..mask import Mask
+from ..mask.arrays import arrays
 from ..mask.rules import guard_block
 from ..numerics import empty_rows, fill, fill_against, in_dtype, normalize, scalar
 
@@ -17,7 +20,6 @@ if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
-    from ..mask import Mask
     from .call import Call
 
 State = tuple[Any, Any, Any]  # (row max, row sum, accumulator), each (batch, heads, Q, 1|dv)
@@ -99,7 +101,20 @@ def step(
 ) -> State | None:
     """``state`` merged with the block ``k[cut]``, ``v[cut]`` (``softmax_block``),
     recomputed in the backward pass (which keeps only the running state);
-    with ``seen`` (a device bool), skipped at run time when False."""
+    with ``seen`` (a device bool), skipped at run time when False. Eager on a
+    framework that compiles each new shape, one call of ``compiled_step``."""
+    if (
+        xp.compiles_per_shape
+        and seen is None
+        and drop is None
+        and not guard
+        and mask.score_mod is None
+        and all(xp.is_concrete(x) for x in (qs, k, v, mask.bias) if x is not None)
+    ):  # (not under autodiff: the block's mask would be held for the backward pass)
+        if cut is not None:
+            k, v = k[cut], v[cut]
+        visible = mask.boolean(xp, xp.device_of(qs))
+        return compiled_step(xp, work)(state, qs, k, v, visible, mask.bias, hidden)
 
     def block(state: State | None, qs: Array, k: Array, v: Array) -> State | None:
         if cut is not None:
@@ -109,6 +124,23 @@ def step(
     if seen is None:
         return xp.checkpoint(block, state, qs, k, v)
     return xp.cond(seen, lambda s: xp.checkpoint(block, s, qs, k, v), lambda s: s, state)
+
+
+@functools.cache
+def compiled_step(xp: Backend, work: str) -> Callable[..., Any]:
+    """``step`` compiled once per shape of its arrays: ``(state, qs, k, v,
+    visible, bias, hidden) -> state``, the mask as its boolean and bias arrays
+    (either None). Eager, one call instead of one compiled program per operation."""
+
+    def kernel(
+        state: Any, qs: Array, k: Array, v: Array, visible: Any, bias: Any, hidden: Any
+    ) -> Any:
+        batch, heads, num_q = qs.shape[:3]
+        forms = () if visible is None and bias is None else (arrays(xp, visible, bias),)
+        sub = Mask(batch, heads, num_q, k.shape[2], forms, True, xp)
+        return step(xp, state, qs, k, v, sub, work, hidden=hidden)
+
+    return xp.compiled(kernel)
 
 
 def minus_inf(xp: Backend, work: str, device: Any) -> Array:
