@@ -263,11 +263,8 @@ class MaskMod(Form):
         unknown = np.full((1, nqb, nkb), PARTIAL, np.int8)
         if xp is None or not is_int(*self.bases):
             return unknown
-        probe = checked_mask(xp, self.mask_mod, index_grid(xp, (1,) * 4, (0, 0, 0), None), None)
-        if xp.is_array(probe) and not xp.is_concrete(probe):  # traced closures
-            return unknown
         s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
-        return least_state(s, 1)
+        return unknown if s is None else least_state(s, 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
         return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
@@ -309,11 +306,12 @@ def evaluate(
     bk: int,
     dev: Any,
     bases: Bases = (0, 0, 0),
-) -> np.ndarray:
+) -> np.ndarray | None:
     """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
     evaluated on whole block rows (bq x K indices, one or a few at a time):
     per key of a block row, whether some query sees it and whether all do;
-    then per block."""
+    then per block. None when its answers are traced (it captures arrays
+    of a trace: known only when the program runs)."""
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
@@ -329,7 +327,7 @@ def evaluate(
     groups = [(i, min(m, whole - i)) for i in range(0, whole, m)]
     groups += [(whole, 1)] if whole < nqb else []
 
-    def group(g: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    def group(g: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
         """(b|1, h|1, rows, keys) of ``rows`` block rows from row ``i``:
         whether some query of the row sees each key, whether all do."""
         i, rows = g
@@ -341,7 +339,10 @@ def evaluate(
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
         # (torch reduces bytes ~7x faster than booleans)
-        v = xp.astype(checked_mask(xp, mask_mod, grid, dev), "uint8")
+        v = checked_mask(xp, mask_mod, grid, dev)
+        if not xp.is_concrete(v):
+            return None
+        v = xp.astype(v, "uint8")
         if v.shape[2] > n:
             v = v[:, :, :n]
         at = (v.shape[0], v.shape[1], rows, width)
@@ -353,9 +354,16 @@ def evaluate(
         )
         return some, every
 
-    done = zip(*map(group, groups))  # (in turn: a user's function may not be thread-safe)
+    done = []
+    for g in groups:  # (in turn: a user's function may not be thread-safe)
+        part = group(g)
+        if part is None:
+            return None
+        done.append(part)
     # (b|1, h|1, Q blocks, K blocks, bk); keys past K are seen by none and by all
-    some, every = (np.concatenate(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in done)
+    some, every = (
+        np.concatenate(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in zip(*done)
+    )
     pad = np.arange(width).reshape(nkb, bk) >= num_keys
     seen = np.any(some & ~pad, 4)
     full = np.all(every | pad, 4)
@@ -389,4 +397,11 @@ def block_mask(
     bq, bk = int(bq), int(bk)
     if min(bq, bk) < 1:
         raise ValueError(f"block must be positive, got {block!r}")
-    return BlockMask(mask_mod, evaluate(xp, mask_mod, shape, bq, bk, dev), shape, bq, bk)
+    states = evaluate(xp, mask_mod, shape, bq, bk, dev)
+    if states is None:
+        raise ValueError(
+            "block_mask evaluates mask_mod when it is called, but mask_mod's answers are "
+            "traced (it captures arrays of a trace, such as jax.jit's): build the BlockMask "
+            "outside the trace, or pass the function itself as mask_mod="
+        )
+    return BlockMask(mask_mod, states, shape, bq, bk)
