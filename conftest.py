@@ -24,23 +24,32 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _fast_xla_compiles():
-    """XLA's CPU code without its newer fusion emitters
-    (``--xla_cpu_use_fusion_emitters=false``): eager JAX compiles each new
-    shape's ops, and with those emitters (JAX 0.10) that took a third longer
-    (tests/test_mods.py and test_forms.py on JAX: 147 s -> 111 s; JAX 0.6.2
-    takes the same time either way). Kept only where this XLA knows the flag
-    (an unknown one aborts at start-up), checked once in a subprocess."""
-    flag = "--xla_cpu_use_fusion_emitters=false"
+    """XLA's CPU compiler set for many small programs: eager JAX compiles each
+    operation at each new shape (tests/test_mods.py alone: about 2,500), so
+    most of the suite's JAX time is compiling. Without the newer fusion
+    emitters (``--xla_cpu_use_fusion_emitters=false``: the same bits; JAX
+    0.10, test_mods and test_forms 147 s -> 111 s) and without LLVM's
+    optimizations (``--xla_backend_optimization_level=0``: test_mods,
+    test_forms and test_paths on JAX 179 s -> 144 s on JAX 0.10, 170 s -> 125
+    s on 0.6.2). XLA's graph passes still run and neither allows fast math;
+    the second rounds differently (at most about one unit in the last place:
+    float32 9e-8, float64 2e-16 relative, far inside every tolerance here).
+    A flag the caller sets in XLA_FLAGS stands (the default build's rounding:
+    ``XLA_FLAGS=--xla_backend_optimization_level=2``). Kept only where this XLA
+    knows the flags (an unknown one aborts at start-up), checked once in a
+    subprocess."""
+    wanted = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0")
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("ATTENTION_MULTI_XLA_PROBED") or importlib.util.find_spec("jax") is None:
         return
     os.environ["ATTENTION_MULTI_XLA_PROBED"] = "1"  # (once: the workers inherit the answer)
-    if "fusion_emitters" in flags:
-        return
-    env = dict(os.environ, XLA_FLAGS=f"{flags} {flag}".strip(), JAX_PLATFORMS="cpu")
     probe = [sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"]
-    if subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0:
-        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+    for flag in wanted:
+        if flag.split("=")[0] in flags:  # (the caller's own setting stands)
+            continue
+        env = dict(os.environ, XLA_FLAGS=f"{flags} {flag}".strip(), JAX_PLATFORMS="cpu")
+        if subprocess.run(probe, env=env, capture_output=True, timeout=300).returncode == 0:
+            flags = os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
 
 
 _fast_xla_compiles()
