@@ -263,8 +263,8 @@ class MaskMod(Form):
         unknown = np.full((1, nqb, nkb), PARTIAL, np.int8)
         if xp is None or not is_int(*self.bases):
             return unknown
-        s = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
-        return unknown if s is None else least_state(s, 1)
+        states = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
+        return unknown if states is None else least_state(states, 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
         return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
