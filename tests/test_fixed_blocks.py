@@ -178,6 +178,63 @@ def test_eager_kernel_is_reused_by_a_new_length():
     assert sizes[1] == sizes[0]
 
 
+def test_eager_chunked_steps_are_one_compiled_call():
+    """Eager, each online-softmax step of the chunked path is one call of the
+    step compiled per block shape: a call at a new length with blocks of the
+    same shape compiles no step again; with a mask function and with segment
+    ids, each answer the oracle's."""
+    from attention_multi.core.paths import online
+
+    B = am.get_backend("jax")
+    step = online.compiled_step(B, "float32")
+    sizes = [step._cache_size()]
+    for T in (192, 256, 320):
+        q, k, v = _inputs(T, T, seed=T)
+        ids = _packed(T, seed=T)
+        doc = jnp.asarray(ids)
+        forms = (
+            ({"segment_ids": doc}, {"segment_ids": ids}),
+            (
+                {"mask_mod": lambda b, h, i, j, d=doc: d[b, i] == d[b, j]},
+                {"mask_mod": lambda b, h, i, j, d=ids: d[b, i] == d[b, j]},
+            ),
+        )
+        for form, same in forms:
+            mask = make_mask(B, BATCH, HEADS, T, T, **form)
+            args = (jnp.asarray(x) for x in (q, k, v))
+            got, _, taken = attend(B, *args, mask, path="chunked", chunk_size=64)
+            assert taken == "chunked"
+            want, _ = oracle.attention(q, k, v, **same)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+        sizes.append(step._cache_size())
+    assert sizes[1] > sizes[0] and sizes[2] == sizes[3], sizes
+
+
+def test_block_mask_of_a_traced_function_says_so():
+    """A ``mask_mod`` whose answers are traced (it captures an array of a
+    ``jax.jit`` trace) has no block states to build: ``block_mask`` says why
+    and what to do; passed as ``mask_mod=`` it still gives the oracle's answer."""
+    T = 96
+    q, k, v = _inputs(T, T)
+    ids = _packed(T)
+
+    def build(doc):
+        mod = lambda b, h, i, j: doc[b, i] == doc[b, j]  # noqa: E731
+        return am.block_mask(mod, BATCH, 1, T, T, block=32, backend="jax")
+
+    with pytest.raises(ValueError, match="traced.*outside the trace"):
+        jax.jit(build)(jnp.asarray(ids))
+
+    def out(doc):
+        mod = lambda b, h, i, j: doc[b, i] == doc[b, j]  # noqa: E731
+        args = (jnp.asarray(x) for x in (q, k, v))
+        return am.dot_product_attention(*args, mask_mod=mod)
+
+    want, _ = oracle.attention(q, k, v, mask_mod=lambda b, h, i, j: ids[b, i] == ids[b, j])
+    got = jax.jit(out)(jnp.asarray(ids))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+
+
 def test_jitted_gradient_holds_one_row_of_blocks():
     """The compiled gradient's temporaries grow with T, not T**2 or T**3:
     each row of blocks is recomputed in the backward pass from its start,
