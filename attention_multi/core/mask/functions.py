@@ -321,32 +321,27 @@ def evaluate(
     kv = kv + bases[2]
     b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
     h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
-    whole = num_queries // bq  # (block rows with no query past Q)
     per_row = batch * heads * bq * width
-    m = max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row)
-    groups = [(i, min(m, whole - i)) for i in range(0, whole, m)]
-    groups += [(whole, 1)] if whole < nqb else []
+    rows = min(nqb, max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row))
+    rows = -(-nqb // -(-nqb // rows))  # (as many groups, the fewest rows past Q)
 
-    def group(g: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    def group(i: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(b|1, h|1, rows, keys) of ``rows`` block rows from row ``i``:
-        whether some query of the row sees each key, whether all do."""
-        i, rows = g
+        whether some query of the row sees each key, whether all do. Every
+        group has one shape (a function's operations compile once per shape):
+        positions past Q are the last query again, which its block holds."""
         q = xp.arange(rows * bq, dev).reshape((1, 1, rows * bq, 1)) + i * bq
-        n = min(rows * bq, num_queries - i * bq)  # (a last row may end before bq)
-        if n < rows * bq:
+        if (i + rows) * bq > num_queries:
             q = xp.where(q < num_queries, q, num_queries - 1)
         grid = (b, h, q + bases[1], kv)
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
-        # (torch reduces bytes ~7x faster than booleans)
         v = checked_mask(xp, mask_mod, grid, dev)
         if not xp.is_concrete(v):
             return None
-        v = xp.astype(v, "uint8")
-        if v.shape[2] > n:
-            v = v[:, :, :n]
+        v = xp.astype(v, "uint8")  # (torch reduces bytes ~7x faster than booleans)
         at = (v.shape[0], v.shape[1], rows, width)
-        if v.shape[2] > 1 and rows > 1:  # (whole rows only)
+        if v.shape[2] > 1 and rows > 1:
             v = v.reshape((at[0], at[1], rows, bq, v.shape[3]))
         some, every = (xp.to_numpy(f(v, -2)) for f in (xp.max, xp.min))
         some, every = (
@@ -355,14 +350,15 @@ def evaluate(
         return some, every
 
     done = []
-    for g in groups:  # (in turn: a user's function may not be thread-safe)
-        part = group(g)
+    for i in range(0, nqb, rows):  # (in turn: a user's function may not be thread-safe)
+        part = group(i)
         if part is None:
             return None
         done.append(part)
     # (b|1, h|1, Q blocks, K blocks, bk); keys past K are seen by none and by all
     some, every = (
-        np.concatenate(x, 2).reshape(x[0].shape[:2] + (nqb, nkb, bk)) for x in zip(*done)
+        np.concatenate(x, 2)[:, :, :nqb].reshape(x[0].shape[:2] + (nqb, nkb, bk))
+        for x in zip(*done)
     )
     pad = np.arange(width).reshape(nkb, bk) >= num_keys
     seen = np.any(some & ~pad, 4)
