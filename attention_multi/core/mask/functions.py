@@ -322,8 +322,8 @@ def evaluate(
     b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
     h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
     per_row = batch * heads * bq * width
-    step = min(nqb, max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row))
-    step = -(-nqb // -(-nqb // step))  # (as many groups, the fewest rows past Q)
+    per_group = min(nqb, max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row))
+    per_group = -(-nqb // -(-nqb // per_group))  # (as many groups, the fewest rows past Q)
 
     def group(i: int) -> tuple[np.ndarray, np.ndarray] | None:
         """(b|1, h|1, rows, keys) of ``rows`` block rows from row ``i``:
@@ -331,7 +331,7 @@ def evaluate(
         Positions past Q are the last query again, which its block holds;
         where each new shape compiles, every group has one shape (the
         function's operations compile once), else the last may be shorter."""
-        rows = step if xp.compiles_per_shape else min(step, nqb - i)
+        rows = per_group if xp.compiles_per_shape else min(per_group, nqb - i)
         q = xp.arange(rows * bq, dev).reshape((1, 1, rows * bq, 1)) + i * bq
         if (i + rows) * bq > num_queries:
             q = xp.where(q < num_queries, q, num_queries - 1)
@@ -352,7 +352,7 @@ def evaluate(
         return some, every
 
     done = []
-    for i in range(0, nqb, step):  # (in turn: a user's function may not be thread-safe)
+    for i in range(0, nqb, per_group):  # (in turn: a user's function may not be thread-safe)
         part = group(i)
         if part is None:
             return None
