@@ -89,11 +89,14 @@ class NumpyLike(Backend):
         """Elementwise AND of two boolean arrays (broadcasting)."""
         return a & b
 
-    def split(self, x: Array, size: int, axis: int) -> list[Array]:
+    def split(self, x: Array, size: int | list[int], axis: int) -> list[Array]:
         """Pieces of ``size`` along ``axis`` (the last one shorter when it
-        does not divide); under autodiff their gradients are gathered by one
-        concatenation, where a slice's is as large as ``x``."""
-        return list(self.xp.split(x, list(range(size, x.shape[axis], size)), axis))
+        does not divide), or of each of the sizes ``size``; under autodiff
+        their gradients are gathered by one concatenation, where a slice's is
+        as large as ``x``."""
+        if isinstance(size, int):
+            size = [size] * -(-x.shape[axis] // size)
+        return list(self.xp.split(x, np.cumsum(size)[:-1].tolist(), axis))
 
     def matmul(self, a: Array, b: Array, transpose_b: bool = False) -> Array:
         """Batched matrix product over the last two axes."""

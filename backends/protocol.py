@@ -155,7 +155,7 @@ class Backend:
     arange: Callable[..., Array]  # (n, device=None): int32 [0, n)
     zeros: Callable[..., Array]  # (shape, dtype, device=None)
     logical_and: Callable[..., Array]  # (a, b): elementwise AND of booleans
-    split: Callable[..., Array]  # (x, size, axis): a list of pieces of size along axis
+    split: Callable[..., Array]  # (x, size, axis): pieces of size (or of each size of a list)
     exp: Callable[..., Array]
     log: Callable[..., Array]
     tanh: Callable[..., Array]

@@ -170,3 +170,28 @@ def _is_busy_loop(pid):
             return b"while True: pass" in f.read()
     except OSError:
         return False
+
+
+def test_training_through_tiles_fills_no_input_sized_buffer_per_tile():
+    """Tiles of batch elements under autodiff: the inputs are cut into pieces
+    whose gradients are joined once, not sliced (a slice's gradient is a
+    zeroed buffer as large as the whole input: 20 here, one per tile and
+    input, before); gradients the oracle's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(3)
+    B, T, d = 6, 512, 16
+    q, k, v, g = (rng.standard_normal((B, T, d)).astype(np.float32) for _ in range(4))
+    lens = np.array([512, 100, 333, 480, 64, 300])
+    want = oracle.attention_gradients(*(x[:, None] for x in (q, k, v, g)), lens)[:3]
+    args = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    m = am.DotProductAttention(0.0, backend="torch", path="tiled")
+    out, tiles = _kernel_calls(lambda: m(*args, torch.tensor(lens)))
+    assert m.last_path == "tiled" and tiles >= 4
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        (out * torch.tensor(g)).sum().backward()
+    whole = [[B, 1, T, d], []]  # (the inputs as 4-D)
+    fills = sum(e.name == "aten::fill_" and e.input_shapes == whole for e in prof.events())
+    assert fills <= 6, fills  # (at most two per input)
+    for got, w in zip(args, want):
+        np.testing.assert_allclose(got.grad.numpy(), w[:, 0], rtol=1e-4, atol=1e-5)

@@ -147,6 +147,8 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
         checks["queries_finite"] = finite
         checks["keys_finite"] = xp.has_fused_attention and unseen and all_finite(xp, k, v)
 
+    pieces = _pieces(xp, call, tiles)
+
     def tile(index: int) -> Array:
         g = groups[index]
         n = len(g.rows)
@@ -155,7 +157,11 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
         b0 = int(g.rows[0])
         if g.ranged:  # (slices, no copies)
             part, region = slice(b0, b0 + n), Region(b0, b0 + n, *g[1:5])
-            args = (q[part, :, g.q0 : g.q1], k[part, :, g.k0 : g.k1], v[part, :, g.k0 : g.k1])
+            if index in pieces:
+                q_rows, k_rows, v_rows = pieces[index]
+                args = (q_rows, k_rows[:, :, g.k0 : g.k1], v_rows[:, :, g.k0 : g.k1])
+            else:
+                args = (q[part, :, g.q0 : g.q1], k[part, :, g.k0 : g.k1], v[part, :, g.k0 : g.k1])
             sub = None if g.whole else mask.region(region)
         else:
             rows = xp.asarray(g.rows, "int32", device)
@@ -182,6 +188,34 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
             out = xp.take(out, xp.asarray(back, "int32", device), 0)
         parts.append(out)
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, 2)
+
+
+def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Array, Array, Array]]:
+    """Under autodiff, the queries, keys and values of each group whose rows
+    are a range, as pieces of ``Backend.split`` (a slice's gradient is as large
+    as its array: one per group; the pieces' are joined once): group index ->
+    (queries of its block, keys, values), all of the group's rows."""
+    q, k, v = call.queries, call.keys, call.values
+    if not any(xp.may_differentiate(x) for x in (q, k, v)):
+        return {}
+    sizes = [q1 - q0 for q0, q1 in tiles.blocks]
+    q_blocks = xp.split(q, sizes, 2) if len(sizes) > 1 else [q]
+    out, index, kv_cuts = {}, 0, {}
+    for block, q_block in zip(tiles.groups, q_blocks):
+        cut = [g for g in block if g.ranged and g.k1 > g.k0]
+        points = sorted(
+            {0, call.batch} | {int(g.rows[0]) for g in cut} | {int(g.rows[-1]) + 1 for g in cut}
+        )
+        bounds = tuple(np.diff(points).tolist())
+        if bounds not in kv_cuts:
+            kv_cuts[bounds] = [xp.split(x, list(bounds), 0) for x in (k, v)]
+        qs = xp.split(q_block, list(bounds), 0)
+        for g in block:
+            if g.ranged and g.k1 > g.k0:
+                at = points.index(int(g.rows[0]))
+                out[index] = (qs[at], kv_cuts[bounds][0][at], kv_cuts[bounds][1][at])
+            index += 1
+    return out
 
 
 def softmax_product(
