@@ -18,7 +18,7 @@ from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
 from . import fixed_blocks, fused, online
-from .call import Call, Plan, dropout_fn, expand_kv, grouped
+from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -122,17 +122,22 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     # (traced: the whole batch is one group, each block one cond, skipped when empty for all)
     per_element = not traced and table.shape[0] > 1
     groups = [(b, b + 1) for b in range(batch)] if per_element else [(0, batch)]
-    if kernel:
-        cuts = _Cuts(xp, (q, k, v), per_element, (block_q, block_k))
+    num_rows = -(-num_q // block_q)
+    spans = {
+        (b0, qi): _spans(table, b0, qi, num_k, block_k)
+        for b0, _ in groups
+        for qi in range(num_rows)
+    }
+    cuts = _Cuts(xp, (q, k, v), groups, spans, block_q)
     parts = []
     for b0, b1 in groups:
         done: dict[int, Array] = {}  # first row -> the output of its rows
-        for first, last in _stacked(table, b0, b1, block_q, block_k, call) if kernel else ():
+        for first, last in _stacked(spans, b0, b1, block_q, call) if kernel else ():
             q0, q1 = first * block_q, min(num_q, (last + 1) * block_q)
-            spans = [_spans(table, b0, qi, num_k, block_k) for qi in range(first, last + 1)]
-            if len(spans) > 1:  # (consecutive rows over the keys they see together: one call)
-                spans = [[(min(s[0][0] for s in spans), max(s[0][1] for s in spans), None)]]
-            out = _kernel_rows(call, cuts, spans[0], (b0, b1, q0, q1), finite)
+            runs = [spans[b0, qi] for qi in range(first, last + 1)]
+            if len(runs) > 1:  # (consecutive rows over the keys they see together: one call)
+                runs = [[(min(s[0][0] for s in runs), max(s[0][1] for s in runs), None)]]
+            out = _kernel_rows(call, cuts, runs[0], (b0, b1, q0, q1), finite)
             if out is not None:
                 done[first] = in_dtype(xp, out, work)
         rows, qi = [], 0
@@ -142,16 +147,16 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 qi += -(-done[qi].shape[2] // block_q)
                 continue
             q0, q1 = qi * block_q, min(num_q, (qi + 1) * block_q)
-            qs = scaled(xp, q[b0:b1, :, q0:q1], call.scale, work)
+            qs = scaled(xp, cuts.queries(b0, b1, q0, q1), call.scale, work)
             state = online.start(xp, tuple(qs.shape[:3]), dv, work, device) if traced else None
-            for k0, k1, st in _spans(table, b0, qi, num_k, block_k):
+            for k0, k1, st in spans[b0, qi]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
                 seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
-                cut = (slice(b0, b1), slice(None), slice(k0, k1))
+                ks, vs = cuts.keys(b0, b1, [(k0, k1, st)])
                 sub = mask.region(r, PARTIAL if traced else st)
-                state = online.step(xp, state, qs, k, v, sub, work, block_drop, cut, seen)
+                state = online.step(xp, state, qs, ks, vs, sub, work, block_drop, None, seen)
             rows.append(online.rows(call, state, (b1 - b0, heads, q1 - q0, dv)))
             qi += 1
         parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
@@ -159,24 +164,28 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
 
 
 def _stacked(
-    table: np.ndarray, b0: int, b1: int, block_q: int, block_k: int, call: Call
+    spans: dict[tuple[int, int], list[tuple[int, int, Any]]],
+    b0: int,
+    b1: int,
+    block_q: int,
+    call: Call,
 ) -> list[tuple[int, int]]:
     """``(first, last)`` rows of blocks of queries per kernel call: rows that
     each see one run of keys are stacked where that costs less (``grouped``)."""
     rows = -(-call.num_queries // block_q)
-    spans = [_spans(table, b0, qi, call.num_keys, block_k) for qi in range(rows)]
+    row_spans = [spans[b0, qi] for qi in range(rows)]
     out: list[tuple[int, int]] = []
     qi = 0
     while qi < rows:
-        if len(spans[qi]) != 1:
+        if len(row_spans[qi]) != 1:
             out.append((qi, qi))
             qi += 1
             continue
         end = qi
-        while end < rows and len(spans[end]) == 1:
+        while end < rows and len(row_spans[end]) == 1:
             end += 1
-        k0 = np.array([spans[i][0][0] for i in range(qi, end)])
-        k1 = np.array([spans[i][0][1] for i in range(qi, end)])
+        k0 = np.array([row_spans[i][0][0] for i in range(qi, end)])
+        k1 = np.array([row_spans[i][0][1] for i in range(qi, end)])
         work = (b1 - b0) * call.heads * block_q
         for members, _, _, _ in grouped(k0, k1, k0 < 0, work, call.call_cost, end - qi, False):
             out.append((qi + int(members[0]), qi + int(members[-1])))
@@ -185,41 +194,48 @@ def _stacked(
 
 
 class _Cuts:
-    """Blocks of queries and runs of keys and values: slices, or under autodiff
-    pieces of ``Backend.split`` (a slice's gradient is as large as its array)."""
+    """Blocks of queries and runs of keys and values of each group of batch
+    elements: slices, or under autodiff ``Pieces`` cut where a block of
+    queries or some row's run of keys starts or ends."""
 
     def __init__(
-        self, xp: Backend, arrays: tuple[Array, ...], per_element: bool, block: Any
+        self,
+        xp: Backend,
+        arrays: tuple[Array, ...],
+        groups: list[tuple[int, int]],
+        spans: dict[tuple[int, int], list[tuple[int, int, Any]]],
+        block_q: int,
     ) -> None:
-        self.xp, self.arrays, self.block = xp, arrays, block
-        self.pieces = None
-        if any(xp.may_differentiate(x) for x in arrays):
-
-            def cut(x: Array, size: int) -> list[list[Array]]:
-                return [xp.split(e, size, 2) for e in (xp.split(x, 1, 0) if per_element else [x])]
-
-            q, k, v = arrays
-            self.pieces = (cut(q, block[0]), cut(k, block[1]), cut(v, block[1]))
+        self.xp, self.arrays = xp, arrays
+        self.pieces: dict[int, tuple[Pieces, ...]] | None = None
+        if not any(xp.is_differentiated(x) for x in arrays):
+            return
+        sizes = [b1 - b0 for b0, b1 in groups]
+        per_group = [xp.split(x, sizes, 0) if len(groups) > 1 else [x] for x in arrays]
+        self.pieces = {}
+        for i, (b0, _) in enumerate(groups):
+            q, k, v = (x[i] for x in per_group)
+            rows = range(-(-q.shape[2] // block_q))
+            points = {e for qi in rows for k0, k1, _ in spans[b0, qi] for e in (k0, k1)}
+            self.pieces[b0] = (
+                Pieces(xp, q, 2, range(0, q.shape[2], block_q)),
+                Pieces(xp, k, 2, points),
+                Pieces(xp, v, 2, points),
+            )
 
     def queries(self, b0: int, b1: int, q0: int, q1: int) -> Array:
         """The queries ``[q0, q1)`` (block-aligned: one block, or several)."""
         if self.pieces is None:
             return self.arrays[0][b0:b1, :, q0:q1]
-        size = self.block[0]
-        pieces = self.pieces[0][b0 if b1 - b0 == 1 else 0][q0 // size : -(-q1 // size)]
-        return pieces[0] if len(pieces) == 1 else self.xp.concatenate(pieces, 2)
+        return self.pieces[b0][0].take(q0, q1)
 
     def keys(self, b0: int, b1: int, spans: list[tuple[int, int, Any]]) -> tuple[Array, Array]:
-        """Keys and values of the runs ``spans`` (block-aligned), side by side."""
+        """Keys and values of the runs ``spans``, side by side."""
         xp = self.xp
         if self.pieces is None:
             runs = [[x[b0:b1, :, k0:k1] for k0, k1, _ in spans] for x in self.arrays[1:]]
         else:
-            g, size = b0 if b1 - b0 == 1 else 0, self.block[1]
-            runs = [
-                [p for k0, k1, _ in spans for p in x[g][k0 // size : -(-k1 // size)]]
-                for x in self.pieces[1:]
-            ]
+            runs = [[p.take(k0, k1) for k0, k1, _ in spans] for p in self.pieces[b0][1:]]
         keys, values = (r[0] if len(r) == 1 else xp.concatenate(r, 2) for r in runs)
         return keys, values
 

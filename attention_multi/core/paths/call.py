@@ -91,6 +91,30 @@ def expand_kv(xp: Backend, keys: Array, values: Array, heads: int) -> tuple[Arra
     return xp.repeat(keys, group, 1), xp.repeat(values, group, 1)
 
 
+class Pieces:
+    """``x`` cut along ``axis`` at ``points`` (sorted, 0 to its length) by
+    ``Backend.split`` where autodiff records it (``Backend.is_differentiated``): a
+    slice's gradient is a buffer as large as ``x`` per slice, the pieces' are
+    joined once. ``take(a, b)``: ``x[a:b]`` along ``axis`` for points ``a``,
+    ``b`` (pieces side by side where it spans several)."""
+
+    def __init__(self, xp: Backend, x: Array, axis: int, points: Any) -> None:
+        self.xp, self.x, self.axis = xp, x, axis
+        self.parts: list[Array] | None = None
+        if xp.is_differentiated(x):
+            points = sorted(set(int(p) for p in points) | {0, int(x.shape[axis])})
+            self.parts = xp.split(x, np.diff(points).tolist(), axis)
+            self.at = {p: i for i, p in enumerate(points)}
+
+    def take(self, a: int, b: int) -> Array:
+        if self.parts is None:
+            index: list[Any] = [slice(None)] * len(self.x.shape)
+            index[self.axis] = slice(a, b)
+            return self.x[tuple(index)]
+        parts = self.parts[self.at[a] : self.at[b]]
+        return parts[0] if len(parts) == 1 else self.xp.concatenate(parts, self.axis)
+
+
 def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     """``drop(weights, index)``: dropout with the ``index``-th key folded from
     ``key`` (None when ``rate`` is 0)."""

@@ -15,7 +15,7 @@ from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, Plan, dropout_fn, expand_kv
+from .call import Call, Pieces, Plan, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -69,10 +69,12 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
+    q_cuts = Pieces(xp, q, 2, range(0, num_q, block_q))
+    k_cuts, v_cuts = (Pieces(xp, x, 2, [*range(start, stop, block_k), stop]) for x in (k, v))
     parts = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)
-        qs = scaled(xp, q[:, :, q0:q1], scale=call.scale, work=work)
+        qs = scaled(xp, q_cuts.take(q0, q1), scale=call.scale, work=work)
         blocks = []
         for k0 in range(start, stop, block_k):
             r = Region(0, batch, q0, q1, k0, min(stop, k0 + block_k))
@@ -105,8 +107,8 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             i += 1
             index = q0 * mask.num_keys + r.k0
             block_drop = None if drop is None else (lambda p, index=index: drop(p, index))
-            cut = (slice(None), slice(None), slice(r.k0, r.k1))
-            state = online.step(xp, state, qs, k, v, mask.region(r, st), work, block_drop, cut)
+            ks, vs = k_cuts.take(r.k0, r.k1), v_cuts.take(r.k0, r.k1)
+            state = online.step(xp, state, qs, ks, vs, mask.region(r, st), work, block_drop)
         # (None: no query of this block may see any key)
         parts.append(online.rows(call, state, (batch, heads, q1 - q0, v.shape[-1]), qs, k, v))
     return online.result(call, parts)

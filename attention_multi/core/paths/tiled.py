@@ -13,7 +13,7 @@ from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
 from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, readable, scaled
 from . import full, fused
-from .call import Call, Plan, dropout_fn, expand_kv, grouped
+from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -159,7 +159,7 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
             part, region = slice(b0, b0 + n), Region(b0, b0 + n, *g[1:5])
             if index in pieces:
                 q_rows, k_rows, v_rows = pieces[index]
-                args = (q_rows, k_rows[:, :, g.k0 : g.k1], v_rows[:, :, g.k0 : g.k1])
+                args = (q_rows, k_rows.take(g.k0, g.k1), v_rows.take(g.k0, g.k1))
             else:
                 args = (q[part, :, g.q0 : g.q1], k[part, :, g.k0 : g.k1], v[part, :, g.k0 : g.k1])
             sub = None if g.whole else mask.region(region)
@@ -190,32 +190,35 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, 2)
 
 
-def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Array, Array, Array]]:
-    """Under autodiff, the queries, keys and values of each group whose rows
-    are a range, as pieces of ``Backend.split`` (a slice's gradient is as large
-    as its array: one per group; the pieces' are joined once): group index ->
-    (queries of its block, keys, values), all of the group's rows."""
+def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Any, Pieces, Pieces]]:
+    """Under autodiff, for each group whose rows are a range: its queries and
+    its rows' keys and values (``Pieces`` cut at the groups' key ranges), cut
+    from the inputs by ``Backend.split`` (a slice's gradient is a buffer as
+    large as its array, per group; the pieces' are joined once)."""
     q, k, v = call.queries, call.keys, call.values
-    if not any(xp.may_differentiate(x) for x in (q, k, v)):
+    if not any(xp.is_differentiated(x) for x in (q, k, v)):
         return {}
-    sizes = [q1 - q0 for q0, q1 in tiles.blocks]
-    q_blocks = xp.split(q, sizes, 2) if len(sizes) > 1 else [q]
-    out, index, kv_cuts = {}, 0, {}
-    for block, q_block in zip(tiles.groups, q_blocks):
-        cut = [g for g in block if g.ranged and g.k1 > g.k0]
-        points = sorted(
-            {0, call.batch} | {int(g.rows[0]) for g in cut} | {int(g.rows[-1]) + 1 for g in cut}
-        )
-        bounds = tuple(np.diff(points).tolist())
-        if bounds not in kv_cuts:
-            kv_cuts[bounds] = [xp.split(x, list(bounds), 0) for x in (k, v)]
-        qs = xp.split(q_block, list(bounds), 0)
-        for g in block:
-            if g.ranged and g.k1 > g.k0:
-                at = points.index(int(g.rows[0]))
-                out[index] = (qs[at], kv_cuts[bounds][0][at], kv_cuts[bounds][1][at])
-            index += 1
-    return out
+    q_blocks = Pieces(xp, q, 2, [q0 for q0, _ in tiles.blocks])
+    rows: dict[int, tuple[Any, int]] = {}  # group index -> (batch cuts, which piece)
+    key_points: dict[tuple[Any, int], set[int]] = {}
+    queries, index = {}, 0
+    for block, (q0, q1) in zip(tiles.groups, tiles.blocks):
+        cut = [i for i, g in enumerate(block) if g.ranged and g.k1 > g.k0]
+        ends = {int(block[i].rows[0]) for i in cut} | {int(block[i].rows[-1]) + 1 for i in cut}
+        edges = sorted(ends | {0, call.batch})
+        bounds = tuple(np.diff(edges).tolist())
+        q_parts = xp.split(q_blocks.take(q0, q1), list(bounds), 0)
+        for i in cut:
+            at = edges.index(int(block[i].rows[0]))
+            rows[index + i], queries[index + i] = (bounds, at), q_parts[at]
+            key_points.setdefault((bounds, at), set()).update((block[i].k0, block[i].k1))
+        index += len(block)
+    kv_parts = {b: [xp.split(x, list(b), 0) for x in (k, v)] for b, _ in key_points}
+    kv = {
+        (b, at): tuple(Pieces(xp, parts[at], 2, points) for parts in kv_parts[b])
+        for (b, at), points in key_points.items()
+    }
+    return {i: (queries[i], *kv[where]) for i, where in rows.items()}
 
 
 def softmax_product(
