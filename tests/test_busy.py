@@ -172,13 +172,27 @@ def _is_busy_loop(pid):
         return False
 
 
+def _check_backward(out, g, inputs, wants):
+    """The backward pass of ``sum(out * g)`` zeroes at most one buffer as large
+    as an input per input (the inputs as 4-D: (B, 1, T, d)), and the inputs'
+    gradients are the oracle's ``wants``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        (out * torch.tensor(g)).sum().backward()
+    B, T, d = inputs[0].shape
+    whole = [[B, 1, T, d]]
+    fills = sum(e.name == "aten::zero_" and e.input_shapes == whole for e in prof.events())
+    assert fills <= 3, fills
+    for got, w in zip(inputs, wants):
+        np.testing.assert_allclose(got.grad.numpy(), w[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_training_through_tiles_fills_no_input_sized_buffer_per_tile():
     """Tiles of batch elements under autodiff: the inputs are cut into pieces
     whose gradients are joined once, not sliced (a slice's gradient is a
     zeroed buffer as large as the whole input: 20 here, one per tile and
     input, before); gradients the oracle's."""
-    from torch.profiler import ProfilerActivity, profile
-
     rng = np.random.default_rng(3)
     B, T, d = 6, 512, 16
     q, k, v, g = (rng.standard_normal((B, T, d)).astype(np.float32) for _ in range(4))
@@ -188,13 +202,7 @@ def test_training_through_tiles_fills_no_input_sized_buffer_per_tile():
     m = am.DotProductAttention(0.0, backend="torch", path="tiled")
     out, tiles = _kernel_calls(lambda: m(*args, torch.tensor(lens)))
     assert m.last_path == "tiled" and tiles >= 4
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        (out * torch.tensor(g)).sum().backward()
-    whole = [[B, 1, T, d]]  # (the inputs as 4-D)
-    fills = sum(e.name == "aten::zero_" and e.input_shapes == whole for e in prof.events())
-    assert fills <= 3, fills  # (at most one per input)
-    for got, w in zip(args, want):
-        np.testing.assert_allclose(got.grad.numpy(), w[:, 0], rtol=1e-4, atol=1e-5)
+    _check_backward(out, g, args, want)
 
 
 @pytest.mark.parametrize(
@@ -211,8 +219,6 @@ def test_training_through_blocks_fills_no_input_sized_buffer_per_block(path, for
     and runs of keys are pieces whose gradients are joined once (a slice's
     gradient is a zeroed buffer as large as the input, per block: 81, 25 and
     23 here before); gradients the oracle's."""
-    from torch.profiler import ProfilerActivity, profile
-
     rng = np.random.default_rng(4)
     B, T, d = 3, 512, 8
     q, k, v, g = (rng.standard_normal((B, T, d)).astype(np.float32) for _ in range(4))
@@ -236,10 +242,4 @@ def test_training_through_blocks_fills_no_input_sized_buffer_per_block(path, for
     m = am.DotProductAttention(0.0, backend="torch", path=path, chunk_size=64)
     out = m(*args, **forms)
     assert m.last_path == path
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        (out * torch.tensor(g)).sum().backward()
-    whole = [[B, 1, T, d]]  # (the inputs as 4-D)
-    fills = sum(e.name == "aten::zero_" and e.input_shapes == whole for e in prof.events())
-    assert fills <= 3, fills  # (at most one per input)
-    for got, w in zip(args, wants):
-        np.testing.assert_allclose(got.grad.numpy(), w[:, 0], rtol=1e-4, atol=1e-5)
+    _check_backward(out, g, args, wants)
