@@ -150,17 +150,21 @@ def grouped(
     # group before takes the rest at no cost): a run is one step, unless most binds.
     bounds = [i for i in range(n) if i == 0 or most < n or keys[i] != keys[i - 1]] + [n]
     best, cut = [0.0] * len(bounds), [0] * len(bounds)
+    run_keys = [keys[b] for b in bounds[:-1]]  # (a run's elements share its keys)
+    plain, masked = 1 + masked_cost * False, 1 + masked_cost * True
     for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
-        lo, hi, best[j], mixed = np.inf, -np.inf, np.inf, False
+        lo, hi, least, mixed, end, last = np.inf, -np.inf, np.inf, False, bounds[j], run_keys[j - 1]
         for i in range(j - 1, -1, -1):  # the last group: from bounds[i]
-            size = bounds[j] - bounds[i]
-            lo, hi = min(lo, keys[bounds[i]][0]), max(hi, keys[bounds[i]][1])
-            mixed = mixed or keys[bounds[i]] != keys[bounds[j] - 1]
-            group = size * rows * (hi - lo) * (1 + masked_cost * mixed) + per_group
-            if size > most or group >= best[j]:  # (an earlier start only adds to it)
+            size = end - bounds[i]
+            start, stop = key = run_keys[i]
+            lo, hi = (start if start < lo else lo), (stop if stop > hi else hi)
+            mixed = mixed or key != last
+            group = size * rows * (hi - lo) * (masked if mixed else plain) + per_group
+            if size > most or group >= least:  # (an earlier start only adds to it)
                 break
-            if best[i] + group <= best[j]:
-                best[j], cut[j] = best[i] + group, i
+            if best[i] + group <= least:
+                least, cut[j] = best[i] + group, i
+        best[j] = least
     out, j = [], len(bounds) - 1
     while j > 0:
         # (sorted: a whole range is sliced, not gathered)
