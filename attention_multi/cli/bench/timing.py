@@ -142,6 +142,8 @@ def torch_calls(f):
     threads on a busy machine. A compiled region counts as one."""
     from torch.profiler import ProfilerActivity, profile
 
+    # (torch 2.13's profiler writes two lines to stderr per run below Kineto's level 6)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     f()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         f()
