@@ -156,7 +156,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
                 ks, vs = cuts.keys(b0, b1, [(k0, k1, st)])
                 sub = mask.region(r, PARTIAL if traced else st)
-                state = online.step(xp, state, qs, ks, vs, sub, work, block_drop, None, seen)
+                state = online.step(xp, state, qs, ks, vs, sub, work, block_drop, seen=seen)
             rows.append(online.rows(call, state, (b1 - b0, heads, q1 - q0, dv)))
             qi += 1
         parts.append([online.joined(xp, list(x)) for x in zip(*rows)])
