@@ -218,9 +218,9 @@ class _Cuts:
             rows = range(-(-q.shape[2] // block_q))
             points = {e for qi in rows for k0, k1, _ in spans[b0, qi] for e in (k0, k1)}
             self.pieces[b0] = (
-                Pieces(xp, q, 2, range(0, q.shape[2], block_q)),
-                Pieces(xp, k, 2, points),
-                Pieces(xp, v, 2, points),
+                Pieces(xp, q, range(0, q.shape[2], block_q)),
+                Pieces(xp, k, points),
+                Pieces(xp, v, points),
             )
 
     def queries(self, b0: int, b1: int, q0: int, q1: int) -> Array:

@@ -92,27 +92,25 @@ def expand_kv(xp: Backend, keys: Array, values: Array, heads: int) -> tuple[Arra
 
 
 class Pieces:
-    """``x`` cut along ``axis`` at ``points`` (sorted, 0 to its length) by
-    ``Backend.split`` where autodiff records it (``Backend.is_differentiated``): a
-    slice's gradient is a buffer as large as ``x`` per slice, the pieces' are
-    joined once. ``take(a, b)``: ``x[a:b]`` along ``axis`` for points ``a``,
-    ``b`` (pieces side by side where it spans several)."""
+    """``x`` (batch, heads, n, d) cut along ``n`` at ``points`` by
+    ``Backend.split`` where autodiff records it (``Backend.is_differentiated``):
+    a slice's gradient is a buffer as large as ``x`` per slice, the pieces' are
+    joined once. ``take(a, b)``: ``x[:, :, a:b]`` for points ``a``, ``b``
+    (pieces side by side where it spans several)."""
 
-    def __init__(self, xp: Backend, x: Array, axis: int, points: Any) -> None:
-        self.xp, self.x, self.axis = xp, x, axis
+    def __init__(self, xp: Backend, x: Array, points: Any) -> None:
+        self.xp, self.x = xp, x
         self.parts: list[Array] | None = None
         if xp.is_differentiated(x):
-            points = sorted(set(int(p) for p in points) | {0, int(x.shape[axis])})
-            self.parts = xp.split(x, np.diff(points).tolist(), axis)
+            points = sorted(set(int(p) for p in points) | {0, int(x.shape[2])})
+            self.parts = xp.split(x, np.diff(points).tolist(), 2)
             self.at = {p: i for i, p in enumerate(points)}
 
     def take(self, a: int, b: int) -> Array:
         if self.parts is None:
-            index: list[Any] = [slice(None)] * len(self.x.shape)
-            index[self.axis] = slice(a, b)
-            return self.x[tuple(index)]
+            return self.x[:, :, a:b]
         parts = self.parts[self.at[a] : self.at[b]]
-        return parts[0] if len(parts) == 1 else self.xp.concatenate(parts, self.axis)
+        return parts[0] if len(parts) == 1 else self.xp.concatenate(parts, 2)
 
 
 def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
@@ -151,7 +149,7 @@ def grouped(
     bounds = [i for i in range(n) if i == 0 or most < n or keys[i] != keys[i - 1]] + [n]
     best, cut = [0.0] * len(bounds), [0] * len(bounds)
     run_keys = [keys[b] for b in bounds[:-1]]  # (a run's elements share its keys)
-    plain, masked = 1 + masked_cost * False, 1 + masked_cost * True
+    plain, masked = 1.0, 1.0 + masked_cost
     for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
         lo, hi, least, mixed, end, last = np.inf, -np.inf, np.inf, False, bounds[j], run_keys[j - 1]
         for i in range(j - 1, -1, -1):  # the last group: from bounds[i]

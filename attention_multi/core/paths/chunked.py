@@ -69,8 +69,8 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
     scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
-    q_cuts = Pieces(xp, q, 2, range(0, num_q, block_q))
-    k_cuts, v_cuts = (Pieces(xp, x, 2, [*range(start, stop, block_k), stop]) for x in (k, v))
+    q_cuts = Pieces(xp, q, range(0, num_q, block_q))
+    k_cuts, v_cuts = (Pieces(xp, x, [*range(start, stop, block_k), stop]) for x in (k, v))
     parts = []
     for q0 in range(0, num_q, block_q):
         q1 = min(num_q, q0 + block_q)

@@ -198,7 +198,7 @@ def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Any, Piece
     q, k, v = call.queries, call.keys, call.values
     if not any(xp.is_differentiated(x) for x in (q, k, v)):
         return {}
-    q_blocks = Pieces(xp, q, 2, [q0 for q0, _ in tiles.blocks])
+    q_blocks = Pieces(xp, q, [q0 for q0, _ in tiles.blocks])
     rows: dict[int, tuple[Any, int]] = {}  # group index -> (batch cuts, which piece)
     key_points: dict[tuple[Any, int], set[int]] = {}
     queries, index = {}, 0
@@ -215,7 +215,7 @@ def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Any, Piece
         index += len(block)
     kv_parts = {b: [xp.split(x, list(b), 0) for x in (k, v)] for b, _ in key_points}
     kv = {
-        (b, at): tuple(Pieces(xp, parts[at], 2, points) for parts in kv_parts[b])
+        (b, at): tuple(Pieces(xp, parts[at], points) for parts in kv_parts[b])
         for (b, at), points in key_points.items()
     }
     return {i: (queries[i], *kv[where]) for i, where in rows.items()}
