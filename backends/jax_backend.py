@@ -43,6 +43,8 @@ def _dot_product_attention(q, k, v, lens, mask, bias, scale, is_causal):
 _HIGHEST = jax.lax.Precision.HIGHEST
 _DIFFERENTIATING = frozenset(("JVPTracer", "LinearizeTracer"))  # jax 0.6; 0.7 and later
 _TREES: set[type] = set()  # classes registered by register_tree (once per process)
+# NumPy dtypes a JAX array holds as they are (float64 and int64 only under x64)
+_HELD = frozenset(np.dtype(t) for t in ("bool", "int8", "uint8", "int32", "float16", "float32"))
 
 
 class JaxBackend(NumpyLike):
@@ -83,8 +85,17 @@ class JaxBackend(NumpyLike):
             raise TypeError(
                 "float64 on the jax backend needs jax.config.update('jax_enable_x64', True) first"
             )
-        x = jnp.asarray(x, dtype=None if dtype is None else np_dtype(dtype))
+        want = None if dtype is None else np_dtype(dtype)
+        if isinstance(x, np.ndarray) and x.dtype in _HELD and (want is None or want == x.dtype):
+            if _trace_state_clean():  # (a copy to the device: no program to compile per shape)
+                return jax.device_put(x, device, may_alias=False)
+        x = jnp.asarray(x, dtype=want)
         return x if device is None else jax.device_put(x, device)
+
+    def arange(self, n, device=None):
+        if _trace_state_clean():  # (made on the host: no iota to compile per length)
+            return jax.device_put(np.arange(n, dtype=np.int32), device, may_alias=False)
+        return super().arange(n, device)
 
     def to_numpy(self, x):
         return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from ...types import Array, BackendLike, DeviceLike
 
+USED_KEYS = "mask_mod used keys"  # (Mask._once: bool (batch|1, K) from the block states)
 Bases = tuple[Any, Any, Any]  # where the grid's batch, query and key indices start
 Shape = tuple[int, int, int, int]  # (batch, heads, Q, K)
 
@@ -33,14 +34,36 @@ Shape = tuple[int, int, int, int]  # (batch, heads, Q, K)
 def index_grid(xp: Backend, shape: Shape, bases: Bases, device: Any) -> tuple[Array, ...]:
     """``(b, h, q_idx, kv_idx)`` int32 arrays broadcasting to ``shape``
     (batch, heads, Q, K), positions counted from ``bases``."""
-    batch, heads, nq, nk = shape
-    b = xp.arange(batch, device).reshape((batch, 1, 1, 1)) + bases[0]
-    h = xp.arange(heads, device).reshape((1, heads, 1, 1))
-    q = xp.arange(nq, device).reshape((1, 1, nq, 1)) + bases[1]
-    kv = xp.arange(nk, device).reshape((1, 1, 1, nk)) + bases[2]
+    host = on_host(xp, *bases)
+    b, h, q, kv = (
+        positions(xp, n, base, host, device, axis)
+        for axis, (n, base) in enumerate(zip(shape, (bases[0], 0, bases[1], bases[2])))
+    )
     if xp.dense_index_grids:  # (boolean operators there do not broadcast)
         return tuple(xp.broadcast_to(x, shape) for x in (b, h, q, kv))
     return b, h, q, kv
+
+
+def on_host(xp: Backend, *bases: Any) -> bool:
+    """Whether to make positions on the host: where each new shape costs a
+    compilation (eager JAX: no iota, reshape and add to compile per grid)."""
+    return xp.compiles_per_shape and is_int(*bases) and not xp.is_tracing()
+
+
+def positions(
+    xp: Backend, n: int, base: Any, host: bool, device: Any, axis: int, last: int = 0
+) -> Array:
+    """int32 ``base + [0, n)`` along ``axis`` of a rank-4 array; ``last`` > 0:
+    positions from ``last`` on are ``last - 1``."""
+    shape = [1, 1, 1, 1]
+    shape[axis] = n
+    if host:
+        x = np.arange(n, dtype=np.int32)
+        x = np.minimum(x, last - 1) if 0 < last < n else x
+        return xp.asarray((x + base).reshape(shape), device=device)
+    x = xp.arange(n, device).reshape(tuple(shape))
+    x = xp.where(x < last, x, last - 1) if 0 < last < n else x
+    return x + base if not is_int(base) or base else x
 
 
 def as_bool(xp: Backend, x: Any, device: Any) -> Array:
@@ -263,8 +286,11 @@ class MaskMod(Form):
         unknown = np.full((1, nqb, nkb), PARTIAL, np.int8)
         if xp is None or not is_int(*self.bases):
             return unknown
-        states = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
-        return unknown if states is None else least_state(states, 1)
+        found = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
+        if found is None:
+            return unknown
+        mask._once(USED_KEYS, lambda: found[1])  # (rules.used_keys: no second evaluation)
+        return least_state(found[0], 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
         return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
@@ -306,21 +332,20 @@ def evaluate(
     bk: int,
     dev: Any,
     bases: Bases = (0, 0, 0),
-) -> np.ndarray | None:
+) -> tuple[np.ndarray, np.ndarray] | None:
     """int8 (batch|1, heads|1, Q blocks, K blocks) states of ``mask_mod``,
     evaluated on whole block rows (bq x K indices, one or a few at a time):
     per key of a block row, whether some query sees it and whether all do;
-    then per block. None when its answers are traced (it captures arrays
-    of a trace: known only when the program runs)."""
+    then per block. With them, bool (batch|1, K): whether some query of
+    some head sees each key. None when its answers are traced (it captures
+    arrays of a trace: known only when the program runs)."""
     batch, heads, num_queries, num_keys = shape
     nqb, nkb = -(-num_queries // bq), -(-num_keys // bk)
     width = nkb * bk
-    kv = xp.arange(width, dev).reshape((1, 1, 1, width))
-    if width > num_keys:  # (a last block of keys past K: a function may index arrays)
-        kv = xp.where(kv < num_keys, kv, num_keys - 1)
-    kv = kv + bases[2]
-    b = xp.arange(batch, dev).reshape((batch, 1, 1, 1)) + bases[0]
-    h = xp.arange(heads, dev).reshape((1, heads, 1, 1))
+    host = on_host(xp, *bases)
+    # (a last block of keys past K: the last key again, as a function may index arrays)
+    kv = positions(xp, width, bases[2], host, dev, 3, num_keys)
+    b, h = positions(xp, batch, bases[0], host, dev, 0), positions(xp, heads, 0, host, dev, 1)
     per_row = batch * heads * bq * width
     per_group = min(nqb, max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row))
     per_group = -(-nqb // -(-nqb // per_group))  # (as many groups, the fewest rows past Q)
@@ -332,10 +357,8 @@ def evaluate(
         where each new shape compiles, every group has one shape (the
         function's operations compile once), else the last may be shorter."""
         rows = per_group if xp.compiles_per_shape else min(per_group, nqb - i)
-        q = xp.arange(rows * bq, dev).reshape((1, 1, rows * bq, 1)) + i * bq
-        if (i + rows) * bq > num_queries:
-            q = xp.where(q < num_queries, q, num_queries - 1)
-        grid = (b, h, q + bases[1], kv)
+        q = positions(xp, rows * bq, bases[1] + i * bq, host, dev, 2, num_queries - i * bq)
+        grid = (b, h, q, kv)
         if xp.dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
         v = checked_mask(xp, mask_mod, grid, dev)
@@ -365,7 +388,8 @@ def evaluate(
     pad = np.arange(width).reshape(nkb, bk) >= num_keys
     seen = np.any(some & ~pad, 4)
     full = np.all(every | pad, 4)
-    return state_of(~seen, full)
+    used = np.any(some, (1, 2)).reshape((some.shape[0], width))[:, :num_keys]
+    return state_of(~seen, full), used
 
 
 def block_mask(
@@ -395,11 +419,11 @@ def block_mask(
     bq, bk = int(bq), int(bk)
     if min(bq, bk) < 1:
         raise ValueError(f"block must be positive, got {block!r}")
-    states = evaluate(xp, mask_mod, shape, bq, bk, dev)
-    if states is None:
+    found = evaluate(xp, mask_mod, shape, bq, bk, dev)
+    if found is None:
         raise ValueError(
             "block_mask evaluates mask_mod when it is called, but mask_mod's answers are "
             "traced (it captures arrays of a trace, such as jax.jit's): build the BlockMask "
             "outside the trace, or pass the function itself as mask_mod="
         )
-    return BlockMask(mask_mod, states, shape, bq, bk)
+    return BlockMask(mask_mod, found[0], shape, bq, bk)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from ..numerics import all_finite, compute_dtype, fill, fill_against, fill_value, size, zero
+from .functions import USED_KEYS
 from .intervals import keys_all_used, rows_nonempty
 from .spec import Mask
 
@@ -56,6 +57,9 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
     by_bounds = not mask.restricted and (form.window is None or _per_batch(form))
     if by_bounds and keys_all_used(mask):
         return None
+    used = mask.kept(USED_KEYS) if form is None else None
+    if used is not None and [f.kind for f in mask.forms if f.restricts] == ["mask_mod"]:
+        return xp.asarray(used.reshape((used.shape[0], 1, used.shape[1], 1)), device=device)
     if by_bounds and not _one_row(mask):  # (one row: its visible keys are the used ones)
         lo, hi = form.bounds(xp, mask, device)
         nonempty = hi > (0 if lo is None else lo)
@@ -80,10 +84,12 @@ def guard_unused(
     NaN leaks from them); ``guard_keys=False``: the values only (for a caller
     that masks the scores by ``where``, no gradient through the keys)."""
     big = size(keys) + size(values) >= xp.finite_check_min
-    if mask.restricted and big and all_finite(xp, keys, values):  # (no dense mask to build)
+    # (where each new shape compiles, a sum is cheaper than the mask's operations)
+    check = big or (xp.compiles_per_shape and mask.kept(USED_KEYS) is None)
+    if mask.restricted and check and all_finite(xp, keys, values):  # (no dense mask to build)
         return keys, values
     used = used_keys(xp, mask, xp.device_of(keys))
-    if used is None or (big and all_finite(xp, keys, values)):
+    if used is None or (check and all_finite(xp, keys, values)):
         return keys, values
     return xp.where(used, keys, 0.0) if guard_keys else keys, xp.where(used, values, 0.0)
 

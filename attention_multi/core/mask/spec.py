@@ -210,6 +210,10 @@ class Mask:
             self._cache[name] = compute()
         return self._cache[name]
 
+    def kept(self, name: Any) -> Any:
+        """What ``_once`` kept under ``name``; None when nothing was."""
+        return self._cache.get(name)
+
     def _with(self, forms: tuple[Form, ...], batch: int, num_queries: int, num_keys: int) -> Mask:
         return Mask(batch, self.heads, num_queries, num_keys, forms, self.host, self.xp)
 
