@@ -186,6 +186,10 @@ class Backend:
     # this many scores (an H200 computes 1e11-5e11 scores a second; a call from
     # Python takes 20-50 us), so one fused call over every score beats a few
     accelerator_call_cost: int = 1 << 23
+    # on a CPU, calls of up to this many scores over at most 256 keys, with
+    # lengths or no mask, take the full path at once: its few plain calls beat
+    # planning and a kernel's own fixed cost (every call: at most 32768)
+    small_scores: int = 1 << 15
     # what a mask costs a kernel per score it computes, in scores (a pass of
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0

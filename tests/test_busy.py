@@ -50,8 +50,8 @@ def test_the_measured_cost_of_a_call_is_at_least_the_idle_one(monkeypatch):
 
 def test_padding_takes_one_call_when_calls_wait(waits):
     rng = np.random.default_rng(0)
-    q, k, v = (rng.standard_normal((16, 256, 32)).astype(np.float32) for _ in range(3))
-    lens = rng.integers(64, 257, 16)
+    q, k, v = (rng.standard_normal((16, 512, 32)).astype(np.float32) for _ in range(3))
+    lens = rng.integers(64, 513, 16)
     want, _ = oracle.dot_product_attention(q, k, v, lens)
     m = am.DotProductAttention(0.0, backend="torch").eval()
     args = [torch.tensor(x) for x in (q, k, v, lens)]

@@ -90,14 +90,15 @@ def test_torch_keeps_its_inputs_and_refuses_a_read_after_a_write(path):
 
 @pytest.mark.parametrize("name", ["numpy", "torch"])
 def test_read_weights_are_computed_in_the_same_pass(name):
-    """Past SMALL_SCORES, "auto" takes another path; once the weights of a
-    call are read, the next call takes the full path (which keeps them),
-    and a call whose weights nobody read lets the one after it go back."""
+    """Past the small calls (``Backend.small_scores``), "auto" takes another
+    path; once the weights of a call are read, the next call takes the full
+    path (which keeps them), and a call whose weights nobody read lets the
+    one after it go back."""
     pytest.importorskip(name)
     a = ARRAYS[name]
     rng = np.random.default_rng(4)
-    q, k, v = (rng.standard_normal((16, 128, 16)).astype(np.float32) for _ in range(3))
-    lens = rng.integers(32, 129, 16)
+    q, k, v = (rng.standard_normal((32, 128, 16)).astype(np.float32) for _ in range(3))
+    lens = rng.integers(32, 129, 32)
     m = am.DotProductAttention(0.0, backend=name).eval()
     m(a(q), a(k), a(v), a(lens))
     other = m.last_path

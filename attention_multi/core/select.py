@@ -29,7 +29,20 @@ if TYPE_CHECKING:
 SMALL_SCORES = 1 << 15
 """``"auto"`` takes the full path at once for calls with at most this many
 (batch * heads * Q * K) scores: planning and dispatching to a kernel would
-cost more host time than they save (d2l's examples are far below it)."""
+cost more host time than they save (d2l's examples are far below it). With
+lengths or no mask, on a CPU, up to ``Backend.small_scores`` over at most
+``SMALL_KEYS`` keys."""
+SMALL_KEYS = 256
+
+
+def is_small(xp: Backend, scores: int, num_keys: int, queries: Array, plain: bool) -> bool:
+    """Whether a call is small (``SMALL_SCORES``); ``plain``: its mask is
+    lengths or nothing."""
+    if scores <= SMALL_SCORES:
+        return True
+    if not plain or scores > xp.small_scores or num_keys > SMALL_KEYS:
+        return False
+    return not xp.on_accelerator(xp.device_of(queries))
 
 
 def check_path_options(
@@ -72,9 +85,9 @@ def straight_line(
         held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
         if scores * work_itemsize(xp, queries) * held > budget:
             return None
-        if scores > SMALL_SCORES and not weights_read:
+        if not weights_read and not is_small(xp, scores, ks[-2], queries, True):
             return None
-    reusable = path == "full" or scores <= SMALL_SCORES
+    reusable = path == "full" or is_small(xp, scores, ks[-2], queries, True)
     return small.Line(xp, queries, keys, values, valid_lens, reusable)
 
 
@@ -131,7 +144,10 @@ def attend(
         return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
     options = (path, memory_budget, chunk_size, weights, private, lse)
     call = Call(xp, queries, keys, values, mask, scale, dropout, key, *options)
-    if path == "auto" and full.fits(call) and (call.scores <= SMALL_SCORES or weights == "now"):
+    plain = mask.unmasked or mask.only_lens
+    if path == "auto" and full.fits(call) and (
+        weights == "now" or is_small(xp, call.scores, num_k, queries, plain)
+    ):
         ran = full.run(call)
         return ran[0], ran[-1], "full"
     done = _cheapest(call) or _cheapest(call.auto())

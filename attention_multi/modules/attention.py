@@ -369,7 +369,7 @@ class DotProductAttention(_Attention):
     How it is computed (keywords, also module attributes):
 
     - ``path="auto"``: the full path for small calls (at most
-      ``SMALL_SCORES`` scores); else the backend's fused kernel when dropout is inactive
+      ``SMALL_SCORES`` scores, on a CPU ``Backend.small_scores``); else the backend's fused kernel when dropout is inactive
       (eval mode or ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)
       scores would exceed ``memory_budget``; else the full path, which
@@ -384,7 +384,7 @@ class DotProductAttention(_Attention):
 
     All paths agree up to float rounding. ``attention_weights`` is available
     after every call: the weights (before dropout) of the call that produced
-    them. Small calls (``SMALL_SCORES``) take the full path, which keeps
+    them. Small calls take the full path, which keeps
     them; after a fused, tiled or chunked call they are computed on first
     access from copies of the call's queries, keys and mask, which later
     writes into the caller's arrays do not reach. Reading them makes the

@@ -121,6 +121,10 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
 
 
+_GROUPED: dict[tuple, list[tuple[np.ndarray, int, int, bool]]] = {}  # (recent plans)
+_GROUPED_KEPT = 64
+
+
 def grouped(
     starts: np.ndarray,
     stops: np.ndarray,
@@ -136,7 +140,29 @@ def grouped(
     least cost (``rows`` scores per element and key, ``call_cost`` per group,
     and ``masked_cost`` more per score where its elements see different keys:
     the mask's pass); consecutive, or sorted by keys when ``gather``; those
-    that see none last."""
+    that see none last. The plans of the last calls are kept: every layer of
+    a model plans the same lengths again."""
+    key = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype.char, stops.dtype.char)
+    key += (rows, call_cost, most, gather, masked_cost)
+    out = _GROUPED.get(key)
+    if out is None:
+        out = _grouped(starts, stops, whole, rows, call_cost, most, gather, masked_cost)
+        if len(_GROUPED) >= _GROUPED_KEPT:
+            del _GROUPED[next(iter(_GROUPED))]
+        _GROUPED[key] = out
+    return list(out)
+
+
+def _grouped(
+    starts: np.ndarray,
+    stops: np.ndarray,
+    whole: np.ndarray,
+    rows: int,
+    call_cost: float,
+    most: int,
+    gather: bool,
+    masked_cost: float,
+) -> list[tuple[np.ndarray, int, int, bool]]:
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:

@@ -24,6 +24,9 @@ NAME = "tiled"
 DEFAULT_BLOCK_QUERIES = 512
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls counted): cost / this
+# A tile through the kernel (its slices, the call, its rows put back), in idle kernel calls:
+# 75-140 us a tile against SDPA's 0.8-2.2 ns a score (2-core CPU, d = 16..64)
+TILE_CALLS = 5
 
 
 class Group(NamedTuple):
@@ -63,7 +66,9 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     block_q = min(block_q, memory_budget // per_query)
     if block_q < 1:
         return None
-    gather = all(f.gathers for f in mask.forms)
+    # (under autodiff consecutive elements only: a gather's gradient fills an input-sized buffer)
+    taped = any(xp.is_differentiated(x) for x in (call.queries, call.keys, call.values))
+    gather = all(f.gathers for f in mask.forms) and not taped
     masked = xp.masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     groups, work = [], 0
@@ -71,7 +76,7 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
         most = max(1, memory_budget // (per_query * (q1 - q0)))
-        block = grouped(starts, stops, whole, rows, call.call_cost, most, gather, masked)
+        block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
     return Tiles(groups, blocks, work)
@@ -80,7 +85,7 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
     or ``lse``, nor, unless named, where each new shape compiles."""
-    xp, named, cost = call.xp, call.path == "tiled", call.call_cost
+    xp, named = call.xp, call.path == "tiled"
     if not call.asks("tiled") or call.keyed_dropout or call.lse:
         return None
     if not named and xp.compiles_per_shape:
@@ -90,9 +95,18 @@ def plan(call: Call) -> Plan | None:
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    # (a tile without the framework's kernel is several calls, as the full path)
-    per_tile = 1 if fused.takes(call) else full.CALLS
-    return Plan((tiles.scores + cost * per_tile * calls(tiles)) / TILED_WORK_MAX, tiles)
+    return Plan((tiles.scores + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
+
+
+def tile_cost(call: Call) -> float:
+    """What a tile costs beyond its scores: ``TILE_CALLS`` through the
+    framework's kernel, else the full path's calls."""
+    return call.call_cost * (TILE_CALLS if fused.takes(call) else full.CALLS)
+
+
+def group_cost(call: Call) -> float:
+    """What ``grouped`` weighs a tile: a tile's cost through the kernel, else one call."""
+    return tile_cost(call) if fused.takes(call) else call.call_cost
 
 
 def bound(call: Call) -> float:
@@ -104,7 +118,7 @@ def bound(call: Call) -> float:
         return 0.0
     seen = np.maximum(known[1] - known[0], 0)  # (batch|1, Q|1)
     rows = int(seen.sum()) * (call.batch // seen.shape[0]) * (call.num_queries // seen.shape[1])
-    return (call.heads * rows + call.call_cost * (rows > 0)) / TILED_WORK_MAX
+    return (call.heads * rows + tile_cost(call) * (rows > 0)) / TILED_WORK_MAX
 
 
 def calls(tiles: Tiles) -> int:
