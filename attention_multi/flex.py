@@ -40,7 +40,7 @@ from attention_multi import backends
 from .config import get_backend, native_device
 from .core.mask.blocks import BlockMask
 from .core.mask.functions import block_mask as _block_mask
-from .core.mask.functions import index_grid
+from .core.mask.functions import index_grid, is_causal
 from .core.mask.spec import EMPTY, FULL, PARTIAL
 from .functional import dot_product_attention
 from .types import Array
@@ -134,7 +134,10 @@ def _from_torch(bm: Any) -> BlockMask:
         cols = indices[b, h, i, j]
         inside = cols < nkb
         states[b[inside], h[inside], i[inside], cols[inside]] = state
-    return BlockMask(bm.mask_mod, states, (batch, heads, num_q, num_k), block_q, block_k)
+    shape = (batch, heads, num_q, num_k)
+    xp, device = backends.load("torch"), bm.kv_indices.device
+    causal = is_causal(xp, bm.mask_mod, states, shape, block_q, block_k, device)
+    return BlockMask(bm.mask_mod, states, shape, block_q, block_k, causal)
 
 
 def create_block_mask(

@@ -303,6 +303,47 @@ def test_flex_compiled_and_backward_torch():
         np.testing.assert_allclose(a.numpy(), x.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_causal_block_mask_takes_the_causal_kernel(backend):
+    """A block mask that is exactly causal (its block states, and every
+    element of its partial blocks) runs as ``causal=True`` would, on the
+    framework's causal kernel where it has one (torch SDPA's ``is_causal``)
+    instead of the block-sparse path; one element off causal's pattern, or
+    fewer queries than keys, keeps the function. Answers the oracle's."""
+    n = 1024
+    rng = np.random.default_rng(5)
+    q, k, v = (backend.asarray(rng.normal(size=(B_, n, D)), "float32") for _ in "qkv")
+
+    def almost(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ~((q_idx == 9) & (kv_idx == 3))
+
+    def almost_np(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ~((q_idx == 9) & (kv_idx == 3))
+
+    blocks = {
+        fn: flex.create_block_mask(fn, B_, None, n, n, BLOCK_SIZE=32, backend=backend)
+        for fn in (_causal, almost)
+    }
+    assert blocks[_causal].causal and not blocks[almost].causal
+    m = am.DotProductAttention(0.0, backend=backend).eval()
+    m(q, k, v, causal=True)
+    causal_path = m.last_path
+    for fn, same in ((_causal, _causal), (almost, almost_np)):
+        out = m(q, k, v, mask_mod=blocks[fn])
+        if backend.fused_causal:  # (elsewhere causal=True runs the block-sparse path too)
+            assert (m.last_path == causal_path) == (fn is _causal), m.last_path
+        want, _ = oracle.attention(*(x[:, None] for x in _np(backend, q, k, v)), mask_mod=same)
+        np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=3e-5, atol=3e-5)
+    fewer = backend.asarray(backend.to_numpy(q)[:, : n - 8], "float32")
+    out = m(fewer, k, v, mask_mod=blocks[_causal])  # (q_idx from 0: top-left, not causal=)
+    inputs = (x[:, None] for x in _np(backend, fewer, k, v))
+    want, _ = oracle.attention(*inputs, mask_mod=_causal)
+    np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=3e-5, atol=3e-5)
+    if backend.name == "torch":  # (torch's own BlockMask, converted)
+        tf = pytest.importorskip("torch.nn.attention.flex_attention")
+        theirs = tf.create_block_mask(_causal, B_, None, n, n, device="cpu", BLOCK_SIZE=32)
+        assert flex.as_block_mask(theirs).causal
+
+
 def test_same_answers_as_torch_flex_attention():
     """One small case against torch's own ``flex_attention`` (compiled on
     CPU: its first call takes ~30 s): document + causal masking and a

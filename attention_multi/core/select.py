@@ -145,8 +145,10 @@ def attend(
     options = (path, memory_budget, chunk_size, weights, private, lse)
     call = Call(xp, queries, keys, values, mask, scale, dropout, key, *options)
     plain = mask.unmasked or mask.only_lens
-    if path == "auto" and full.fits(call) and (
-        weights == "now" or is_small(xp, call.scores, num_k, queries, plain)
+    if (
+        path == "auto"
+        and full.fits(call)
+        and (weights == "now" or is_small(xp, call.scores, num_k, queries, plain))
     ):
         ran = full.run(call)
         return ran[0], ran[-1], "full"

@@ -369,8 +369,9 @@ class DotProductAttention(_Attention):
     How it is computed (keywords, also module attributes):
 
     - ``path="auto"``: the full path for small calls (at most
-      ``SMALL_SCORES`` scores, on a CPU ``Backend.small_scores``); else the backend's fused kernel when dropout is inactive
-      (eval mode or ``dropout=0``) and it fits in ``memory_budget``; else the
+      ``SMALL_SCORES`` scores, on a CPU ``Backend.small_scores``); else the
+      backend's fused kernel when dropout is inactive (eval mode or
+      ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)
       scores would exceed ``memory_budget``; else the full path, which
       materializes the scores. ``"fused"``, ``"chunked"`` and ``"full"``

@@ -21,7 +21,8 @@ class BlockMask:
     heads|1, Q blocks, K blocks)) over (batch, heads, Q, K) with blocks of
     ``block_q`` x ``block_k``. Callable as the ``mask_mod`` itself: pass it as
     ``mask_mod=`` and the paths skip its empty blocks and drop the mask on its
-    full ones."""
+    full ones. ``causal``: the function is exactly ``kv_idx <= q_idx`` over
+    Q = K (a call may take the framework's causal kernel instead)."""
 
     def __init__(
         self,
@@ -30,8 +31,9 @@ class BlockMask:
         shape: tuple[int, int, int, int],
         block_q: int,
         block_k: int,
+        causal: bool = False,
     ) -> None:
-        self.mask_mod, self.states = mask_mod, states
+        self.mask_mod, self.states, self.causal = mask_mod, states, causal
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
         self.all_full = bool((states == FULL).all())  # (a host bool: read under traces too)

@@ -116,6 +116,23 @@ def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
         )
 
 
+def _causal_block_mask(where: Where, keywords: dict[str, Any]) -> dict[str, Any]:
+    """A ``BlockMask`` that is exactly causal, over a call where query ``i``
+    is key ``i`` and no other lengths or window are given, as ``causal=True``
+    (the framework's causal kernel); the keywords as they are otherwise."""
+    bm = keywords.get("mask_mod")
+    if not isinstance(bm, BlockMask) or not bm.causal:
+        return keywords
+    if any(keywords.get(n) is not None for n in ("valid_lens", "window")):
+        return keywords
+    if not (is_int(where.offset, where.query_base) and where.offset == where.query_base == 0):
+        return keywords
+    bm.check(where.batch, where.num_queries, where.num_keys)
+    if where.num_queries != bm.num_queries:
+        return keywords
+    return {**keywords, "mask_mod": None, "causal": True}
+
+
 class Keyword(NamedTuple):
     default: Any  # the value that sets nothing (compared by identity)
     build: Callable[..., Form | None]  # the family: build(where, **its keywords that are set)
@@ -185,6 +202,7 @@ def make_mask(
     base = (offset if given else 0) if query_base is None else query_base
     shape = (batch, heads, num_queries, num_keys)
     where = Where(xp, *shape, offset, known, dtype, heads_axis, device, base)
+    keywords = _causal_block_mask(where, keywords)
     families: dict[Callable[..., Form | None], dict[str, Any]] = {}
     for name, value in keywords.items():
         spec = KEYWORDS.get(name)

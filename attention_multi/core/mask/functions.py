@@ -58,9 +58,8 @@ def positions(
     shape = [1, 1, 1, 1]
     shape[axis] = n
     if host:
-        x = np.arange(n, dtype=np.int32)
-        x = np.minimum(x, last - 1) if 0 < last < n else x
-        return xp.asarray((x + base).reshape(shape), device=device)
+        x = np.minimum(np.arange(n), last - 1) if 0 < last < n else np.arange(n)
+        return xp.asarray((x + base).astype(np.int32).reshape(shape), device=device)
     x = xp.arange(n, device).reshape(tuple(shape))
     x = xp.where(x < last, x, last - 1) if 0 < last < n else x
     return x + base if not is_int(base) or base else x
@@ -426,4 +425,43 @@ def block_mask(
             "traced (it captures arrays of a trace, such as jax.jit's): build the BlockMask "
             "outside the trace, or pass the function itself as mask_mod="
         )
-    return BlockMask(mask_mod, found[0], shape, bq, bk)
+    return BlockMask(
+        mask_mod, found[0], shape, bq, bk, is_causal(xp, mask_mod, found[0], shape, bq, bk, dev)
+    )
+
+
+def is_causal(
+    xp: Backend,
+    mask_mod: Callable[..., Any],
+    states: np.ndarray,
+    shape: Shape,
+    bq: int,
+    bk: int,
+    dev: Any,
+) -> bool:
+    """Whether ``mask_mod`` over ``shape`` (Q = K) is exactly ``kv_idx <= q_idx``:
+    its block ``states`` are causal's, and so is every element of the partial
+    blocks, evaluated a row of them at a time (nothing else is evaluated)."""
+    batch, heads, nq, nk = shape
+    if nq != nk:
+        return False
+    q_first, q_last = np.arange(0, nq, bq), np.minimum(np.arange(bq, nq + bq, bq), nq) - 1
+    k_first, k_last = np.arange(0, nk, bk), np.minimum(np.arange(bk, nk + bk, bk), nk) - 1
+    want = state_of(k_first[None] > q_last[:, None], k_last[None] <= q_first[:, None])
+    if states.shape[2:] != want.shape or (states != want).any():
+        return False
+    for i, row in enumerate(want):
+        js = np.flatnonzero(row == PARTIAL)
+        if not len(js):
+            continue
+        k0, k1 = int(k_first[js[0]]), int(k_last[js[-1]]) + 1
+        q0, q1 = int(q_first[i]), int(q_last[i]) + 1
+        grid = index_grid(xp, (batch, heads, q1 - q0, k1 - k0), (0, q0, k0), dev)
+        try:
+            seen = xp.to_numpy(checked_mask(xp, mask_mod, grid, dev))
+        except Exception:  # noqa: BLE001 (a function the states' evaluation took: not causal-checked)
+            return False
+        causal = np.arange(k0, k1)[None] <= np.arange(q0, q1)[:, None]
+        if not (seen == causal).all():
+            return False
+    return True

@@ -142,8 +142,8 @@ def grouped(
     the mask's pass); consecutive, or sorted by keys when ``gather``; those
     that see none last. The plans of the last calls are kept: every layer of
     a model plans the same lengths again."""
-    key = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype.char, stops.dtype.char)
-    key += (rows, call_cost, most, gather, masked_cost)
+    arrays = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype, stops.dtype)
+    key = (*arrays, rows, call_cost, most, gather, masked_cost)
     out = _GROUPED.get(key)
     if out is None:
         out = _grouped(starts, stops, whole, rows, call_cost, most, gather, masked_cost)
