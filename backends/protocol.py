@@ -190,6 +190,9 @@ class Backend:
     # lengths or no mask, take the full path at once: its few plain calls beat
     # planning and a kernel's own fixed cost (every call: at most 32768)
     small_scores: int = 1 << 15
+    # what a tile of the tiled path costs beyond its kernel call, in scores:
+    # its host work (its slices, its rows put back)
+    tile_host_cost: int = 0
     # what a mask costs a kernel per score it computes, in scores (a pass of
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0

@@ -130,6 +130,7 @@ class TorchBackend(NumpyLike):
     # (64K-256K scores, K <= 256: the full path took 0.47-0.82x of SDPA's path
     # forward, 0.77-0.88x forward and backward, 2-core CPU, d = 16..64)
     small_scores = 1 << 18
+    tile_host_cost = 4 * 8192  # (75-140 us a tile, against SDPA's 0.8-2.2 ns a score)
     weak_scalars = True
     masks_by_adding = True
 

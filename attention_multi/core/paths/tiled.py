@@ -24,10 +24,6 @@ NAME = "tiled"
 DEFAULT_BLOCK_QUERIES = 512
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls counted): cost / this
-# A tile through the kernel costs its call and this many idle kernel calls of host
-# work (its slices, its rows put back): 75-140 us a tile against SDPA's 0.8-2.2 ns
-# a score (2-core CPU, d = 16..64)
-TILE_HOST_CALLS = 4
 
 
 class Group(NamedTuple):
@@ -101,10 +97,10 @@ def plan(call: Call) -> Plan | None:
 
 def tile_cost(call: Call) -> float:
     """What a tile costs beyond its scores: through the framework's kernel, a
-    call (waits included) and ``TILE_HOST_CALLS`` idle ones; else the full
-    path's calls."""
+    call (waits included) and its host work (``Backend.tile_host_cost``);
+    else the full path's calls."""
     if fused.takes(call):
-        return call.call_cost + TILE_HOST_CALLS * call.xp.kernel_call_cost
+        return call.call_cost + call.xp.tile_host_cost
     return call.call_cost * full.CALLS
 
 
