@@ -143,26 +143,9 @@ def grouped(
     that see none last. The plans of the last calls are kept: every layer of
     a model plans the same lengths again."""
     arrays = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype, stops.dtype)
-    key = (*arrays, rows, call_cost, most, gather, masked_cost)
-    out = _GROUPED.get(key)
-    if out is None:
-        out = _grouped(starts, stops, whole, rows, call_cost, most, gather, masked_cost)
-        if len(_GROUPED) >= _GROUPED_KEPT:
-            del _GROUPED[next(iter(_GROUPED))]
-        _GROUPED[key] = out
-    return list(out)
-
-
-def _grouped(
-    starts: np.ndarray,
-    stops: np.ndarray,
-    whole: np.ndarray,
-    rows: int,
-    call_cost: float,
-    most: int,
-    gather: bool,
-    masked_cost: float,
-) -> list[tuple[np.ndarray, int, int, bool]]:
+    plan = (*arrays, rows, call_cost, most, gather, masked_cost)
+    if plan in _GROUPED:
+        return list(_GROUPED[plan])
     empty = stops <= starts
     order = np.arange(len(starts))[~empty]
     if gather:
@@ -199,4 +182,7 @@ def _grouped(
         j = cut[j]
     if empty.any():
         out.append((np.flatnonzero(empty), 0, 0, False))
+    if len(_GROUPED) >= _GROUPED_KEPT:
+        del _GROUPED[next(iter(_GROUPED))]
+    _GROUPED[plan] = out[::-1]
     return out[::-1]
