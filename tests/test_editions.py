@@ -200,6 +200,7 @@ def test_values_are_checked_in_both_forms(backend):
 
 
 def test_lazy_linear_sizes_at_first_call(backend):
+    backend.seed(0)  # (240 unseeded float32 draws now and then hold two equal ones)
     lin = am.Linear(None, 6, backend=backend)
     assert lin.in_features is None and not lin.sized
     # Gluon allocates a bias whose shape is known at once (as its Dense does)
