@@ -185,6 +185,27 @@ def test_nw_kernel_regression_forward(backend, device, dtype):
     assert tuple(net.attention_weights.shape) == (6, 4)
 
 
+def test_mask_mod_capturing_an_array_on_the_device(backend, device):
+    """A mask function that indexes an array on the call's device, on a call
+    large enough for the block-sparse path (its block states are evaluated
+    on that device too), through the module and the function."""
+    rng, docs = np.random.default_rng(7), np.repeat(np.array([[0, 1, 2], [3, 3, 4]]), 100, 1)
+    ids = to(backend, device, docs, "int32")
+
+    def doc_causal(b, h, q, k):
+        return (ids[b, q] == ids[b, k]) & (k <= q)
+
+    def doc_causal_np(b, h, q, k):
+        return (docs[b, q] == docs[b, k]) & (k <= q)
+
+    q, k, v = (rng.normal(size=(2, 300, 8)) for _ in range(3))
+    want = oracle.attention(q[:, None], k[:, None], v[:, None], mask_mod=doc_causal_np)[0][:, 0]
+    args = [to(backend, device, x, "float32") for x in (q, k, v)]
+    module = am.DotProductAttention(0.0, backend=backend, device=device).eval()
+    check(backend, module(*args, mask_mod=doc_causal), want, "float32")
+    check(backend, am.dot_product_attention(*args, mask_mod=doc_causal), want, "float32")
+
+
 # -- the seeds' worked examples ---------------------------------------------------
 
 

@@ -87,7 +87,7 @@ def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
     fn, bases = _function(where, "mask_mod", mask_mod)
     if isinstance(fn, BlockMask):
         fn.check(where.batch, where.num_queries, where.num_keys)
-    return MaskMod(fn, bases, where.xp)
+    return MaskMod(fn, bases, where.xp, where.device)
 
 
 def _score_mod(where: Where, score_mod: Any = None) -> Form:

@@ -238,13 +238,16 @@ def _shifted(bases: Bases, r: Region) -> Bases:
 
 
 class MaskMod(Form):
-    """``mask_mod`` (a function or a ``BlockMask``) at ``bases``; ``xp`` evaluates block states."""
+    """``mask_mod`` (a function or a ``BlockMask``) at ``bases``; ``xp`` evaluates
+    block states on ``device`` (the call's: the function may capture arrays there)."""
 
     kind = "mask_mod"
     cuts_traced = True
 
-    def __init__(self, mask_mod: Callable[..., Array], bases: Bases, xp: Backend | None) -> None:
-        self.mask_mod, self.bases, self.xp = mask_mod, bases, xp
+    def __init__(
+        self, mask_mod: Callable[..., Array], bases: Bases, xp: Backend | None, device: Any = None
+    ) -> None:
+        self.mask_mod, self.bases, self.xp, self.device = mask_mod, bases, xp, device
         self.block_mask = mask_mod if isinstance(mask_mod, BlockMask) else None
 
     def _on(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
@@ -269,7 +272,7 @@ class MaskMod(Form):
         xp = self.xp
         if xp is None:
             return PARTIAL
-        v = self._on(xp, mask, r, None)
+        v = self._on(xp, mask, r, self.device)
         if not xp.is_concrete(v):
             return PARTIAL
         v = xp.to_numpy(v)
@@ -285,14 +288,14 @@ class MaskMod(Form):
         unknown = np.full((1, nqb, nkb), PARTIAL, np.int8)
         if xp is None or not is_int(*self.bases):
             return unknown
-        found = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, None, self.bases)
+        found = evaluate(xp, self.mask_mod, _shape(mask), block_q, block_k, self.device, self.bases)
         if found is None:
             return unknown
         mask._once(USED_KEYS, lambda: found[1])  # (rules.used_keys: no second evaluation)
         return least_state(found[0], 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp)
+        return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp, self.device)
 
 
 class ScoreMod(Form):
