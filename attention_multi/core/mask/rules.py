@@ -110,16 +110,22 @@ def kernel_inputs(
     values: Array,
     queries_finite: bool = False,
     keys_finite: bool = False,
+    rows_see_keys: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
     """``(keys, values, finish)`` for a kernel: unused key and value rows zeroed,
     ``finish(out)`` zeroes empty rows. Without ``Backend.fused_keeps_nan`` the
     NaN rules are kept around it on the device (a query row's NaN comes back;
     under a per-query mask, rows that may see a NaN key are NaN).
-    ``queries_finite``, ``keys_finite``: checked finite by the caller."""
+    ``queries_finite``, ``keys_finite``: checked finite by the caller;
+    ``rows_see_keys``: known to the caller, every query sees a key."""
     if not keys_finite:
         keys, values = guard_unused(xp, mask, keys, values)
+
+    def empty(out: Array) -> Array:
+        return out if rows_see_keys else zero_empty_rows(xp, mask, out)
+
     if xp.fused_keeps_nan:
-        return keys, values, lambda out: zero_empty_rows(xp, mask, out)
+        return keys, values, empty
     seen = None
     # (a kernel that skips the hidden half of top-left causal itself never reads it)
     if mask.per_query and not keys_finite and not (mask.top_left_causal and xp.fused_causal):
@@ -134,7 +140,7 @@ def kernel_inputs(
         if seen is not None:
             nan = xp.astype(xp.asarray(np.float32(np.nan), device=xp.device_of(out)), dtype)
             out = xp.where(seen, nan, out)
-        return zero_empty_rows(xp, mask, out)
+        return empty(out)
 
     return keys, values, finish
 

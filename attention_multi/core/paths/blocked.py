@@ -137,7 +137,9 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             runs = [spans[b0, qi] for qi in range(first, last + 1)]
             if len(runs) > 1:  # (consecutive rows over the keys they see together: one call)
                 runs = [[(min(s[0][0] for s in runs), max(s[0][1] for s in runs), None)]]
-            out = _kernel_rows(call, cuts, runs[0], (b0, b1, q0, q1), finite)
+            row_states = table[b0 if table.shape[0] > 1 else 0, first : last + 1]
+            every_row = bool((row_states == FULL).any(-1).all())  # (a full block in each row)
+            out = _kernel_rows(call, cuts, runs[0], (b0, b1, q0, q1), finite, every_row)
             if out is not None:
                 done[first] = in_dtype(xp, out, work)
         rows, qi = [], 0
@@ -241,12 +243,17 @@ class _Cuts:
 
 
 def _kernel_rows(
-    call: Call, cuts: _Cuts, spans: list[tuple[int, int, Any]], where: Any, finite: bool
+    call: Call,
+    cuts: _Cuts,
+    spans: list[tuple[int, int, Any]],
+    where: Any,
+    finite: bool,
+    rows_see_keys: bool,
 ) -> Array | None:
     """One block of queries (batch ``b0..b1``, queries ``q0..q1``) through
     ``fused.kernel``, over the runs of keys ``spans`` ``(k0, k1, state or
     None)`` (put side by side when there are several); None when the kernel
-    declines or no key is visible."""
+    declines or no key is visible. ``rows_see_keys``: each query sees a key."""
     xp, mask, (b0, b1, q0, q1) = call.xp, call.mask, where
     if not spans or (len(spans) > 1 and mask.bias is not None):
         return None
@@ -271,4 +278,11 @@ def _kernel_rows(
         forms = (arrays(xp, allowed, None),)
         sub = Mask(b1 - b0, mask.heads, q1 - q0, int(ks.shape[2]), forms, True, xp)
     args = (cuts.queries(b0, b1, q0, q1), ks, vs, sub, call.scale)
-    return fused.kernel(xp, *args, dropout=call.dropout, queries_finite=finite, keys_finite=finite)
+    return fused.kernel(
+        xp,
+        *args,
+        dropout=call.dropout,
+        queries_finite=finite,
+        keys_finite=finite,
+        rows_see_keys=rows_see_keys,
+    )

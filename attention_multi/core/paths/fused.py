@@ -32,16 +32,18 @@ def kernel(
     queries_finite: bool = False,
     keys_finite: bool = False,
     guarded: bool = True,
+    rows_see_keys: bool = False,
 ) -> Array | None:
     """The backend's kernel (None when it declines) with the core's rules
-    around it (``rules.kernel_inputs``); not ``guarded``: empty rows zeroed only
-    (the caller checks ``rules.unguarded_holds``)."""
+    around it (``rules.kernel_inputs``: what the caller knows, finite inputs,
+    rows that each see a key); not ``guarded``: empty rows zeroed only (the
+    caller checks ``rules.unguarded_holds``)."""
     if not xp.has_fused_attention or mask.score_mod is not None:
         return None
     if not guarded:
         out = xp.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
         return None if out is None else zero_empty_rows(xp, mask, out)
-    k, v, done = kernel_inputs(xp, mask, q, k, v, queries_finite, keys_finite)
+    k, v, done = kernel_inputs(xp, mask, q, k, v, queries_finite, keys_finite, rows_see_keys)
     out = xp.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else done(out)
 
