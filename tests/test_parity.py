@@ -206,6 +206,21 @@ def test_mask_mod_capturing_an_array_on_the_device(backend, device):
     check(backend, am.dot_product_attention(*args, mask_mod=doc_causal), want, "float32")
 
 
+def test_packed_documents_path_on_each_device(backend, device):
+    """Packed documents (segment ids, causal): on a CPU the tiles skip what no
+    query sees; on a GPU one fused call (a tile's launches cost more there
+    than the scores it skips), both agreeing with the oracle."""
+    rng, docs = np.random.default_rng(8), np.repeat(np.array([[0, 1, 2, 3], [4, 4, 5, 6]]), 128, 1)
+    q, k, v = (rng.normal(size=(2, 512, 8)) for _ in range(3))
+    expected = oracle.attention(q[:, None], k[:, None], v[:, None], segment_ids=docs, causal=True)
+    want = expected[0][:, 0]
+    module = am.DotProductAttention(0.0, backend=backend, device=device).eval()
+    args = [to(backend, device, x, "float32") for x in (q, k, v)]
+    ids = to(backend, device, docs, "int32")
+    check(backend, module(*args, segment_ids=ids, causal=True), want, "float32")
+    assert module.last_path == ("tiled" if device == "cpu" else "fused")
+
+
 # -- the seeds' worked examples ---------------------------------------------------
 
 
