@@ -31,6 +31,13 @@ def get_backend(backend: str | Backend | Any = None) -> Backend:
     array (``am.get_backend(tensor)``). The one public way to fetch a backend."""
     if backend is not None:
         return _given(backend)
+    chosen = chosen_backend()
+    return backends.load("numpy") if chosen is None else chosen
+
+
+def chosen_backend() -> Backend | None:
+    """The default backend where one was chosen (``use_backend``,
+    ``set_backend``, ATTENTION_MULTI_BACKEND), else None."""
     stack = getattr(_local, "stack", None)
     if stack:
         return stack[-1]
@@ -39,7 +46,7 @@ def get_backend(backend: str | Backend | Any = None) -> Backend:
         return chosen
     name = os.environ.get(BACKEND_ENV, "").strip()
     if not name:
-        return backends.load("numpy")
+        return None
     try:
         return backends.load(name)
     except ValueError as exc:

@@ -30,6 +30,8 @@ differs from torch's:
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 import weakref
 from typing import Any, Callable
 
@@ -37,10 +39,17 @@ import numpy as np
 
 from attention_multi import backends
 
-from .config import get_backend, native_device
+from .config import chosen_backend, get_backend, native_device
 from .core.mask.blocks import BlockMask
 from .core.mask.functions import block_mask as _block_mask
-from .core.mask.functions import index_grid, is_causal
+from .core.mask.functions import (
+    captured,
+    checked_mask,
+    checked_scores,
+    index_grid,
+    is_causal,
+    native_captures,
+)
 from .core.mask.spec import EMPTY, FULL, PARTIAL
 from .functional import dot_product_attention
 from .types import Array
@@ -89,7 +98,7 @@ def flex_attention(
         )
     forms: dict[str, Any] = {}
     blocks = as_block_mask(block_mask)
-    if blocks is not None and not blocks.all_full:
+    if blocks is not None and not getattr(blocks, "all_full", False):
         forms["mask_mod"] = blocks
     if score_mod is not None:
         forms["score_mod"] = score_mod
@@ -98,8 +107,9 @@ def flex_attention(
     )
 
 
-def as_block_mask(block_mask: Any) -> BlockMask | None:
-    """Ours as it is; torch's as ours (its function and block states), made once."""
+def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
+    """Ours as it is; torch's as ours (its function and block states), made
+    once; while torch traces, its function alone."""
     if block_mask is None or isinstance(block_mask, BlockMask):
         return block_mask
     if not _is_torch_block_mask(block_mask):
@@ -107,6 +117,8 @@ def as_block_mask(block_mask: Any) -> BlockMask | None:
             f"block_mask must be a BlockMask of create_block_mask (ours or torch's), "
             f"got {type(block_mask).__name__}"
         )
+    if backends.load("torch").is_tracing():  # (its states are read on the host: not now)
+        return block_mask.mask_mod
     ours = _CONVERTED.get(block_mask)
     if ours is None:
         ours = _CONVERTED[block_mask] = _from_torch(block_mask)
@@ -155,10 +167,16 @@ def create_block_mask(
     """torch's ``create_block_mask``: the block states of ``mask_mod`` over
     (B, H, Q_LEN, KV_LEN), ``B`` or ``H`` None when the function ignores
     the axis, blocks of ``BLOCK_SIZE`` (an int or (queries, keys)).
-    Evaluated one block row at a time on ``backend``: by default that of the
-    arrays the function captures, else the current one; ``device`` a device
-    name of it (default: the current device). ``_compile`` is ignored."""
-    xp = _backend_for(mask_mod, backend)
+    Evaluated one block row at a time on ``backend``: by default that of
+    ``device`` or of the arrays or the framework the function names, else
+    the chosen default, or torch where it is imported; ``device`` a device
+    of it (default: the current device). ``_compile`` is ignored."""
+    xp = _backend_for(mask_mod, backend, device)
+    if xp.host_code_traced():  # (torch.compile: no host states; every block is partial)
+        shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
+        bq, bk = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE,) * 2
+        states = np.full(shape[:2] + (-(-Q_LEN // bq), -(-KV_LEN // bk)), PARTIAL, np.int8)
+        return BlockMask(mask_mod, states, shape, bq, bk, all_full=False)
     return _block_mask(
         mask_mod,
         1 if B is None else B,
@@ -184,18 +202,15 @@ def create_mask(
     """torch's ``create_mask``: the dense (B, H, Q_LEN, KV_LEN) boolean mask
     of a ``mask_mod``, or the scores a ``score_mod`` makes of zeros, as an
     array of ``backend`` (as ``create_block_mask`` picks it)."""
-    xp = _backend_for(mod_fn, backend)
+    xp = _backend_for(mod_fn, backend, device)
     dev = native_device(xp, device)
     shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
     grid = index_grid(xp, shape, (0, 0, 0), dev)
     if _is_score_mod(mod_fn):
-        return xp.broadcast_to(mod_fn(xp.zeros(shape, "float32", dev), *grid), shape)
-    out = mod_fn(*grid)
-    if not xp.is_array(out):
-        out = xp.asarray(np.asarray(out, bool), device=dev)
-    elif xp.dtype_name(out) != "bool":
-        out = xp.astype(out, "bool")
-    return xp.broadcast_to(out.reshape((1,) * (4 - len(out.shape)) + tuple(out.shape)), shape)
+        fn = native_captures(xp, "score_mod", mod_fn, dev)
+        return checked_scores(xp, fn, xp.zeros(shape, "float32", dev), grid)
+    fn = native_captures(xp, "mask_mod", mod_fn, dev)
+    return xp.broadcast_to(checked_mask(xp, fn, grid, dev), shape)
 
 
 def noop_mask(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
@@ -260,34 +275,57 @@ def _is_score_mod(fn: Callable[..., Any]) -> bool:
     return sum(p.default is inspect.Parameter.empty for p in params) == 5
 
 
-def _backend_for(fn: Callable[..., Any], backend: Any) -> Any:
-    """``backend``, else that of an array ``fn`` captures (in its closure
-    or its functions' closures, as ``and_masks`` makes them), else the current one."""
+_FRAMEWORKS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "mxnet": "mxnet"}
+
+
+def _backend_for(fn: Callable[..., Any], backend: Any, device: Any = None) -> Any:
+    """``backend``; else that of ``device`` (a framework's device object), of
+    an array ``fn`` captures, or of the one framework it names (``torch.abs``,
+    ``jnp.where``), in its closure and globals and in the functions it
+    captures (as ``and_masks`` makes them); else the chosen default, or torch
+    where it is imported (these are torch's functions)."""
     if backend is not None:
         return get_backend(backend)
+    named = _framework(device) if device is not None and not isinstance(device, str) else None
+    if named is not None:
+        return backends.load(named)
+    frameworks: set[str] = set()
     seen: set[int] = set()
-    todo = [fn]
+    todo: list[Any] = [fn]
     while todo:
-        f = todo.pop()
-        if id(f) in seen:
+        x = todo.pop()
+        if id(x) in seen:
             continue
-        seen.add(id(f))
-        captured = []
-        for cell in getattr(f, "__closure__", None) or ():
+        seen.add(id(x))
+        if isinstance(x, (tuple, list)):
+            todo += x
+        elif isinstance(x, BlockMask):
+            todo.append(x.mask_mod)
+        elif isinstance(x, types.FunctionType) and _framework(x) is None:
+            for where, _, value in captured(x):  # (another package's functions: by name only)
+                other = isinstance(value, types.FunctionType) and value.__module__ != x.__module__
+                if not (where == "global" and other and _framework(value) is None):
+                    todo.append(value)
+        elif isinstance(x, types.ModuleType) or callable(x):
+            name = _framework(x)
+            frameworks |= set() if name is None else {name}
+        elif not isinstance(x, (np.ndarray, np.generic, int, float, bool, str)):
             try:
-                captured.append(cell.cell_contents)
-            except ValueError:  # (an empty cell)
-                continue
-        code, names = getattr(f, "__code__", None), getattr(f, "__globals__", {})
-        captured += [names[n] for n in (code.co_names if code else ()) if n in names]
-        for value in captured:
-            values = value if isinstance(value, (tuple, list)) else (value,)
-            for x in values:
-                if callable(x) and not isinstance(x, np.ndarray):
-                    todo.append(x)
-                elif not isinstance(x, (np.ndarray, np.generic, int, float, bool, str)):
-                    try:
-                        return backends.backend_of_array(x)
-                    except TypeError:
-                        pass
-    return get_backend()
+                return backends.backend_of_array(x)
+            except TypeError:
+                pass
+    if len(frameworks) == 1:
+        return backends.load(frameworks.pop())
+    chosen = chosen_backend()
+    if chosen is None and "torch" in sys.modules:
+        return backends.load("torch")
+    return get_backend() if chosen is None else chosen
+
+
+def _framework(x: Any) -> str | None:
+    """The backend named by the package ``x`` (a module, a function, a
+    device) comes from, if a framework's."""
+    module = x.__name__ if isinstance(x, types.ModuleType) else type(x).__module__
+    if not isinstance(x, types.ModuleType) and callable(x):
+        module = getattr(x, "__module__", None) or ""
+    return _FRAMEWORKS.get(str(module).split(".")[0])

@@ -47,6 +47,7 @@ __all__ = [
     "backend_of_array",
     "canonical_name",
     "listing",
+    "near_miss",
     "load",
     "parse_device",
 ]
@@ -156,5 +157,14 @@ def backend_of_array(x: Any) -> Backend:
     raise TypeError(
         f"cannot tell which backend an object of type "
         f"{type(x).__module__}.{type(x).__qualname__} belongs to; expected "
-        f"a {listing(BACKEND_NAMES)} array"
+        f"a {listing(BACKEND_NAMES)} array{near_miss(x)}"
     )
+
+
+def near_miss(x: Any) -> str:
+    """How to make an array of ``x`` (after "; ") where a loaded backend knows, else ""."""
+    for backend in _loaded.values():
+        hint = backend.near_miss(x)
+        if hint:
+            return f"; {hint}"
+    return ""

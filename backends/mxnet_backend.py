@@ -79,11 +79,18 @@ class MXNetBackend(NumpyLike):
     masks_by_lengths = True  # (SequenceMask: about a fifth of where's time)
     xp = mnp
     array_type = mnp.ndarray
+
+    def near_miss(self, x):
+        if isinstance(x, mx.nd.NDArray):
+            return "the mxnet backend takes mxnet.numpy arrays: convert with x.as_np_ndarray()"
+        return None
+
     module_base = GluonModule
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
     has_fused_attention = True
     dense_index_grids = True  # MXNet 1.9.1: | and & on broadcast booleans fail
+    mixed_int_ops = False  # MXNet 1.9.1: int32 <= int64 fails ("Type inconsistent")
     kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)
 
     def asarray(self, x, dtype=None, device=None):

@@ -96,6 +96,11 @@ class Backend:
         """True if ``x`` is an array (or tracer) of this framework."""
         raise NotImplementedError
 
+    def near_miss(self, x: Any) -> str | None:
+        """How to make an array of ``x`` when it is this framework's object of
+        another kind (MXNet's ``mx.nd`` arrays), else None."""
+        return None
+
     def asarray(self, x: Any, dtype: DType | None = None, device: Any = None) -> Array:
         """Array of this framework from array-like ``x``; dtype is a name."""
         raise NotImplementedError
@@ -213,6 +218,7 @@ class Backend:
     # (the mask is a select, not an addition); if not, the core restores it
     fused_keeps_nan: bool = False
     dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
+    mixed_int_ops: bool = True  # whether int32 and int64 arrays meet in one operation
 
     # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(

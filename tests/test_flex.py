@@ -70,10 +70,10 @@ def test_flex_api_on_every_backend(backend):
     block = flex.create_block_mask(mask_mod, B_, None, T, T, device="cpu", BLOCK_SIZE=4)
     assert block.shape == (B_, 1, T, T) and block.BLOCK_SIZE == (4, 4)
     dense = oracle.allowed_keys(B_, 1, T, T, mask_mod=mask_np)
-    tiles = np.pad(dense, ((0, 0), (0, 0), (0, 1), (0, 1))).reshape(B_, 1, 3, 4, 3, 4)
-    seen = tiles.any((3, 5))
-    np.testing.assert_array_equal(block.to_dense(), seen.astype(np.int32))
-    assert block.sparsity() == pytest.approx(100 * (1 - seen.mean()))
+    seen = _block_states(dense, 4)
+    np.testing.assert_array_equal(block.to_dense(), seen)
+    # (flex's: the share of the scores outside computed blocks, each counted whole)
+    assert block.sparsity() == pytest.approx(100 * (1 - seen.sum() * 16 / (B_ * T * T)))
     np.testing.assert_array_equal(block.kv_num_blocks + block.full_kv_num_blocks, seen.sum(-1))
     assert block.full_kv_num_blocks.sum() == 0  # (causal: no block is full)
     np.testing.assert_array_equal(block.kv_indices[0, 0, 2], [0, 1, 2])
@@ -93,7 +93,7 @@ def test_flex_api_on_every_backend(backend):
     got = flex.create_mask(mask_mod, B_, 1, T, T, device="cpu", backend=backend)
     np.testing.assert_array_equal(backend.to_numpy(got), dense)
     everything = flex.create_block_mask(flex.noop_mask, 1, 1, T, T, device="cpu", BLOCK_SIZE=4)
-    assert everything.sparsity() == 0.0
+    assert everything.sparsity() == pytest.approx(100 * (1 - 9 * 16 / (T * T)))  # (flex's: < 0)
     out = flex.flex_attention(q, k, v, block_mask=everything, scale=0.3, enable_gqa=True)
     want, _ = oracle.attention(*_np(backend, q, k, v), scale=0.3)
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
@@ -375,3 +375,197 @@ def test_same_answers_as_torch_flex_attention():
     for block in (ours, theirs):
         got = flex.flex_attention(q, k, v, score_mod=slope, block_mask=block)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _block_states(dense, block):
+    """flex's (batch, heads, Q blocks, K blocks) int32 of a dense mask: 1 where
+    a block (past the end: padded with False) has a key seen."""
+    b, h, nq, nk = dense.shape
+    pq, pk = -nq % block, -nk % block
+    tiles = np.pad(dense, ((0, 0), (0, 0), (0, pq), (0, pk)))
+    return tiles.reshape(b, h, (nq + pq) // block, block, -1, block).any((3, 5)).astype(np.int32)
+
+
+def test_functions_written_for_their_framework(monkeypatch):
+    """Functions that call their framework (``torch.abs``, a tensor's
+    ``.abs()``, ``jnp.abs``) and capture no array of it run on it: the
+    framework they name, else that of ``device=``, else torch where it is
+    imported (flex's functions are torch's). Block states and ``create_mask``
+    against the oracle's dense mask."""
+    import jax.numpy as jnp
+    import torch
+
+    from attention_multi import config
+
+    monkeypatch.setitem(config._state, "backend", None)
+    monkeypatch.delenv("ATTENTION_MULTI_BACKEND", raising=False)
+    n = 40
+
+    def dilated(b, h, q_idx, kv_idx):
+        diff = torch.abs(q_idx - kv_idx)
+        return (diff <= 8) & (diff % 2 == 0)
+
+    def dilated_jax(b, h, q_idx, kv_idx):
+        diff = jnp.abs(q_idx - kv_idx)
+        return (diff <= 8) & (diff % 2 == 0)
+
+    def near(b, h, q_idx, kv_idx):  # (names no framework: a tensor's method)
+        return (q_idx // 8 - kv_idx // 8).abs() <= 1
+
+    def dilated_np(b, h, q_idx, kv_idx):
+        diff = np.abs(q_idx - kv_idx)
+        return (diff <= 8) & (diff % 2 == 0)
+
+    def near_np(b, h, q_idx, kv_idx):
+        return np.abs(q_idx // 8 - kv_idx // 8) <= 1
+
+    cases = [
+        (dilated, dilated_np, "cpu", torch.Tensor),
+        (dilated_jax, dilated_np, "cpu", type(jnp.zeros(1))),
+        (near, near_np, torch.device("cpu"), torch.Tensor),
+        (near, near_np, "cpu", torch.Tensor),
+    ]
+    for fn, same, device, kind in cases:
+        dense = oracle.allowed_keys(1, 1, n, n, mask_mod=same)
+        block = flex.create_block_mask(fn, None, None, n, n, device=device, BLOCK_SIZE=16)
+        np.testing.assert_array_equal(block.to_dense(), _block_states(dense, 16))
+        got = flex.create_mask(fn, None, None, n, n, device=device)
+        assert isinstance(got, kind), (fn.__name__, type(got))
+        np.testing.assert_array_equal(np.asarray(got), dense)
+    slopes = torch.tensor([0.5, 0.25])
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx - q_idx) * torch.exp2(-(h + 1.0))
+
+    scores = flex.create_mask(alibi, None, 2, 8, 8, device="cpu")
+    want = slopes.numpy()[:, None, None] * (np.arange(8)[None] - np.arange(8)[:, None])
+    np.testing.assert_allclose(scores.numpy()[0], want, rtol=1e-6)
+
+
+def test_create_mask_checks_the_function(backend):
+    """``create_mask`` checks what a ``mask_mod`` returns as the attention
+    calls do: None (a missing return) or a float is a TypeError, a shape that
+    does not broadcast to (B, H, Q, K) a ValueError naming the shapes."""
+
+    def no_return(b, h, q_idx, kv_idx):
+        q_idx <= kv_idx  # noqa: B015 (the bug under test)
+
+    def floats(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) * 1.0
+
+    def short(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx)[..., :3]
+
+    args = (2, 1, 6, 6)
+    with pytest.raises(TypeError, match=r"mask_mod returned None.*\(2, 1, 6, 6\)"):
+        flex.create_mask(no_return, *args, backend=backend)
+    with pytest.raises(TypeError, match="mask_mod must return booleans"):
+        flex.create_mask(floats, *args, backend=backend)
+    with pytest.raises(ValueError, match=r"mask_mod failed.*\(2, 1, 6, 6\)"):
+        flex.create_mask(short, *args, backend=backend)
+
+
+def test_numpy_captured_inside_block_masks_and_combinations(backend):
+    """A NumPy array captured by a function inside ``and_masks``/``or_masks``
+    or a ``BlockMask`` is converted to the call's backend as a captured one
+    is (int64 ids beside int32 indices included), eager and under
+    ``jax.jit``; against the oracle."""
+    n = 150
+    ids = np.zeros((B_, n), np.int64)
+    ids[:, 60:] = 1
+    ids[1, 110:] = 2
+    prefix_len = np.array([10, 70])
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return ids[b, q_idx] == ids[b, kv_idx]
+
+    def prefix(b, h, q_idx, kv_idx):
+        return kv_idx <= prefix_len[b]
+
+    rng = np.random.default_rng(3)
+    q, k, v = (backend.asarray(rng.normal(size=(B_, 2, n, D)), "float32") for _ in "qkv")
+    cases = [
+        (
+            flex.and_masks(same_doc, _causal),
+            lambda b, h, qi, ki: (ids[b, qi] == ids[b, ki]) & (ki <= qi),
+        ),
+        (flex.or_masks(prefix, _causal), lambda b, h, qi, ki: (ki <= prefix_len[b]) | (ki <= qi)),
+    ]
+    for fn, same in cases:
+        want, _ = oracle.attention(*_np(backend, q, k, v), mask_mod=same)
+        block = flex.create_block_mask(fn, B_, None, n, n, BLOCK_SIZE=32, backend="numpy")
+        for mask in (fn, block):
+            out = (
+                flex.flex_attention(q, k, v, block_mask=block)
+                if mask is block
+                else (am.dot_product_attention(q, k, v, mask_mod=fn))
+            )
+            np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
+        if backend.name == "jax":
+            import jax
+
+            jitted = jax.jit(lambda q, k, v, m=block: flex.flex_attention(q, k, v, block_mask=m))
+            out = jitted(q, k, v)
+            np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
+
+
+def test_block_mask_fields_and_heads_as_torch():
+    """Where Q or K is not a multiple of the block, flex pads with masked
+    positions: a block past the end is never full; our fields and
+    ``sparsity()`` (in scores, each computed block whole) equal torch's. A
+    block mask of other heads than the call's is refused, as torch's."""
+    import torch
+    from torch.nn.attention import flex_attention as tf
+
+    for nq, nk, size in ((100, 256, 32), (200, 300, (32, 64)), (256, 256, 64)):
+        theirs = tf.create_block_mask(_causal, 1, 1, nq, nk, device="cpu", BLOCK_SIZE=size)
+        ours = flex.create_block_mask(_causal, 1, 1, nq, nk, device="cpu", BLOCK_SIZE=size)
+        fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+        fields += ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+        for field in fields:
+            np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field).numpy())
+        np.testing.assert_array_equal(ours.to_dense(), theirs.to_dense().numpy())
+        assert ours.sparsity() == pytest.approx(theirs.sparsity())
+        assert ours.numel() == theirs.numel() and ours.seq_lengths == tuple(theirs.seq_lengths)
+        assert ours.to("cpu") is ours
+    four = flex.create_block_mask(_causal, 1, 4, 64, 64, device="cpu", BLOCK_SIZE=32)
+    q = torch.randn(1, 2, 64, 8)
+    with pytest.raises(ValueError, match="built for batch 1, 4 heads.*2 query heads"):
+        flex.flex_attention(q, q, q, block_mask=four)
+
+
+def test_block_masks_under_torch_compile_as_the_first_call():
+    """Under ``torch.compile(fullgraph=True)`` as the first call: a torch
+    ``BlockMask`` (its function, no host states while traced) and
+    ``create_block_mask`` inside the compiled function (every block
+    partial) give the oracle's answers."""
+    import torch
+    from torch.nn.attention import flex_attention as tf
+
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 20)
+
+    n = 64
+    theirs = tf.create_block_mask(window, None, None, n, n, device="cpu", BLOCK_SIZE=32)
+    q, k, v = (
+        torch.randn(1, 2, n, 8, generator=torch.Generator().manual_seed(s)) for s in range(3)
+    )
+    want, _ = oracle.attention(*(x.double().numpy() for x in (q, k, v)), mask_mod=window)
+
+    def inside(q, k, v):
+        block = flex.create_block_mask(window, None, None, n, n, device="cpu", BLOCK_SIZE=32)
+        return flex.flex_attention(q, k, v, block_mask=block)
+
+    given = torch.compile(
+        lambda q, k, v: flex.flex_attention(q, k, v, block_mask=theirs), fullgraph=True
+    )
+    for f in (given, torch.compile(inside, fullgraph=True)):
+        np.testing.assert_allclose(f(q, k, v).numpy(), want, rtol=3e-5, atol=3e-5)
+
+
+def test_mxnet_nd_arrays_are_named():
+    """An ``mx.nd`` array is refused with the way to convert it."""
+    mx = pytest.importorskip("mxnet")
+    q = mx.nd.zeros((1, 2, 4, 8))
+    with pytest.raises(TypeError, match=r"got NDArray; .*as_np_ndarray\(\)"):
+        flex.flex_attention(q, q, q)

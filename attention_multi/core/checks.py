@@ -29,7 +29,7 @@ def backend_of(**arrays: Any) -> Backend:
         except TypeError:
             raise TypeError(
                 f"{name} must be a {backends.listing(backends.BACKEND_NAMES)} array, "
-                f"got {type(x).__name__}"
+                f"got {type(x).__name__}{backends.near_miss(x)}"
             ) from None
     names = sorted({b.name for b in found.values()})
     if len(names) > 1:

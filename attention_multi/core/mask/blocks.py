@@ -32,11 +32,13 @@ class BlockMask:
         block_q: int,
         block_k: int,
         causal: bool = False,
+        all_full: bool | None = None,
     ) -> None:
         self.mask_mod, self.states, self.causal = mask_mod, states, causal
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
-        self.all_full = bool((states == FULL).all())  # (a host bool: read under traces too)
+        # (a host bool: read under traces too)
+        self.all_full = bool((states == FULL).all()) if all_full is None else all_full
 
     def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.mask_mod(b, h, q_idx, kv_idx)
@@ -52,20 +54,45 @@ class BlockMask:
         """(queries, keys) per block."""
         return (self.block_q, self.block_k)
 
+    @property
+    def seq_lengths(self) -> tuple[int, int]:
+        """(Q, K) it was built for."""
+        return (self.num_queries, self.num_keys)
+
+    def numel(self) -> int:
+        """batch * heads * Q * K, as flex's."""
+        return self.batch * self.heads * self.num_queries * self.num_keys
+
+    def to(self, device: object) -> BlockMask:
+        """Itself: its fields are host arrays, evaluated on each call's device."""
+        return self
+
     def sparsity(self) -> float:
-        """The percentage of blocks that are empty (never computed), as flex's."""
-        return 100.0 * float((self.states == EMPTY).mean())
+        """The percentage of the scores in blocks never computed, as flex's
+        (each computed block counted whole)."""
+        computed = int((self._flex_states() != EMPTY).sum()) * self.block_q * self.block_k
+        return 100.0 * (1 - computed / self.numel())
 
     def to_dense(self) -> np.ndarray:
         """int32 (batch, heads, Q blocks, K blocks): 1 where a block is computed."""
-        shape = (self.batch, self.heads) + tuple(self.states.shape[2:])
-        return np.broadcast_to(self.states != EMPTY, shape).astype(np.int32)
+        return (self._flex_states() != EMPTY).astype(np.int32)
 
-    def _listed(self, state: int) -> tuple[np.ndarray, np.ndarray]:
+    def _flex_states(self) -> np.ndarray:
+        """The states as flex lists them, (batch, heads, Q blocks, K blocks): a
+        block past the end of Q or K (padded there) is never full."""
+        s = np.broadcast_to(self.states, (self.batch, self.heads) + self.states.shape[2:]).copy()
+        if self.num_queries % self.block_q:
+            s[:, :, -1] = np.minimum(s[:, :, -1], PARTIAL)
+        if self.num_keys % self.block_k:
+            s[..., -1] = np.minimum(s[..., -1], PARTIAL)
+        return s
+
+    def _listed(self, state: int, by_keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """FlexAttention's (num_blocks, indices) of the blocks in ``state``: per row of
-        blocks, their count, and their indices first (ascending), then the others'."""
-        shape = (self.batch, self.heads) + tuple(self.states.shape[2:])
-        hit = np.broadcast_to(self.states == state, shape)
+        blocks (column: ``by_keys``), their count, and their indices first (ascending),
+        then the others'."""
+        hit = self._flex_states() == state
+        hit = hit.swapaxes(-1, -2) if by_keys else hit
         order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
         return hit.sum(-1).astype(np.int32), order
 
@@ -89,18 +116,45 @@ class BlockMask:
         """int32 (batch, heads, Q blocks, K blocks): each row's full blocks first."""
         return self._listed(FULL)[1]
 
+    @property
+    def q_num_blocks(self) -> np.ndarray:
+        """int32 (batch, heads, K blocks): the partial blocks of each column."""
+        return self._listed(PARTIAL, True)[0]
+
+    @property
+    def q_indices(self) -> np.ndarray:
+        """int32 (batch, heads, K blocks, Q blocks): each column's partial blocks first."""
+        return self._listed(PARTIAL, True)[1]
+
+    @property
+    def full_q_num_blocks(self) -> np.ndarray:
+        """int32 (batch, heads, K blocks): the full blocks of each column."""
+        return self._listed(FULL, True)[0]
+
+    @property
+    def full_q_indices(self) -> np.ndarray:
+        """int32 (batch, heads, K blocks, Q blocks): each column's full blocks first."""
+        return self._listed(FULL, True)[1]
+
+    def with_mask_mod(self, mask_mod: Callable[..., Array]) -> BlockMask:
+        """The same states of another function (``mask_mod`` with its captures converted)."""
+        shape = (self.batch, self.heads, self.num_queries, self.num_keys)
+        return BlockMask(mask_mod, self.states, shape, self.block_q, self.block_k, self.causal)
+
     def __repr__(self) -> str:
         return (
             f"BlockMask(shape={self.shape}, block=({self.block_q}, {self.block_k}), "
             f"sparsity={self.sparsity():.2f}%)"
         )
 
-    def check(self, batch: int, num_queries: int, num_keys: int) -> None:
+    def check(self, batch: int, heads: int, num_queries: int, num_keys: int) -> None:
         """ValueError unless the block mask covers a call of this shape."""
-        if self.num_keys != num_keys or self.batch not in (1, batch):
+        covered = self.batch in (1, batch) and self.heads in (1, heads)
+        if self.num_keys != num_keys or not covered:
             raise ValueError(
-                f"the BlockMask was built for batch {self.batch} and {self.num_keys} keys; "
-                f"this call has batch {batch} and {num_keys} keys"
+                f"the BlockMask was built for batch {self.batch}, {self.heads} heads and "
+                f"{self.num_keys} keys; this call has batch {batch}, {heads} query heads and "
+                f"{num_keys} keys"
             )
         if num_queries > self.num_queries:
             raise ValueError(

@@ -86,7 +86,7 @@ def _function(where: Where, name: str, fn: Any) -> tuple[Any, tuple[Any, Any, An
 def _mask_mod(where: Where, mask_mod: Any = None) -> Form:
     fn, bases = _function(where, "mask_mod", mask_mod)
     if isinstance(fn, BlockMask):
-        fn.check(where.batch, where.num_queries, where.num_keys)
+        fn.check(where.batch, where.heads, where.num_queries, where.num_keys)
     return MaskMod(fn, bases, where.xp, where.device)
 
 
@@ -127,7 +127,7 @@ def _causal_block_mask(where: Where, keywords: dict[str, Any]) -> dict[str, Any]
         return keywords
     if not (is_int(where.offset, where.query_base) and where.offset == where.query_base == 0):
         return keywords
-    bm.check(where.batch, where.num_queries, where.num_keys)
+    bm.check(where.batch, where.heads, where.num_queries, where.num_keys)
     if where.num_queries != bm.num_queries:
         return keywords
     return {**keywords, "mask_mod": None, "causal": True}

@@ -187,46 +187,84 @@ def checked_scores(
     )
 
 
-def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
-    """``fn`` with the NumPy arrays it captures (closure variables, default
-    arguments, the globals it names) as arrays of ``xp`` on ``device``; ``fn``
-    itself when it captures none, or when ``xp`` takes NumPy arrays."""
-    if not isinstance(fn, types.FunctionType) or xp.is_array(np.zeros(0)):
-        return fn
-    code, cells, defaults = fn.__code__, fn.__closure__ or (), fn.__defaults__ or ()
-    held = {}
-    for var, cell in zip(code.co_freevars, cells):
+def captured(fn: Any) -> list[tuple[str, str, Any]]:
+    """What a function captures, as ``(where, name, value)``: its bound closure
+    cells (``"cell"``), defaults (``"default"``) and the globals its code
+    names, nested code's too (``"global"``); nothing for other callables."""
+    if not isinstance(fn, types.FunctionType):
+        return []
+    code, found = fn.__code__, []
+    for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
         try:
-            held[var] = cell.cell_contents
+            found.append(("cell", var, cell.cell_contents))
         except ValueError:  # (an empty cell: a name bound later)
             continue
-    names = [n for n in code.co_names if isinstance(fn.__globals__.get(n), np.ndarray)]
-    if not (names or any(isinstance(x, np.ndarray) for x in (*held.values(), *defaults))):
+    names = code.co_varnames[code.co_argcount - len(fn.__defaults__ or ()) : code.co_argcount]
+    found += [("default", n, d) for n, d in zip(names, fn.__defaults__ or ())]
+    codes: list[types.CodeType] = [code]
+    named: set[str] = set()
+    while codes:
+        c = codes.pop()
+        named.update(c.co_names)
+        codes += [x for x in c.co_consts if isinstance(x, types.CodeType)]
+    space = fn.__globals__
+    return found + [("global", n, space[n]) for n in sorted(named) if n in space]
+
+
+def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
+    """``fn`` with the NumPy arrays it captures (closure variables, default
+    arguments, the globals it names; in the functions it captures too, as
+    ``and_masks`` makes them, and in a ``BlockMask``'s) as arrays of ``xp``
+    on ``device``; ``fn`` itself when it captures none, or when ``xp`` takes
+    NumPy arrays."""
+    if xp.is_array(np.zeros(0)):
         return fn
 
-    def native(var: str, x: Any) -> Any:
-        if not isinstance(x, np.ndarray):
-            return x
-        try:
-            return xp.asarray(x, device=device)
-        except Exception as exc:
-            raise TypeError(
-                f"{name} captures the NumPy array {var!r} (dtype {x.dtype}, shape {x.shape}), "
-                f"which the {xp.name} backend cannot hold ({exc}); capture a {xp.name} array"
-            ) from exc
+    def native(var: str, x: Any, depth: int) -> Any:
+        if isinstance(x, np.ndarray):
+            narrow = x.dtype == np.int64 and not xp.mixed_int_ops and x.size
+            if narrow and -(2**31) <= x.min() and x.max() < 2**31:  # (beside int32 indices)
+                x = x.astype(np.int32)
+            try:
+                return xp.asarray(x, device=device)
+            except Exception as exc:
+                raise TypeError(
+                    f"{name} captures the NumPy array {var!r} (dtype {x.dtype}, shape "
+                    f"{x.shape}), which the {xp.name} backend cannot hold ({exc}); "
+                    f"capture a {xp.name} array"
+                ) from exc
+        if isinstance(x, tuple) and depth < 4:
+            parts = tuple(native(var, p, depth + 1) for p in x)
+            return x if all(a is b for a, b in zip(parts, x)) else parts
+        if isinstance(x, BlockMask) and depth < 4:
+            inner = native(var, x.mask_mod, depth + 1)
+            return x if inner is x.mask_mod else x.with_mask_mod(inner)
+        if isinstance(x, types.FunctionType) and depth < 4:
+            return rebuilt(x, depth + 1)
+        return x
 
-    new_cells = tuple(
-        types.CellType(native(var, held[var])) if var in held else cell
-        for var, cell in zip(code.co_freevars, cells)
-    )
-    space = fn.__globals__
-    if names:
-        space = {**space, **{n: native(n, space[n]) for n in names}}
-    argnames = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
-    new_defaults = tuple(native(a, d) for a, d in zip(argnames, defaults)) or None
-    out = types.FunctionType(code, space, fn.__name__, new_defaults, new_cells or None)
-    out.__kwdefaults__ = fn.__kwdefaults__
-    return out
+    def rebuilt(f: types.FunctionType, depth: int) -> types.FunctionType:
+        found, own, changed = captured(f), f.__module__, {}
+        for where, var, x in found:
+            user_global = isinstance(x, types.FunctionType) and x.__module__ == own
+            if where != "global" or isinstance(x, np.ndarray) or user_global:
+                y = native(var, x, depth)
+                if y is not x:
+                    changed[where, var] = y
+        if not changed:
+            return f
+        code = f.__code__
+        cells = tuple(
+            types.CellType(changed[("cell", var)]) if ("cell", var) in changed else cell
+            for var, cell in zip(code.co_freevars, f.__closure__ or ())
+        )
+        space = {**f.__globals__, **{v: x for (w, v), x in changed.items() if w == "global"}}
+        defaults = tuple(changed.get((w, v), x) for w, v, x in found if w == "default")
+        out = types.FunctionType(code, space, f.__name__, defaults or None, cells or None)
+        out.__kwdefaults__ = f.__kwdefaults__
+        return out
+
+    return native(name, fn, 0)
 
 
 def _shape(mask: Mask) -> Shape:
@@ -421,16 +459,16 @@ def block_mask(
     bq, bk = int(bq), int(bk)
     if min(bq, bk) < 1:
         raise ValueError(f"block must be positive, got {block!r}")
-    found = evaluate(xp, mask_mod, shape, bq, bk, dev)
+    run = native_captures(xp, "mask_mod", mask_mod, dev)  # (the BlockMask keeps the function given)
+    found = evaluate(xp, run, shape, bq, bk, dev)
     if found is None:
         raise ValueError(
             "block_mask evaluates mask_mod when it is called, but mask_mod's answers are "
             "traced (it captures arrays of a trace, such as jax.jit's): build the BlockMask "
             "outside the trace, or pass the function itself as mask_mod="
         )
-    return BlockMask(
-        mask_mod, found[0], shape, bq, bk, is_causal(xp, mask_mod, found[0], shape, bq, bk, dev)
-    )
+    causal = is_causal(xp, run, found[0], shape, bq, bk, dev)
+    return BlockMask(mask_mod, found[0], shape, bq, bk, causal)
 
 
 def is_causal(
