@@ -55,6 +55,21 @@ def test_huge_lengths_mean_no_limit(backend, lens, dtype):
         np.testing.assert_allclose(backend.to_numpy(got), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("big", [2**63, 2**64 - 1, 2**32])
+def test_uint64_lengths_past_int64_mean_no_limit(backend, big):
+    """uint64 lengths at or past 2**63 (no int64 holds them) mean no limit,
+    as a NumPy array and through ``masked_softmax``: nothing wraps negative."""
+    host, (q, k, v) = _inputs(backend)
+    lens = np.array([big, 4], np.uint64)
+    for causal in (False, True):
+        got = am.dot_product_attention(q, k, v, lens, causal=causal)
+        want, _ = oracle.attention(*host, valid_lens=np.array([K, 4]), causal=causal)
+        np.testing.assert_allclose(backend.to_numpy(got), want, rtol=2e-5, atol=2e-5)
+    ones = backend.asarray(np.ones((B_, Q, K)), "float32")
+    got = am.masked_softmax(ones, lens)
+    np.testing.assert_allclose(backend.to_numpy(got)[0], np.full((Q, K), 1 / K), rtol=1e-6)
+
+
 @pytest.mark.parametrize(
     "window, same",
     [

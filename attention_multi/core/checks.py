@@ -127,7 +127,8 @@ def valid_lens_checked(
         values = backend.to_numpy(valid_lens)
         _check_lens_values(name, values, kind)
         if values.size and values.max() > limit:  # would wrap, or round past it, in int32
-            clamped = np.minimum(values.astype(np.float64 if kind == "f" else np.int64), limit)
+            # (in their own integer dtype: uint64 past int64's range is no negative length)
+            clamped = np.minimum(values.astype(np.float64) if kind == "f" else values, limit)
             clamped = clamped.astype(np.int32)
             device = backend.device_of(valid_lens)
             return backend.asarray(clamped, device=device), clamped.astype(np.int64)
