@@ -216,7 +216,9 @@ class TorchBackend(NumpyLike):
         return torch.compiler.is_compiling()
 
     def may_differentiate(self, x):
-        return x.requires_grad and torch.is_grad_enabled()
+        """Under ``torch.jit.trace`` always (one graph for both grad modes:
+        its check traces again under ``no_grad``)."""
+        return torch.jit.is_tracing() or (x.requires_grad and torch.is_grad_enabled())
 
     is_differentiated = may_differentiate
 

@@ -174,13 +174,24 @@ def test_torch_compile_inductor():
 @pytest.mark.parametrize("name", ["dot", "mha", "additive"])
 @pytest.mark.parametrize("dim", [1, 2])
 def test_torch_jit_trace(name, dim):
+    """Traced under ``no_grad`` and with gradients on (torch's default; its
+    check traces again under ``no_grad`` and compares the graphs): the same
+    answers for new lengths, and with gradients on the same gradients."""
     module = make(name, "torch")
     x = torch.tensor(X)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace(module, (x, x, x, torch.tensor(LENS[dim][0])))
     new = torch.tensor(LENS[dim][1])
-    assert_close(traced(x, x, x, new), module(x, x, x, new), **TOL)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(module, (x, x, x, torch.tensor(LENS[dim][0])))
+        assert_close(traced(x, x, x, new), module(x, x, x, new), **TOL)
+    grads = []
+    for f in (traced, module) if list(module.parameters()) else ():
+        module.zero_grad()
+        f(x, x, x, new).square().sum().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*grads):
+        assert_close(a, b, **TOL)
 
 
 def _onnx_required():
