@@ -58,6 +58,7 @@ class JaxBackend(NumpyLike):
     runtime_cond = True
     compiles_per_shape = True
     sequential_scan = True
+    traced_values_end = True  # (tracers: a module keeps none past jax.jit)
 
     def _register_class(self, cls):
         jax_module.register(cls)

@@ -219,6 +219,7 @@ class Backend:
     fused_keeps_nan: bool = False
     dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
     mixed_int_ops: bool = True  # whether int32 and int64 arrays meet in one operation
+    traced_values_end: bool = False  # values made under a trace are gone when it ends (JAX's)
 
     # == 4. Kernels: the framework's own way, where it has one ===================
     def fused_attention(

@@ -112,3 +112,23 @@ def test_read_weights_are_computed_in_the_same_pass(name):
     assert m.last_path == "full"  # (read again above)
     m(a(q), a(k), a(v), a(lens))  # not read after the last call
     assert m.last_path == other
+
+
+def test_jax_weights_of_a_jitted_call():
+    """Under ``jax.jit`` the weights are read inside the trace and returned
+    (the oracle's); the module passed in keeps its eager call's weights; one
+    the trace closed over says why it has none, instead of leaking a tracer."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q = jnp.asarray(Q)
+    m = am.DotProductAttention(0.0, backend="jax").eval()
+    m(q, q, q, jnp.asarray([2, 64]))
+    eager = np.asarray(m.attention_weights)
+    lens = np.array([5, 7])
+    _, got = jax.jit(lambda mod, x, n: (mod(x, x, x, n), mod.attention_weights))(m, q, lens)
+    _, want = oracle.attention(Q[:, None], Q[:, None], Q[:, None], valid_lens=lens)
+    np.testing.assert_allclose(np.asarray(got), want[:, 0], **TOL)
+    np.testing.assert_array_equal(np.asarray(m.attention_weights), eager)
+    jax.jit(lambda x, n: m(x, x, x, n))(q, lens)
+    with pytest.raises(RuntimeError, match="under a trace .* that has ended"):
+        _ = m.attention_weights

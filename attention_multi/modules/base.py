@@ -9,7 +9,7 @@ The mechanism itself is written once, in the public class.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..config import get_backend, native_device
 from ..core.checks import check_bool, check_positive_int
@@ -130,12 +130,24 @@ class Module(_Native):
         """The attention weights of the last call, as d2l users read them."""
         kept = self.__dict__.get("_attention_kept")
         self.__dict__["_attention_read"] = True
+        if isinstance(kept, _Traced):
+            if not self._backend.is_tracing():
+                raise RuntimeError(
+                    f"{type(self).__name__}.attention_weights: the last call ran under a "
+                    f"trace (jax.jit, jax.grad, ...) that has ended, and its weights with "
+                    f"it; read them inside the traced function and return them, or call "
+                    f"the module outside the trace"
+                )
+            kept = kept.weights
         if callable(kept):
             kept = kept()
             self.__dict__["_attention_kept"] = kept
         return kept
 
     def _keep_attention(self, weights_or_thunk: Any) -> None:
+        backend = self._backend
+        if backend.traced_values_end and backend.is_tracing():
+            weights_or_thunk = _Traced(weights_or_thunk)
         self.__dict__["_attention_kept"] = weights_or_thunk
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -153,6 +165,12 @@ class Module(_Native):
         state.pop("_attention_line", None)  # (a cache of the last small call's decisions)
         state.pop("_device", None)  # used only while building; JAX devices don't pickle
         return state
+
+
+class _Traced(NamedTuple):
+    """Weights (or their thunk) kept by a call under a trace that ends."""
+
+    weights: Any
 
 
 def _rebuild(public_class: type, backend_name: str) -> Any:
