@@ -228,7 +228,7 @@ def _check_shapes(B: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
         raise ValueError(f"keys and values must have the same heads and length, got {shapes}")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"queries and keys must have the same feature size, got {shapes}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if (k.shape[1] == 0) != (q.shape[1] == 0) or (k.shape[1] and q.shape[1] % k.shape[1]):
         raise ValueError(
             f"the heads of queries ({q.shape[1]}) must be a multiple of "
             f"the heads of keys and values ({k.shape[1]}): {shapes}"

@@ -38,7 +38,10 @@ class NumpyBackend(NumpyLike):
         return out
 
     def matmul(self, a: Array, b: Array, transpose_b: bool = False) -> Array:
-        return np.matmul(a, b.swapaxes(-1, -2) if transpose_b else b)
+        # (inf or NaN in a masked key or value row: the scores it makes are hidden
+        # afterwards; no RuntimeWarning for what the contract handles)
+        with np.errstate(invalid="ignore", over="ignore"):
+            return np.matmul(a, b.swapaxes(-1, -2) if transpose_b else b)
 
     def parallel_map(self, fn: Callable[[T], R], tasks: Sequence[T]) -> list[R]:
         """On ``threads`` worker threads (default: one per core), each with

@@ -150,7 +150,14 @@ class TorchBackend(NumpyLike):
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):
-            x = torch.as_tensor(np.asarray(x))
+            x = np.asarray(x)
+            try:
+                x = torch.as_tensor(x)
+            except TypeError:
+                if x.dtype.name != "bfloat16":
+                    raise
+                # (ml_dtypes' bfloat16, as JAX hands it back, which torch does not read: exact)
+                x = torch.as_tensor(x.astype(np.float32)).to(torch.bfloat16)
         return x.to(device=device, dtype=None if dtype is None else getattr(torch, dtype))
 
     def split(self, x, size, axis):

@@ -74,6 +74,18 @@ def test_asarray_to_numpy_round_trip(backend, dtype):
     np.testing.assert_array_equal(backend.to_numpy(a).astype(np.float64), x)
 
 
+def test_asarray_of_ml_dtypes_bfloat16(backend):
+    """A NumPy array of ml_dtypes' bfloat16 (what JAX hands back) becomes a
+    bfloat16 array where the backend has the dtype, exactly."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    if "bfloat16" not in backend.float_dtypes:
+        pytest.skip(f"the {backend.name} backend has no bfloat16")
+    x = np.array([[1.5, -2.25], [3.0, 1e-3]]).astype(ml_dtypes.bfloat16)
+    a = backend.asarray(x)
+    assert backend.dtype_name(a) == "bfloat16"
+    np.testing.assert_array_equal(backend.to_numpy(a).astype(np.float64), x.astype(np.float64))
+
+
 def test_astype_and_arange(backend, dtype):
     a = backend.arange(5)
     assert backend.dtype_name(a) == "int32"

@@ -55,6 +55,9 @@ def _functional_case(B, name, axis):
     if name == "dot_product_attention":
         q, k, v = _arr(B, (b, 2, nq, 4)), _arr(B, (b, 1, nk, 4)), _arr(B, (b, 1, nk, 3))
         return am.dot_product_attention(q, k, v, causal=True), (b, 2, nq, 3)
+    if name == "no_heads":  # (an empty heads axis, as the others)
+        q, k, v = _arr(B, (b, 0, nq, 4)), _arr(B, (b, 0, nk, 4)), _arr(B, (b, 0, nk, 3))
+        return am.dot_product_attention(q, k, v, causal=True), (b, 0, nq, 3)
     if name == "transpose_qkv":
         return am.transpose_qkv(_arr(B, (b, nq, 6)), 2), (2 * b, nq, 3)
     if name == "transpose_output":
@@ -76,6 +79,7 @@ FUNCTIONS = (
     "masked_softmax",
     "sequence_mask",
     "dot_product_attention",
+    "no_heads",
     "transpose_qkv",
     "transpose_output",
     "positional_encoding",

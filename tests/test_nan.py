@@ -1,8 +1,10 @@
 """NaN in the inputs: it propagates to every output a query may see it from,
 and never reaches a query that may not see it (the masking contract,
-core/masking.py). Every form of the grid (test_forms.py), every path and
+core/mask/). Every form of the grid (test_forms.py), every path and
 backend, against the float64 oracle, whose NaN positions must match exactly;
 plus the traced paths (``jax.jit`` with traced lengths) and ``ring_attention``."""
+
+import warnings
 
 import numpy as np
 import pytest
@@ -101,3 +103,21 @@ def test_nan_under_jit_with_traced_lengths():
             fn = jax.jit(lambda q, k, v, n: am.dot_product_attention(q, k, v, n, causal=True))
             got = fn(*(B.asarray(x, "float32") for x in (q, k, v)), B.asarray(lens))
             check(np.asarray(got), want, f"{where} lens={lens.tolist()}")
+
+
+@pytest.mark.parametrize("path", ["auto", "full", "chunked", "tiled"])
+def test_no_runtime_warning_for_what_the_contract_handles(path):
+    """inf and NaN in key and value rows no query sees give the oracle's
+    answer on NumPy with RuntimeWarnings as errors (``-W error``)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.normal(size=(2, 40, 4)).astype(np.float32) for _ in range(3))
+    k[1, -1], v[1, -1] = np.inf, np.nan
+    lens = np.array([40, 39])
+    seen = np.where(np.isfinite(v), v, 0.0)  # (the row no query sees: its values never matter)
+    want, _ = oracle.attention(
+        *(x[:, None].astype(np.float64) for x in (q, k, seen)), valid_lens=lens
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = am.DotProductAttention(0.0, path=path, backend="numpy").eval()(q, k, v, lens)
+    np.testing.assert_allclose(out, want[:, 0], rtol=1e-5, atol=1e-5)

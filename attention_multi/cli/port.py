@@ -50,8 +50,9 @@ def add_arguments(parser):
         metavar="K=V,...",
         default="",
         help="the module's keyword arguments, comma-separated without spaces, "
-        "e.g. num_hiddens=8,num_heads=2,bias=True (dropout, which has no weights, "
-        "defaults to 0)",
+        "e.g. key_size=5,query_size=5,value_size=5,num_hiddens=8,num_heads=2,bias=True "
+        "(the input sizes too: a module sized at its first call cannot be checked; "
+        "dropout, which has no weights, defaults to 0)",
     )
     parser.add_argument(
         "--like",
