@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "computed_fraction", "host_table"]
 
 
+def _field(state: int, by_keys: bool, which: int, doc: str) -> property:
+    """A FlexAttention field: int32 host array of ``BlockMask._listed``."""
+    return property(lambda self: self._listed(state, by_keys)[which], doc=f"int32 {doc}.")
+
+
 class BlockMask:
     """A ``mask_mod`` and its block states (``states`` int8 (batch|1,
     heads|1, Q blocks, K blocks)) over (batch, heads, Q, K) with blocks of
@@ -96,45 +101,14 @@ class BlockMask:
         order = np.argsort(~hit, axis=-1, kind="stable").astype(np.int32)
         return hit.sum(-1).astype(np.int32), order
 
-    @property
-    def kv_num_blocks(self) -> np.ndarray:
-        """int32 (batch, heads, Q blocks): the partial blocks of each row (with the mask)."""
-        return self._listed(PARTIAL)[0]
-
-    @property
-    def kv_indices(self) -> np.ndarray:
-        """int32 (batch, heads, Q blocks, K blocks): each row's partial blocks first."""
-        return self._listed(PARTIAL)[1]
-
-    @property
-    def full_kv_num_blocks(self) -> np.ndarray:
-        """int32 (batch, heads, Q blocks): the full blocks of each row (no mask needed)."""
-        return self._listed(FULL)[0]
-
-    @property
-    def full_kv_indices(self) -> np.ndarray:
-        """int32 (batch, heads, Q blocks, K blocks): each row's full blocks first."""
-        return self._listed(FULL)[1]
-
-    @property
-    def q_num_blocks(self) -> np.ndarray:
-        """int32 (batch, heads, K blocks): the partial blocks of each column."""
-        return self._listed(PARTIAL, True)[0]
-
-    @property
-    def q_indices(self) -> np.ndarray:
-        """int32 (batch, heads, K blocks, Q blocks): each column's partial blocks first."""
-        return self._listed(PARTIAL, True)[1]
-
-    @property
-    def full_q_num_blocks(self) -> np.ndarray:
-        """int32 (batch, heads, K blocks): the full blocks of each column."""
-        return self._listed(FULL, True)[0]
-
-    @property
-    def full_q_indices(self) -> np.ndarray:
-        """int32 (batch, heads, K blocks, Q blocks): each column's full blocks first."""
-        return self._listed(FULL, True)[1]
+    kv_num_blocks = _field(PARTIAL, False, 0, "(batch, heads, Q blocks): each row's partial blocks")
+    kv_indices = _field(PARTIAL, False, 1, "(batch, heads, Q blocks, K blocks): partial ones first")
+    full_kv_num_blocks = _field(FULL, False, 0, "(batch, heads, Q blocks): each row's full blocks")
+    full_kv_indices = _field(FULL, False, 1, "(batch, heads, Q blocks, K blocks): full ones first")
+    q_num_blocks = _field(PARTIAL, True, 0, "(batch, heads, K blocks): a column's partial blocks")
+    q_indices = _field(PARTIAL, True, 1, "(batch, heads, K blocks, Q blocks): partial ones first")
+    full_q_num_blocks = _field(FULL, True, 0, "(batch, heads, K blocks): each column's full blocks")
+    full_q_indices = _field(FULL, True, 1, "(batch, heads, K blocks, Q blocks): full ones first")
 
     def with_mask_mod(self, mask_mod: Callable[..., Array]) -> BlockMask:
         """The same states of another function (``mask_mod`` with its captures converted)."""
