@@ -41,15 +41,9 @@ from attention_multi import backends
 
 from .config import chosen_backend, get_backend, native_device
 from .core.mask.blocks import BlockMask
+from .core.mask.captures import captured, native_captures
 from .core.mask.functions import block_mask as _block_mask
-from .core.mask.functions import (
-    captured,
-    checked_mask,
-    checked_scores,
-    index_grid,
-    is_causal,
-    native_captures,
-)
+from .core.mask.functions import checked_mask, checked_scores, index_grid, is_causal
 from .core.mask.spec import EMPTY, FULL, PARTIAL
 from .functional import dot_product_attention
 from .types import Array

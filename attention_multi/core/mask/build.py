@@ -15,7 +15,8 @@ from ..checks import check_mask_array, check_window, valid_lens_checked
 from ..numerics import compute_dtype
 from .arrays import arrays
 from .blocks import BlockMask
-from .functions import MaskMod, ScoreMod, native_captures
+from .captures import native_captures
+from .functions import MaskMod, ScoreMod
 from .intervals import Intervals, window_within
 from .segments import make_segments
 from .spec import Form, Mask, Where, is_int

@@ -13,12 +13,12 @@ wrong shape, is evaluated per element by the backend's ``vmap``. A
 from __future__ import annotations
 
 import math
-import types
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from .blocks import BlockMask
+from .captures import native_captures
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, is_int, least_state, state_of
 
 if TYPE_CHECKING:
@@ -185,86 +185,6 @@ def checked_scores(
     return _evaluated(
         xp, "score_mod", score_mod, (s, *grid), shape, lambda out: _score_answer(xp, out, shape)
     )
-
-
-def captured(fn: Any) -> list[tuple[str, str, Any]]:
-    """What a function captures, as ``(where, name, value)``: its bound closure
-    cells (``"cell"``), defaults (``"default"``) and the globals its code
-    names, nested code's too (``"global"``); nothing for other callables."""
-    if not isinstance(fn, types.FunctionType):
-        return []
-    code, found = fn.__code__, []
-    for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        try:
-            found.append(("cell", var, cell.cell_contents))
-        except ValueError:  # (an empty cell: a name bound later)
-            continue
-    names = code.co_varnames[code.co_argcount - len(fn.__defaults__ or ()) : code.co_argcount]
-    found += [("default", n, d) for n, d in zip(names, fn.__defaults__ or ())]
-    codes: list[types.CodeType] = [code]
-    named: set[str] = set()
-    while codes:
-        c = codes.pop()
-        named.update(c.co_names)
-        codes += [x for x in c.co_consts if isinstance(x, types.CodeType)]
-    space = fn.__globals__
-    return found + [("global", n, space[n]) for n in sorted(named) if n in space]
-
-
-def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
-    """``fn`` with the NumPy arrays it captures (closure variables, default
-    arguments, the globals it names; in the functions it captures too, as
-    ``and_masks`` makes them, and in a ``BlockMask``'s) as arrays of ``xp``
-    on ``device``; ``fn`` itself when it captures none, or when ``xp`` takes
-    NumPy arrays."""
-    if xp.is_array(np.zeros(0)):
-        return fn
-
-    def native(var: str, x: Any, depth: int) -> Any:
-        if isinstance(x, np.ndarray):
-            narrow = x.dtype == np.int64 and not xp.mixed_int_ops and x.size
-            if narrow and -(2**31) <= x.min() and x.max() < 2**31:  # (beside int32 indices)
-                x = x.astype(np.int32)
-            try:
-                return xp.asarray(x, device=device)
-            except Exception as exc:
-                raise TypeError(
-                    f"{name} captures the NumPy array {var!r} (dtype {x.dtype}, shape "
-                    f"{x.shape}), which the {xp.name} backend cannot hold ({exc}); "
-                    f"capture a {xp.name} array"
-                ) from exc
-        if isinstance(x, tuple) and depth < 4:
-            parts = tuple(native(var, p, depth + 1) for p in x)
-            return x if all(a is b for a, b in zip(parts, x)) else parts
-        if isinstance(x, BlockMask) and depth < 4:
-            inner = native(var, x.mask_mod, depth + 1)
-            return x if inner is x.mask_mod else x.with_mask_mod(inner)
-        if isinstance(x, types.FunctionType) and depth < 4:
-            return rebuilt(x, depth + 1)
-        return x
-
-    def rebuilt(f: types.FunctionType, depth: int) -> types.FunctionType:
-        found, own, changed = captured(f), f.__module__, {}
-        for where, var, x in found:
-            user_global = isinstance(x, types.FunctionType) and x.__module__ == own
-            if where != "global" or isinstance(x, np.ndarray) or user_global:
-                y = native(var, x, depth)
-                if y is not x:
-                    changed[where, var] = y
-        if not changed:
-            return f
-        code = f.__code__
-        cells = tuple(
-            types.CellType(changed[("cell", var)]) if ("cell", var) in changed else cell
-            for var, cell in zip(code.co_freevars, f.__closure__ or ())
-        )
-        space = {**f.__globals__, **{v: x for (w, v), x in changed.items() if w == "global"}}
-        defaults = tuple(changed.get((w, v), x) for w, v, x in found if w == "default")
-        out = types.FunctionType(code, space, f.__name__, defaults or None, cells or None)
-        out.__kwdefaults__ = f.__kwdefaults__
-        return out
-
-    return native(name, fn, 0)
 
 
 def _shape(mask: Mask) -> Shape:
