@@ -311,9 +311,9 @@ def _backend_for(fn: Callable[..., Any], backend: Any, device: Any = None) -> An
     if len(frameworks) == 1:
         return backends.load(frameworks.pop())
     chosen = chosen_backend()
-    if chosen is None and "torch" in sys.modules:
-        return backends.load("torch")
-    return get_backend() if chosen is None else chosen
+    if chosen is not None:
+        return chosen
+    return backends.load("torch") if "torch" in sys.modules else get_backend()
 
 
 def _framework(x: Any) -> str | None:

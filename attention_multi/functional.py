@@ -16,10 +16,12 @@ from .core.checks import (
     check_dropout,
     check_float,
     check_heads,
+    check_nonnegative_int,
     check_positive_int,
     check_scale,
     valid_lens_checked,
 )
+from .core.mask.segments import pair_on_device
 from .core.paths import small
 from .core.paths.online import add_sinks
 from .types import Array
@@ -383,8 +385,8 @@ def ring_attention(
         lens_all = B.asarray(np.asarray(lens_all), device=device)
     segment_ids: Any = forms.pop("segment_ids", None)
     pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
-    if pair and not B.is_array(segment_ids[0]):
-        segment_ids = (B.asarray(np.asarray(segment_ids[0]), device=device), segment_ids[1])
+    if pair:  # (both the backend's: the keys' are cut at the traced position of each block)
+        segment_ids = pair_on_device(B, segment_ids, device)
     masks = []
     for c, index in enumerate(held_chunks(layout, rank, size)):
         first = index * chunk_q  # (the chunk's first query in the whole sequence)
@@ -434,6 +436,9 @@ def ring_shard(
     from .core.paths.ring import held_chunks
 
     B, cut = _chunks(x, world, layout, axis)
+    rank = check_nonnegative_int("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank must be below world ({world}), got {rank}")
     return _joined(B, [cut(i) for i in held_chunks(layout, rank, world)], axis)
 
 

@@ -258,17 +258,22 @@ def jax_worker(devices, out_dir, jobs):
                 ids = kwargs.pop("segment_ids", None)
                 if lens is not None and lens.ndim == 2:
                     lens = am.ring_order(lens, devices, layout=layout, axis=-1)
-                extra = tuple(jnp.asarray(x) for x in (lens, ids) if x is not None)
+                # ("packed": a pair, the queries' ids traced, the keys' NumPy ids closed over)
+                given = ids if name != "packed" else ids[:, ids.shape[1] - q.shape[2] :]
+                extra = tuple(jnp.asarray(x) for x in (lens, given) if x is not None)
                 extra_specs = tuple(
                     P(None, "seq") if x.ndim == 2 and x is lens else P()
-                    for x in (lens, ids)
+                    for x in (lens, given)
                     if x is not None
                 )
 
-                def attention(q, k, v, *extra, kwargs=kwargs, lens=lens, ids=ids):
+                def attention(q, k, v, *extra, kwargs=kwargs, lens=lens, ids=ids, name=name):
                     extra = list(extra)
                     lens_ = extra.pop(0) if lens is not None else None
-                    forms = dict(kwargs, segment_ids=extra.pop(0)) if ids is not None else kwargs
+                    forms = kwargs
+                    if ids is not None:
+                        held = extra.pop(0)
+                        forms = dict(kwargs, segment_ids=(held, ids) if name == "packed" else held)
                     return am.ring_attention(q, k, v, lens_, axis_name="seq", **forms)
 
                 spec = P(None, None, "seq")

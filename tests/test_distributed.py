@@ -265,3 +265,15 @@ def test_ring_attention_needs_a_communicating_backend():
         am.ring_attention(j, j, j)
     with pytest.raises(ValueError, match="batch sizes differ"):  # shapes checked first
         am.ring_attention(t, t[:0], t)
+
+
+def test_ring_shard_refuses_a_rank_outside_the_world():
+    """A rank at or past ``world`` is refused (it gave an empty part)."""
+    import attention_multi as am
+
+    x = np.zeros((1, 2, 8, 4))
+    assert am.ring_shard(x, 1, 2).shape == (1, 2, 4, 4)
+    with pytest.raises(ValueError, match=r"rank must be below world \(2\), got 2"):
+        am.ring_shard(x, 2, 2)
+    with pytest.raises(ValueError, match="rank must be an int >= 0"):
+        am.ring_shard(x, -1, 2)

@@ -153,6 +153,26 @@ def _int32_ranks(hosts: list[np.ndarray]) -> list[np.ndarray]:
     return [np.where(h >= 0, np.searchsorted(ranks, h), -1).astype(np.int32) for h in hosts]
 
 
+def pair_on_device(xp: Backend, pair: Any, device: Any) -> tuple[Any, Any]:
+    """A pair of ids with the host ones (NumPy arrays, lists) as arrays of
+    ``xp``, comparing as given: int32 where every host one fits, else their
+    joint ranks (``_int32_ranks``); the backend's as they are."""
+    hosts = [None if xp.is_array(x) else np.asarray(x) for x in pair]
+    for i, h in enumerate(hosts):
+        if h is not None and h.dtype.kind not in "iu":
+            raise TypeError(f"segment_ids[{i}] must hold integers, got dtype {h.dtype}")
+    given = [h for h in hosts if h is not None]
+    fits = all(h.size == 0 or (h.min() >= -_BIG - 1 and h.max() <= _BIG) for h in given)
+    if not fits and len(given) < len(hosts):
+        raise ValueError(
+            "segment_ids past the int32 range as one NumPy array and one of the backend's: "
+            "give both alike, so that they are compared exactly"
+        )
+    made = iter([h.astype(np.int32) for h in given] if fits else _int32_ranks(given))
+    a, b = (x if h is None else xp.asarray(next(made), device=device) for x, h in zip(pair, hosts))
+    return a, b
+
+
 def _on_device(xp: Backend, x: Any, ids: np.ndarray, fits: bool, device: Any) -> Array:
     """``x`` itself when it is an int32 array that fits, else ``ids`` uploaded."""
     if fits and xp.is_array(x) and xp.dtype_name(x) == "int32":
