@@ -225,7 +225,7 @@ class TorchBackend(NumpyLike):
     def may_differentiate(self, x):
         """Under ``torch.jit.trace`` always (one graph for both grad modes:
         its check traces again under ``no_grad``)."""
-        return torch.jit.is_tracing() or (x.requires_grad and torch.is_grad_enabled())
+        return (x.requires_grad and torch.is_grad_enabled()) or torch.jit.is_tracing()
 
     is_differentiated = may_differentiate
 

@@ -145,6 +145,17 @@ def _is_pair(xp: Backend, segment_ids: Any) -> bool:
     )
 
 
+def _fits(hosts: list[np.ndarray]) -> bool:
+    """Whether every host id fits in int32."""
+    return all(h.size == 0 or (h.min() >= -_BIG - 1 and h.max() <= _BIG) for h in hosts)
+
+
+def _as_int32(hosts: list[np.ndarray]) -> list[np.ndarray]:
+    """Host ids as int32, comparing as given: themselves where all fit, else
+    their joint ranks."""
+    return [h.astype(np.int32) for h in hosts] if _fits(hosts) else _int32_ranks(hosts)
+
+
 def _int32_ranks(hosts: list[np.ndarray]) -> list[np.ndarray]:
     """Ids as int32 with the same order and equalities (jointly over ``hosts``),
     negative ones -1: hashed 64-bit ids keep their documents apart."""
@@ -162,13 +173,12 @@ def pair_on_device(xp: Backend, pair: Any, device: Any) -> tuple[Any, Any]:
         if h is not None and h.dtype.kind not in "iu":
             raise TypeError(f"segment_ids[{i}] must hold integers, got dtype {h.dtype}")
     given = [h for h in hosts if h is not None]
-    fits = all(h.size == 0 or (h.min() >= -_BIG - 1 and h.max() <= _BIG) for h in given)
-    if not fits and len(given) < len(hosts):
+    if len(given) < len(hosts) and not _fits(given):
         raise ValueError(
             "segment_ids past the int32 range as one NumPy array and one of the backend's: "
             "give both alike, so that they are compared exactly"
         )
-    made = iter([h.astype(np.int32) for h in given] if fits else _int32_ranks(given))
+    made = iter(_as_int32(given))
     a, b = (x if h is None else xp.asarray(next(made), device=device) for x, h in zip(pair, hosts))
     return a, b
 
@@ -216,8 +226,8 @@ def make_segments(where: Where, segment_ids: Any = None) -> Segments:
     given = [x for x in out if x is not None]
     if all(not xp.is_array(x) or xp.is_concrete(x) for x in given):  # known values
         hosts = [x if isinstance(x, np.ndarray) else xp.to_numpy(x) for x in given]
-        fits = all(h.size == 0 or (h.min() >= -_BIG - 1 and h.max() <= _BIG) for h in hosts)
-        ids = iter([h.astype(np.int32) for h in hosts] if fits else _int32_ranks(hosts))
+        fits = _fits(hosts)
+        ids = iter(_as_int32(hosts))
         out = [None if x is None else _on_device(xp, x, next(ids), fits, device) for x in out]
     else:  # traced: as wide as given (int64 keeps its values)
         out = [None if x is None else _int32_or_64(xp, x) for x in out]
