@@ -32,7 +32,12 @@ def fault(kind, f=None):
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     print(MARKER, flush=True)
-    time.sleep(120)  # killed or interrupted long before
+    # Killed or interrupted long before. Short sleeps: SIGINT may be handled by
+    # another thread (torch's, OpenMP's), and then only a sleep that ends lets
+    # the main thread raise KeyboardInterrupt (one long one ran past the test's
+    # 60 s under load).
+    for _ in range(1200):
+        time.sleep(0.1)
     raise SystemExit("faults.py: not killed")
 
 
