@@ -89,13 +89,15 @@ def _spans(
     starts = range(0, num_k, block_k)
     if table is None:
         return [(k0, min(num_k, k0 + block_k), PARTIAL) for k0 in starts]
-    row = table[b if table.shape[0] > 1 else 0, qi]
-    on = row != EMPTY
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], on, [False]]).astype(np.int8)))
-    spans = []
-    for j0, j1 in zip(edges[::2], edges[1::2]):
-        st = FULL if (row[j0:j1] == FULL).all() else PARTIAL
-        spans.append((int(j0) * block_k, min(num_k, int(j1) * block_k), st))
+    row = table[b if table.shape[0] > 1 else 0, qi].tolist()  # (a few blocks: Python's loop)
+    spans, j, n = [], 0, len(row)
+    while j < n:
+        j0, full = j, True
+        while j < n and row[j] != EMPTY:
+            full, j = full and row[j] == FULL, j + 1
+        if j > j0:
+            spans.append((j0 * block_k, min(num_k, j * block_k), FULL if full else PARTIAL))
+        j += 1
     return spans
 
 
