@@ -569,3 +569,88 @@ def test_mxnet_nd_arrays_are_named():
     q = mx.nd.zeros((1, 2, 4, 8))
     with pytest.raises(TypeError, match=r"got NDArray; .*as_np_ndarray\(\)"):
         flex.flex_attention(q, q, q)
+
+
+def test_reused_block_mask_evaluates_its_function_once(backend, capsys):
+    """A BlockMask reused across calls keeps its function's values where a
+    call computed with them: the function runs again only when what it
+    captures may have changed (an array bound anew or written in place; every
+    call where the backend cannot count an array's writes, as NumPy's).
+    Every path that reads the values, against the oracle after each change."""
+    n = 150
+    ids = np.zeros(n, np.int32)
+    ids[60:] = 1
+    doc = backend.asarray(ids, "int32")
+    calls = []
+
+    def document(b, h, q_idx, kv_idx):
+        print("evaluated")  # (counted from the output: a captured counter would be a change)
+        return doc[q_idx] == doc[kv_idx]
+
+    def count():
+        calls.extend(capsys.readouterr().out.split())
+        return len(calls)
+
+    rng = np.random.default_rng(5)
+    q, k, v = (backend.asarray(rng.normal(size=(B_, n, D)), "float32") for _ in "qkv")
+    block = flex.create_block_mask(document, 1, None, n, n, BLOCK_SIZE=32)
+    counted = backend.version(doc) is not None
+
+    def check(ids):
+        # (the changes below keep every full and every empty block as they were)
+        qn, kn, vn = (x[:, None] for x in _np(backend, q, k, v))
+        want, _ = oracle.attention(qn, kn, vn, mask_mod=lambda b, h, i, j: ids[i] == ids[j])
+        want = want[:, 0]
+        before, outs = count(), {}
+        for path in ("full", "tiled"):
+            attention = am.DotProductAttention(0.0, path=path, backend=backend)
+            outs[path] = attention, attention(q, k, v, mask_mod=block)
+            assert attention.last_path == path
+            np.testing.assert_allclose(backend.to_numpy(outs[path][1]), want, rtol=3e-5, atol=3e-5)
+        evaluated = count()
+        assert evaluated > before  # (captures changed since the last call, or none yet)
+        for attention, out in outs.values():
+            again = attention(q, k, v, mask_mod=block)
+            np.testing.assert_array_equal(backend.to_numpy(again), backend.to_numpy(out))
+        assert (count() == evaluated) == counted
+
+    check(ids)
+    ids = ids.copy()
+    ids[61] = 5
+    doc = backend.asarray(ids, "int32")  # (bound anew)
+    check(ids)
+    try:
+        doc[62] = 7  # (written in place, where the framework can)
+    except TypeError:
+        return
+    ids[62] = 7
+    check(ids)
+
+
+def test_block_mask_values_made_in_inference_mode_are_not_kept():
+    """torch: a block mask's values made under ``inference_mode`` are not
+    kept, so a later call under autograd (which saves the mask for backward)
+    runs on every path: the oracle's answers, and gradients."""
+    import torch
+
+    n = 150
+    ids = np.zeros(n, np.int32)
+    ids[60:] = 1
+    doc = torch.tensor(ids)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    block = flex.create_block_mask(document, 1, None, n, n, BLOCK_SIZE=32)
+    q = torch.tensor(np.random.default_rng(6).normal(size=(B_, n, D)), dtype=torch.float32)
+    qn = q.double().numpy()[:, None]
+    want, _ = oracle.attention(qn, qn, qn, mask_mod=lambda b, h, i, j: ids[i] == ids[j])
+    for path in ("full", "tiled", "chunked"):
+        attention = am.DotProductAttention(0.0, path=path, backend="torch")
+        with torch.inference_mode():
+            attention(q, q, q, mask_mod=block)
+        x = q.clone().requires_grad_(True)
+        out = attention(x, x, x, mask_mod=block)
+        out.sum().backward()
+        np.testing.assert_allclose(out.detach().numpy(), want[:, 0], rtol=3e-5, atol=3e-5)
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())

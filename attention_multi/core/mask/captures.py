@@ -5,8 +5,9 @@ the backend that evaluates it."""
 
 from __future__ import annotations
 
+import math
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -94,3 +95,64 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
         return out
 
     return native(name, fn, 0)
+
+
+_VALUES = (int, float, complex, bool, str, bytes, type(None))
+_CONSTANT = (types.ModuleType, types.BuiltinFunctionType, type)
+
+
+def fingerprint(xp: Backend, fn: Any) -> tuple[Any, ...] | None:
+    """What ``fn`` computes from, for telling later that it is unchanged: the
+    functions, the values and arrays it captures (as ``captured`` finds them,
+    in the functions it captures too) with each array's ``xp.version``. None
+    when something could change unseen: an array whose version the backend
+    cannot tell, a list, any other object, a callable that is not a function."""
+    found: list[Any] = []
+
+    def visit(x: Any, depth: int) -> bool:
+        if isinstance(x, _VALUES + _CONSTANT):
+            found.append(x)
+            return True
+        if isinstance(x, BlockMask):
+            return visit(x.mask_mod, depth)
+        if isinstance(x, tuple):
+            return all(visit(p, depth) for p in x)
+        if isinstance(x, types.FunctionType) and depth < 4:
+            found.extend((x, x.__code__))
+            return all(visit(y, depth + 1) for _, _, y in captured(x))
+        version = xp.version(x) if xp.is_array(x) else None
+        found.extend((x, version))
+        return version is not None
+
+    return tuple(found) if visit(fn, 0) else None
+
+
+def unchanged(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
+    """Whether two fingerprints are the same: the same objects, equal values."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(
+        x is y or (type(x) is type(y) and isinstance(x, _VALUES) and x == y) for x, y in zip(a, b)
+    )
+
+
+MOST_KEPT = 1 << 26  # elements of a block mask's kept values
+
+
+def remembered(
+    xp: Backend, memo: dict[str, Any], key: Any, mark: Any, make: Callable[[], Any]
+) -> Any:
+    """``make()``, a value of a function kept in ``memo`` (a ``BlockMask``'s)
+    under ``key`` while the function's ``fingerprint``, ``mark``, is unchanged,
+    up to ``MOST_KEPT`` elements: a call reusing the block mask evaluates nothing."""
+    if not unchanged(mark, memo.get("mark")):
+        memo.clear()
+        memo.update(mark=mark, size=0, values={})
+    value = memo["values"].get(key)
+    if value is None:
+        value = make()
+        size = math.prod(value.shape)
+        if mark is not None and memo["size"] + size <= MOST_KEPT and xp.can_keep(value):
+            memo["values"][key] = value
+            memo["size"] += size
+    return value

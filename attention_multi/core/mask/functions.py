@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from .blocks import BlockMask
-from .captures import native_captures
+from .captures import fingerprint, native_captures, remembered
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, is_int, least_state, state_of
 
 if TYPE_CHECKING:
@@ -203,10 +203,16 @@ class MaskMod(Form):
     cuts_traced = True
 
     def __init__(
-        self, mask_mod: Callable[..., Array], bases: Bases, xp: Backend | None, device: Any = None
+        self,
+        mask_mod: Callable[..., Array],
+        bases: Bases,
+        xp: Backend | None,
+        device: Any = None,
+        call: dict[str, Any] | None = None,
     ) -> None:
         self.mask_mod, self.bases, self.xp, self.device = mask_mod, bases, xp, device
         self.block_mask = mask_mod if isinstance(mask_mod, BlockMask) else None
+        self.call = {} if call is None else call  # (shared by its regions: one call's)
 
     def _on(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         """The function's checked answer on the grid of the region ``r``."""
@@ -215,8 +221,17 @@ class MaskMod(Form):
         return checked_mask(xp, self.mask_mod, grid, device)
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
-        grid = index_grid(xp, _shape(mask), self.bases, device)
-        return checked_mask(xp, self.mask_mod, grid, device)
+        def make() -> Array:
+            grid = index_grid(xp, _shape(mask), self.bases, device)
+            return checked_mask(xp, self.mask_mod, grid, device)
+
+        bm = self.block_mask
+        if bm is None or not is_int(*self.bases) or xp.is_tracing():
+            return make()
+        if "mark" not in self.call:  # (what the function captures: read once a call)
+            self.call["mark"] = fingerprint(xp, bm.mask_mod)
+        key = (xp.name, str(device), _shape(mask), self.bases)
+        return remembered(xp, bm.memo, key, self.call["mark"], make)
 
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         return xp.any(self._on(xp, mask, r, device))
@@ -253,7 +268,7 @@ class MaskMod(Form):
         return least_state(found[0], 1)
 
     def region(self, mask: Mask, r: Region) -> Form:
-        return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp, self.device)
+        return MaskMod(self.mask_mod, _shifted(self.bases, r), self.xp, self.device, self.call)
 
 
 class ScoreMod(Form):
