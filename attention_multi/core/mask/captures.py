@@ -145,14 +145,14 @@ def remembered(
     """``make()``, a value of a function kept in ``memo`` (a ``BlockMask``'s)
     under ``key`` while the function's ``fingerprint``, ``mark``, is unchanged,
     up to ``MOST_KEPT`` elements: a call reusing the block mask evaluates nothing."""
-    if not unchanged(mark, memo.get("mark")):
-        memo.clear()
-        memo.update(mark=mark, size=0, values={})
-    value = memo["values"].get(key)
+    kept = memo.get("kept")  # (mark, values, [elements]): replaced whole, never cleared
+    if kept is None or not unchanged(mark, kept[0]):
+        kept = memo["kept"] = (mark, {}, [0])
+    value = kept[1].get(key)
     if value is None:
         value = make()
         size = math.prod(value.shape)
-        if mark is not None and memo["size"] + size <= MOST_KEPT and xp.can_keep(value):
-            memo["values"][key] = value
-            memo["size"] += size
+        if mark is not None and kept[2][0] + size <= MOST_KEPT and xp.can_keep(value):
+            kept[1][key] = value
+            kept[2][0] += size
     return value
