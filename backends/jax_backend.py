@@ -81,9 +81,6 @@ class JaxBackend(NumpyLike):
     def snapshot(self, x):
         return x  # (JAX arrays are immutable)
 
-    def version(self, x):
-        return 0 if self.is_concrete(x) else None
-
     def asarray(self, x, dtype=None, device=None):
         if dtype == "float64" and not jax.config.jax_enable_x64:
             raise TypeError(

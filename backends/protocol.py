@@ -26,7 +26,7 @@ writes the kernels it has. Everything in groups 3-5 is optional.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 import numpy
@@ -408,13 +408,6 @@ class Backend:
         a write, as its autodiff does with what it saves."""
         kept = self.snapshots(*arrays)
         return lambda: kept
-
-    def version(self, x: Array) -> Hashable | None:
-        """A token that changes whenever ``x``'s contents may have changed
-        (torch: its count of in-place writes; an immutable framework's array:
-        a constant); None where the backend cannot tell, and while traced:
-        nothing computed from ``x`` is then kept for a later call."""
-        return None
 
     def can_keep(self, x: Array) -> bool:
         """Whether ``x``, made during a call, may be kept for later calls in

@@ -264,11 +264,6 @@ class TorchBackend(NumpyLike):
 
         return read
 
-    def version(self, x):
-        if self.is_tracing() or not self.is_concrete(x) or x.is_inference():
-            return None
-        return x._version
-
     def can_keep(self, x):
         return not x.is_inference()
 

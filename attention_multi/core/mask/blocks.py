@@ -44,7 +44,8 @@ class BlockMask:
         self.block_q, self.block_k = block_q, block_k
         # (a host bool: read under traces too)
         self.all_full = bool((states == FULL).all()) if all_full is None else all_full
-        self.memo: dict[str, Any] = {}  # (its function's values: captures.remembered)
+        # (its function's values, kept by captures.remembered)
+        self.memo: dict[str, Any] = {"fn": mask_mod}
 
     def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         return self.mask_mod(b, h, q_idx, kv_idx)
@@ -114,9 +115,7 @@ class BlockMask:
     def with_mask_mod(self, mask_mod: Callable[..., Array]) -> BlockMask:
         """The same states of another function (``mask_mod`` with its captures converted)."""
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
-        out = BlockMask(mask_mod, self.states, shape, self.block_q, self.block_k, self.causal)
-        out.memo = self.memo
-        return out
+        return BlockMask(mask_mod, self.states, shape, self.block_q, self.block_k, self.causal)
 
     def __repr__(self) -> str:
         return (

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from ..numerics import readable
 from .blocks import BlockMask
 
 if TYPE_CHECKING:
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 
 def captured(fn: Any) -> list[tuple[str, str, Any]]:
     """What a function captures, as ``(where, name, value)``: its bound closure
-    cells (``"cell"``), defaults (``"default"``) and the globals its code
-    names, nested code's too (``"global"``); nothing for other callables."""
+    cells (``"cell"``), defaults (``"default"``, keyword-only ones
+    ``"kwdefault"``) and the globals its code names, nested code's too
+    (``"global"``); nothing for other callables."""
     if not isinstance(fn, types.FunctionType):
         return []
     code, found = fn.__code__, []
@@ -31,14 +33,19 @@ def captured(fn: Any) -> list[tuple[str, str, Any]]:
             continue
     names = code.co_varnames[code.co_argcount - len(fn.__defaults__ or ()) : code.co_argcount]
     found += [("default", n, d) for n, d in zip(names, fn.__defaults__ or ())]
-    codes: list[types.CodeType] = [code]
-    named: set[str] = set()
+    found += [("kwdefault", n, d) for n, d in (fn.__kwdefaults__ or {}).items()]
+    space = fn.__globals__
+    return found + [("global", n, space[n]) for n in sorted(_names(code)) if n in space]
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The names ``code`` reads (globals, attributes), nested code's too."""
+    codes, named = [code], set[str]()
     while codes:
         c = codes.pop()
         named.update(c.co_names)
         codes += [x for x in c.co_consts if isinstance(x, types.CodeType)]
-    space = fn.__globals__
-    return found + [("global", n, space[n]) for n in sorted(named) if n in space]
+    return named
 
 
 def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
@@ -68,7 +75,11 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
             return x if all(a is b for a, b in zip(parts, x)) else parts
         if isinstance(x, BlockMask) and depth < 4:
             inner = native(var, x.mask_mod, depth + 1)
-            return x if inner is x.mask_mod else x.with_mask_mod(inner)
+            if inner is x.mask_mod:
+                return x
+            out = x.with_mask_mod(inner)
+            out.memo = x.memo  # (the same function: its values, kept by what it was given)
+            return out
         if isinstance(x, types.FunctionType) and depth < 4:
             return rebuilt(x, depth + 1)
         return x
@@ -91,52 +102,101 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
         space = {**f.__globals__, **{v: x for (w, v), x in changed.items() if w == "global"}}
         defaults = tuple(changed.get((w, v), x) for w, v, x in found if w == "default")
         out = types.FunctionType(code, space, f.__name__, defaults or None, cells or None)
-        out.__kwdefaults__ = f.__kwdefaults__
+        kw = {v: changed.get((w, v), x) for w, v, x in found if w == "kwdefault"}
+        out.__kwdefaults__ = kw or None
         return out
 
     return native(name, fn, 0)
 
 
 _VALUES = (int, float, complex, bool, str, bytes, type(None))
-_CONSTANT = (types.ModuleType, types.BuiltinFunctionType, type)
+MOST_COMPARED = 1 << 20  # elements of captured arrays compared on each call
+MOST_KEPT = 1 << 26  # elements of a block mask's kept values
+# (a function naming one of these draws random numbers: its values change every call)
+_RANDOM = {"bernoulli", "dropout", "multinomial", "normal", "poisson", "uniform"}
+
+
+class _Contents:
+    """A captured array and a host view of what it holds (a copy once kept)."""
+
+    def __init__(self, x: Any, host: np.ndarray) -> None:
+        self.x, self.host = x, host
 
 
 def fingerprint(xp: Backend, fn: Any) -> tuple[Any, ...] | None:
-    """What ``fn`` computes from, for telling later that it is unchanged: the
-    functions, the values and arrays it captures (as ``captured`` finds them,
-    in the functions it captures too) with each array's ``xp.version``. None
-    when something could change unseen: an array whose version the backend
-    cannot tell, a list, any other object, a callable that is not a function."""
+    """What ``fn`` computes from, for telling later that it is unchanged
+    (``unchanged``): the functions it captures (as ``captured`` finds them,
+    their attributes too), the numbers and strings, and the arrays with what
+    they hold (at most ``MOST_COMPARED`` elements, read on the host). None
+    when something could change unseen: a list, a class or any other object,
+    a callable that is not a function, an array the host does not read, a
+    function that draws random numbers."""
     found: list[Any] = []
+    compared = [0]
+
+    def array(x: Any) -> bool:
+        if isinstance(x, np.ndarray):
+            host = x
+        elif xp.is_array(x) and readable(xp, x):
+            host = xp.to_numpy(x)
+        else:
+            return False
+        compared[0] += host.size
+        found.append(_Contents(x, host))
+        return compared[0] <= MOST_COMPARED
 
     def visit(x: Any, depth: int) -> bool:
-        if isinstance(x, _VALUES + _CONSTANT):
+        if depth > 6:
+            return False
+        if isinstance(x, _VALUES) or isinstance(x, types.ModuleType):
             found.append(x)
             return True
+        if isinstance(x, types.BuiltinFunctionType):  # (a builtin, not a bound method)
+            found.append(x)
+            return isinstance(x.__self__, (types.ModuleType, type(None)))
         if isinstance(x, BlockMask):
-            return visit(x.mask_mod, depth)
+            return visit(x.mask_mod, depth + 1)
         if isinstance(x, tuple):
-            return all(visit(p, depth) for p in x)
-        if isinstance(x, types.FunctionType) and depth < 4:
-            found.extend((x, x.__code__))
-            return all(visit(y, depth + 1) for _, _, y in captured(x))
-        version = xp.version(x) if xp.is_array(x) else None
-        found.extend((x, version))
-        return version is not None
+            found.append(f"tuple of {len(x)}")
+            return all(visit(p, depth + 1) for p in x)
+        if isinstance(x, types.FunctionType):
+            if any("rand" in n or n in _RANDOM for n in _names(x.__code__)):
+                return False
+            found.extend((x, x.__code__, f"{len(x.__dict__)} attributes"))
+            parts = [y for _, _, y in captured(x)] + [y for _, y in sorted(x.__dict__.items())]
+            return all(visit(y, depth + 1) for y in parts)
+        return array(x)
 
     return tuple(found) if visit(fn, 0) else None
 
 
 def unchanged(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
-    """Whether two fingerprints are the same: the same objects, equal values."""
+    """Whether two fingerprints are the same: the same objects, the same
+    values (``-0.0`` is not ``0.0``), arrays holding the same."""
     if a is None or b is None or len(a) != len(b):
         return False
-    return all(
-        x is y or (type(x) is type(y) and isinstance(x, _VALUES) and x == y) for x, y in zip(a, b)
+    for x, y in zip(a, b):
+        if isinstance(x, _Contents):
+            same = isinstance(y, _Contents) and x.x is y.x
+            if not same or x.host.shape != y.host.shape or not np.array_equal(x.host, y.host):
+                return False
+        elif x is not y and not (type(x) is type(y) and _values(x) and repr(x) == repr(y)):
+            return False
+    return True
+
+
+def _values(x: Any) -> bool:
+    return isinstance(x, _VALUES)
+
+
+def _kept(mark: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """``mark`` with the host views of its arrays copied (later writes change
+    the arrays, not what was kept)."""
+    if mark is None:
+        return None
+    return tuple(
+        _Contents(x.x, np.array(x.host, copy=True)) if isinstance(x, _Contents) else x for x in mark
     )
-
-
-MOST_KEPT = 1 << 26  # elements of a block mask's kept values
 
 
 def remembered(
@@ -147,7 +207,7 @@ def remembered(
     up to ``MOST_KEPT`` elements: a call reusing the block mask evaluates nothing."""
     kept = memo.get("kept")  # (mark, values, [elements]): replaced whole, never cleared
     if kept is None or not unchanged(mark, kept[0]):
-        kept = memo["kept"] = (mark, {}, [0])
+        kept = memo["kept"] = (_kept(mark), {}, [0])
     value = kept[1].get(key)
     if value is None:
         value = make()

@@ -229,7 +229,7 @@ class MaskMod(Form):
         if bm is None or not is_int(*self.bases) or xp.is_tracing():
             return make()
         if "mark" not in self.call:  # (what the function captures: read once a call)
-            self.call["mark"] = fingerprint(xp, bm.mask_mod)
+            self.call["mark"] = fingerprint(xp, bm.memo["fn"])  # (as given: NumPy's too)
         key = (xp.name, str(device), _shape(mask), self.bases)
         return remembered(xp, bm.memo, key, self.call["mark"], make)
 
