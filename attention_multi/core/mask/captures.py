@@ -180,13 +180,10 @@ def unchanged(a: tuple[Any, ...] | None, b: tuple[Any, ...] | None) -> bool:
             same = isinstance(y, _Contents) and x.x is y.x
             if not same or x.host.shape != y.host.shape or not np.array_equal(x.host, y.host):
                 return False
-        elif x is not y and not (type(x) is type(y) and _values(x) and repr(x) == repr(y)):
-            return False
+        elif x is not y:
+            if type(x) is not type(y) or not isinstance(x, _VALUES) or repr(x) != repr(y):
+                return False
     return True
-
-
-def _values(x: Any) -> bool:
-    return isinstance(x, _VALUES)
 
 
 def _kept(mark: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
