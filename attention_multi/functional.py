@@ -360,7 +360,7 @@ def ring_attention(
     from .core import DEFAULT_MEMORY_BUDGET, check_path_options
     from .core.paths.ring import chunks_per_participant, held_chunks, ring
 
-    checked_forms("ring_attention", forms)
+    checked_forms("ring_attention", forms, refused=("mask", "bias"))
     for name in ("mask", "bias"):
         if forms.get(name) is not None:
             raise ValueError(

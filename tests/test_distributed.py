@@ -265,6 +265,12 @@ def test_ring_attention_needs_a_communicating_backend():
         am.ring_attention(j, j, j)
     with pytest.raises(ValueError, match="batch sizes differ"):  # shapes checked first
         am.ring_attention(t, t[:0], t)
+    # (what it does not take is named with the keywords it does)
+    taken = "valid_lens, causal, window, mask_mod, score_mod, segment_ids"
+    with pytest.raises(TypeError, match=rf"argument 'sinks' \(the mask keywords: {taken}\)$"):
+        am.ring_attention(t, t, t, sinks=t)
+    with pytest.raises(ValueError, match="not mask="):
+        am.ring_attention(t, t, t, mask=t > 0)
 
 
 def test_ring_shard_refuses_a_rank_outside_the_world():

@@ -152,14 +152,16 @@ KEYWORDS: dict[str, Keyword] = {
 assert set(KEYWORDS) - {"valid_lens"} == set(MaskForms.__annotations__)
 
 
-def checked_forms(function: str, forms: Mapping[str, Any]) -> None:
+def checked_forms(function: str, forms: Mapping[str, Any], refused: tuple[str, ...] = ()) -> None:
     """Raise Python's TypeError for an unknown keyword (naming ``function`` and
-    the mask keywords) when a name of ``forms`` is not a mask keyword."""
+    the mask keywords it takes, all but ``refused``) when a name of ``forms``
+    is not a mask keyword."""
     for name in forms:
         if name not in KEYWORDS or name == "valid_lens":
+            taken = ", ".join(k for k in KEYWORDS if k not in refused)
             raise TypeError(
                 f"{function}() got an unexpected keyword argument {name!r} "
-                f"(the mask keywords: {', '.join(KEYWORDS)})"
+                f"(the mask keywords: {taken})"
             )
 
 
