@@ -198,6 +198,11 @@ def test_one_query_position_per_call(backend):
     np.testing.assert_allclose(_run(backend, q6, k, v, "full", causal=True), want, atol=3e-6)
     with pytest.raises(ValueError, match=r"mask_mod with causal when Q=6 != K=10.*q_idx \+ 4"):
         am.dot_product_attention(q6, k, v, causal=True, mask_mod=first_rows)
+    # (a pair of ids would not move causal's query: the hint says what would)
+    with pytest.raises(ValueError, match=r"kv_idx <= q_idx \+ 4\) instead of the keyword$"):
+        am.dot_product_attention(
+            q6, k, v, causal=True, segment_ids=TABLE, score_mod=lambda s, b, h, q_idx, kv_idx: s
+        )
     with pytest.raises(ValueError, match="score_mod with segment_ids.*pair"):
         am.dot_product_attention(
             q6, k, v, segment_ids=TABLE, score_mod=lambda s, b, h, q_idx, kv_idx: s

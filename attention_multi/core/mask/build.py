@@ -108,12 +108,19 @@ def one_query_position(where: Where, keywords: Mapping[str, Any]) -> None:
     if ids is not None and not isinstance(ids, tuple):
         placed.append("segment_ids")
     if functions and placed:
+        shift, aligned = offset - base, [n for n in placed if n != "segment_ids"]
+        fix = f"write it in the function with q_idx + {shift}"
+        if aligned:  # (a pair of ids would not move causal's or window's query)
+            fix += (
+                f", with {' and '.join(aligned)} in the function too (causal: kv_idx <= "
+                f"q_idx + {shift}) instead of the keyword"
+            )
+        else:
+            fix += ", or give segment_ids as a (query ids, key ids) pair"
         raise ValueError(
             f"{' and '.join(functions)} with {' and '.join(placed)} when Q={where.num_queries} "
             f"!= K={where.num_keys}: q_idx counts query 0 as {base} (flex's), while "
-            f"{placed[0]} puts it at key position {offset} (bottom-right); write it in the "
-            f"function with q_idx + {offset - base}"
-            + (", or give segment_ids as a (query ids, key ids) pair" if ids is not None else "")
+            f"{placed[0]} puts it at key position {offset} (bottom-right); {fix}"
         )
 
 
