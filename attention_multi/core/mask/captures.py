@@ -40,7 +40,8 @@ def captured(fn: Any) -> list[tuple[str, str, Any]]:
 
 def _names(code: types.CodeType) -> set[str]:
     """The names ``code`` reads (globals, attributes), nested code's too."""
-    codes, named = [code], set[str]()
+    codes: list[types.CodeType] = [code]
+    named: set[str] = set()  # (not set[str](): torch.compile traces this)
     while codes:
         c = codes.pop()
         named.update(c.co_names)
