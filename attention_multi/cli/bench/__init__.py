@@ -331,11 +331,12 @@ def main(args):
     flex_rows = []
     if packed_batch and "torch" in usable:
         print("  flex API ...", file=sys.stderr, flush=True)
-        flex_rows = run_flex(seconds)
+        flex_rows = run_flex(seconds, block_batch=packed_batch)
         print(
             "\nThe flex API (attention_multi.flex, eager, its BlockMask of blocks 128) against "
-            "torch's flex_attention compiled with its BlockMask, float32 forward; "
-            "create_block_mask of the document mask (documents as above).\n"
+            "torch's flex_attention compiled with its BlockMask, float32 forward, at one "
+            "sequence and at the packed size; create_block_mask of the document mask "
+            "(documents as above), H=None and one block mask per head.\n"
         )
         print(packed_table(flex_rows))
     busy_results = []

@@ -308,77 +308,93 @@ FLEX = {"batch": 1, "heads": 4, "length": 1024, "head_size": 64, "window": 256}
 def run_flex(seconds, block_batch=4, block_length=4096):
     """Rows as ``run_packed``'s: ``attention_multi.flex.flex_attention``
     (eager, our BlockMask) against torch's ``flex_attention`` compiled (its
-    BlockMask), forward, at ``FLEX``'s shape, for causal, sliding-window and
-    document masks; then ``create_block_mask`` of the document mask, ours
-    against torch's, at (``block_batch``, ``block_length``)."""
+    BlockMask), forward, for causal, sliding-window and document masks, at
+    ``FLEX``'s shape and at the packed size (``block_batch``,
+    ``PACKED``'s heads, ``block_length``); then ``create_block_mask`` of the
+    document mask, ours against torch's, at the packed size, with ``H=None``
+    and with one block mask per head."""
     import torch
     from torch.nn.attention import flex_attention as theirs
 
     from attention_multi import flex as ours
 
-    B, H, T, d, w = (FLEX[n] for n in ("batch", "heads", "length", "head_size", "window"))
-    rng = np.random.default_rng(0)
-    q, k, v = (torch.tensor(rng.standard_normal((B, H, T, d), dtype=np.float32)) for _ in "qkv")
-    seg = torch.tensor(packed_ids(B, T, *PACKED["docs"]))
+    w = FLEX["window"]
+    compiled = torch.compile(theirs.flex_attention)
+    shapes = [
+        tuple(FLEX[n] for n in ("batch", "heads", "length", "head_size")),
+        (block_batch, PACKED["heads"], block_length, PACKED["head_size"]),
+    ]
+    rows = []
+    for B, H, T, d in shapes:
+        rng = np.random.default_rng(0)
+        q, k, v = (torch.tensor(rng.standard_normal((B, H, T, d), dtype=np.float32)) for _ in "qkv")
+        masks = flex_masks(torch.tensor(packed_ids(B, T, *PACKED["docs"])), w)
+        for name, mod in zip(("causal", f"sliding window {w}", "document"), masks):
+            mine = ours.create_block_mask(mod, B, None, T, T, device="cpu")
+            their = theirs.create_block_mask(mod, B, None, T, T, device="cpu")
+            a = ours.flex_attention(q, k, v, block_mask=mine)
+            b = compiled(q, k, v, block_mask=their)
+            err = float((a - b).abs().max())
+
+            def mine_call(mine=mine, q=q, k=k, v=v):
+                return ours.flex_attention(q, k, v, block_mask=mine)
+
+            def their_call(their=their, q=q, k=k, v=v):
+                return compiled(q, k, v, block_mask=their)
+
+            burst = 5 if T <= 1024 else 1  # (a packed-size call: 0.2-2 s)
+            t_ours, t_theirs, _ = compare(mine_call, their_call, seconds, burst=burst)
+            rows.append(
+                (
+                    "torch",
+                    f"flex_attention forward, {name} (B={B}, H={H}, T={T}, d={d})",
+                    "torch flex_attention, compiled",
+                    t_ours,
+                    t_theirs,
+                    t_ours / t_theirs,
+                    1 - mine.sparsity() / 100,
+                    err,
+                    (torch_calls(mine_call), torch_calls(their_call)),
+                )
+            )
+    seg = torch.tensor(packed_ids(block_batch, block_length, *PACKED["docs"]))
+    document = flex_masks(seg, w)[2]
+    for heads in (None, PACKED["heads"]):
+        args = (document, block_batch, heads, block_length, block_length)
+        t_ours, t_theirs, _ = compare(
+            lambda args=args: ours.create_block_mask(*args, device="cpu"),
+            lambda args=args: theirs.create_block_mask(*args, device="cpu"),
+            seconds,
+            burst=1,
+        )
+        mine = ours.create_block_mask(*args, device="cpu")
+        same = mine.to_dense() == theirs.create_block_mask(*args, device="cpu").to_dense().numpy()
+        rows.append(
+            (
+                "torch",
+                f"create_block_mask, document (B={block_batch}, H={heads}, T={block_length})",
+                "torch create_block_mask",
+                t_ours,
+                t_theirs,
+                t_ours / t_theirs,
+                1 - mine.sparsity() / 100,
+                float(not same.all()),
+                (None, None),
+            )
+        )
+    return rows
+
+
+def flex_masks(seg, window):
+    """Causal, sliding-window and document (``seg``: (B, T) segment ids) mask functions."""
 
     def causal(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx
 
     def sliding(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx - kv_idx <= w)
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
 
     def document(b, h, q_idx, kv_idx):
         return (seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
 
-    compiled = torch.compile(theirs.flex_attention)
-    rows = []
-    for name, mod in (("causal", causal), (f"sliding window {w}", sliding), ("document", document)):
-        mine = ours.create_block_mask(mod, B, None, T, T, device="cpu")
-        their = theirs.create_block_mask(mod, B, None, T, T, device="cpu")
-        a, b = ours.flex_attention(q, k, v, block_mask=mine), compiled(q, k, v, block_mask=their)
-        err = float((a - b).abs().max())
-
-        def mine_call(mine=mine):
-            return ours.flex_attention(q, k, v, block_mask=mine)
-
-        def their_call(their=their):
-            return compiled(q, k, v, block_mask=their)
-
-        t_ours, t_theirs, _ = compare(mine_call, their_call, seconds)
-        rows.append(
-            (
-                "torch",
-                f"flex_attention forward, {name} (B={B}, H={H}, T={T}, d={d})",
-                "torch flex_attention, compiled",
-                t_ours,
-                t_theirs,
-                t_ours / t_theirs,
-                1 - mine.sparsity() / 100,
-                err,
-                (torch_calls(mine_call), torch_calls(their_call)),
-            )
-        )
-    seg = torch.tensor(packed_ids(block_batch, block_length, *PACKED["docs"]))
-    args = (document, block_batch, None, block_length, block_length)
-    t_ours, t_theirs, _ = compare(
-        lambda: ours.create_block_mask(*args, device="cpu"),
-        lambda: theirs.create_block_mask(*args, device="cpu"),
-        seconds,
-        burst=1,
-    )
-    mine = ours.create_block_mask(*args, device="cpu")
-    same = mine.to_dense() == theirs.create_block_mask(*args, device="cpu").to_dense().numpy()
-    rows.append(
-        (
-            "torch",
-            f"create_block_mask, document (B={block_batch}, T={block_length})",
-            "torch create_block_mask",
-            t_ours,
-            t_theirs,
-            t_ours / t_theirs,
-            1 - mine.sparsity() / 100,
-            float(not same.all()),
-            (None, None),
-        )
-    )
-    return rows
+    return causal, sliding, document
