@@ -201,6 +201,9 @@ class Backend:
     # what a mask costs a kernel per score it computes, in scores (a pass of
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0
+    # whether a mask known on the host is made with NumPy and handed over in
+    # one ``asarray`` (torch's CPU tensors share NumPy's memory: no parallel region)
+    host_masks: bool = False
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal

@@ -127,6 +127,7 @@ class TorchBackend(NumpyLike):
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
+    host_masks = True
     # (64K-256K scores, K <= 256: the full path took 0.47-0.82x of SDPA's path
     # forward, 0.77-0.88x forward and backward, 2-core CPU, d = 16..64)
     small_scores = 1 << 18

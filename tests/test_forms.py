@@ -211,3 +211,43 @@ def test_forms_through_the_api(backend):
         module = am.DotProductAttention(0.0, backend=backend).eval()
         got = module(q, k, v, lens, **native)
         np.testing.assert_allclose(backend.to_numpy(got), want[:, 0], rtol=2e-5, atol=2e-5)
+
+
+SEGMENTS = np.array([[0, 0, 1, 1, 1, -1, 2, 2, 2], [5, 5, 5, 5, 7, 7, 7, -1, -1]])
+HOST_CASES = {  # (Q, K, keywords)
+    "lens": (9, 9, dict(valid_lens=np.array([3, 9]))),
+    "lens_per_query": (9, 9, dict(valid_lens=np.arange(18).reshape(2, 9) % 10)),
+    "causal_window_more_keys": (6, 9, dict(causal=True, window=(2, 1))),
+    "segments_causal": (9, 9, dict(segment_ids=SEGMENTS, causal=True)),
+    "segments_lens": (9, 9, dict(segment_ids=SEGMENTS, valid_lens=np.array([7, 4]))),
+    "segments_pair_window": (4, 9, dict(segment_ids=(SEGMENTS[:, 5:], SEGMENTS), window=(3, 2))),
+    "segments_beyond_int32": (9, 9, dict(segment_ids=np.where(SEGMENTS < 0, -1, SEGMENTS << 33))),
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_CASES))
+def test_torch_masks_known_on_the_host_equal_the_oracle(case):
+    """torch makes a CPU mask known on the host with NumPy (``host_masks``):
+    every form, the whole grid and a region of it, against the oracle."""
+    from attention_multi import backends
+    from attention_multi.core.mask.spec import Region
+
+    xp = backends.load("torch")
+    nq, nk, form = HOST_CASES[case]
+    given = {
+        name: tuple(xp.asarray(x) for x in v)
+        if isinstance(v, tuple) and name == "segment_ids"
+        else (xp.asarray(v) if isinstance(v, np.ndarray) else v)
+        for name, v in form.items()
+    }
+    expected = oracle.allowed_keys(BATCH, HEADS, nq, nk, **form)
+    mask = make_mask(xp, BATCH, HEADS, nq, nk, **given)
+    r = Region(1, 2, 1, nq - 1, 2, nk)
+    for m, want in ((mask, expected), (mask.region(r), expected[1:2, :, 1 : nq - 1, 2:nk])):
+        got = m.boolean(xp, None)
+        got = (
+            np.ones(want.shape, bool)
+            if got is None
+            else np.broadcast_to(xp.to_numpy(got), want.shape)
+        )
+        np.testing.assert_array_equal(got, want)

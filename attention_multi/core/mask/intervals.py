@@ -89,6 +89,18 @@ class Intervals(Form):
         j = positions(xp, mask.num_keys, device)
         return j < hi if lo is None else xp.logical_and(j >= lo, j < hi)
 
+    def host_visible(self, mask: Mask) -> np.ndarray | bool | None:
+        known = host_bounds(mask)
+        if known is None:
+            return None
+        if sees_all(mask):
+            return True
+        nk = mask.num_keys
+        lo, hi = (np.clip(x, 0, nk).astype(np.int32).reshape((x.shape[0], 1, -1, 1)) for x in known)
+        # (lo <= j < hi as one unsigned comparison: j - lo wraps below lo)
+        width = np.maximum(hi - lo, 0).view(np.uint32)
+        return (np.arange(nk, dtype=np.int32) - lo).view(np.uint32) < width
+
     def seen(self, xp: Backend, mask: Mask, r: Region, device: Any) -> Array:
         lo, hi = self.bounds(xp, mask, device)  # (batch|1, 1, Q|1, 1)
         lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo

@@ -49,6 +49,13 @@ class Segments(Form):
         qs4 = qs.reshape((qs.shape[0], 1, nq, 1))
         return xp.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
 
+    def host_visible(self, mask: Mask) -> np.ndarray | bool | None:
+        if self.known_ids is None or self.key_start is not None:
+            return None
+        qs, ks = self.known_ids
+        q4 = qs.reshape((qs.shape[0], 1, qs.shape[1], 1))
+        return (q4 == ks.reshape((ks.shape[0], 1, 1, ks.shape[1]))) & (q4 >= 0)
+
     @staticmethod
     def _rows(ids: tuple[Any, Any], r: Region, xp: Backend | None = None) -> tuple[Any, Any]:
         """The query and key ids of the region ``r`` (``xp``: at traced starts)."""

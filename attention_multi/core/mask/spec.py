@@ -73,6 +73,9 @@ def is_int(*xs: Any) -> bool:
     return all(isinstance(x, (int, np.integer)) for x in xs)
 
 
+HOST_MASK_MAX = 1 << 22  # (batch x Q x K) at most: a larger mask is made by the framework's threads
+
+
 class Form:
     """One family of mask keywords. Subclasses set ``kind`` and override what
     their family answers; the defaults tell nothing about a block on the host."""
@@ -90,6 +93,10 @@ class Form:
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array | None:
         """bool broadcastable to (batch, heads, Q, K); None: every key."""
         return None
+
+    def host_visible(self, mask: Mask) -> np.ndarray | bool | None:
+        """``visible`` made with NumPy on the host (True: every key); None: it cannot be."""
+        return None if self.restricts else True
 
     def scores(self, xp: Backend, mask: Mask, s: Array, work: str) -> Array:
         """The scaled scores ``s`` (batch, heads, Q, K) after this form."""
@@ -299,12 +306,34 @@ class Mask:
         None when every query is known to see every key. Made once per Mask."""
 
         def make() -> Array | None:
-            visible = _and(xp, (form.visible(xp, self, device) for form in self.forms))
+            made, visible = self._host_boolean(xp, device)
+            if not made:
+                visible = _and(xp, (form.visible(xp, self, device) for form in self.forms))
             if visible is not None and visible.shape[-1] != self.num_keys:  # (q_idx alone)
                 visible = xp.broadcast_to(visible, tuple(visible.shape[:-1]) + (self.num_keys,))
             return visible
 
         return self._once(("boolean", device), make)
+
+    def _host_boolean(self, xp: Backend, device: Any) -> tuple[bool, Array | None]:
+        """``(made, boolean)``: the forms' AND made with NumPy and handed over
+        once, where the backend takes host masks on this device (no framework
+        call, so no parallel region) and every form renders on the host."""
+        if not xp.host_masks or not self.known_on_host() or xp.is_tracing():
+            return False, None
+        size = self.batch * self.num_queries * self.num_keys
+        if xp.on_accelerator(device) or size > HOST_MASK_MAX:
+            return False, None
+        parts = [form.host_visible(self) for form in self.forms]
+        if any(p is None for p in parts):
+            return False, None
+        arrays = [p for p in parts if isinstance(p, np.ndarray)]  # (True: every key)
+        if not arrays:
+            return True, None
+        visible = arrays[0]
+        for part in arrays[1:]:
+            visible = np.logical_and(visible, part)
+        return True, xp.asarray(visible, "bool", device)
 
     def boolean_one_head(self, xp: Backend, device: Any) -> Array | None:
         """``boolean`` of a one-head mask without its heads axis: (batch|1, Q, K)."""
