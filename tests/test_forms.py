@@ -213,15 +213,26 @@ def test_forms_through_the_api(backend):
         np.testing.assert_allclose(backend.to_numpy(got), want[:, 0], rtol=2e-5, atol=2e-5)
 
 
-SEGMENTS = np.array([[0, 0, 1, 1, 1, -1, 2, 2, 2], [5, 5, 5, 5, 7, 7, 7, -1, -1]])
+# (192 positions: the masks are large enough to be made on the host)
+SEGMENTS = np.repeat(np.array([[0, 0, 1, 1, 1, -1, 2, 2, 2], [5, 5, 5, 5, 7, 7, 7, -1, -1]]), 22, 1)
+SEGMENTS = np.concatenate([SEGMENTS, SEGMENTS[:, :-6]], 1)[:, :192]
+LENS = np.arange(2 * 192).reshape(2, 192) % 200
 HOST_CASES = {  # (Q, K, keywords)
-    "lens": (9, 9, dict(valid_lens=np.array([3, 9]))),
-    "lens_per_query": (9, 9, dict(valid_lens=np.arange(18).reshape(2, 9) % 10)),
-    "causal_window_more_keys": (6, 9, dict(causal=True, window=(2, 1))),
-    "segments_causal": (9, 9, dict(segment_ids=SEGMENTS, causal=True)),
-    "segments_lens": (9, 9, dict(segment_ids=SEGMENTS, valid_lens=np.array([7, 4]))),
-    "segments_pair_window": (4, 9, dict(segment_ids=(SEGMENTS[:, 5:], SEGMENTS), window=(3, 2))),
-    "segments_beyond_int32": (9, 9, dict(segment_ids=np.where(SEGMENTS < 0, -1, SEGMENTS << 33))),
+    "lens_per_query": (192, 192, dict(valid_lens=LENS)),
+    "causal_window_more_keys": (96, 192, dict(causal=True, window=(40, 10))),
+    "window_past_the_lengths": (192, 192, dict(window=(20, 5), valid_lens=np.array([50, 192]))),
+    "segments_causal": (192, 192, dict(segment_ids=SEGMENTS, causal=True)),
+    "segments_lens": (192, 192, dict(segment_ids=SEGMENTS, valid_lens=np.array([150, 91]))),
+    "segments_pair_window": (
+        96,
+        192,
+        dict(segment_ids=(SEGMENTS[:, 96:], SEGMENTS), window=(60, 20)),
+    ),
+    "segments_beyond_int32": (
+        192,
+        192,
+        dict(segment_ids=np.where(SEGMENTS < 0, -1, SEGMENTS << 33)),
+    ),
 }
 
 
@@ -242,8 +253,8 @@ def test_torch_masks_known_on_the_host_equal_the_oracle(case):
     }
     expected = oracle.allowed_keys(BATCH, HEADS, nq, nk, **form)
     mask = make_mask(xp, BATCH, HEADS, nq, nk, **given)
-    r = Region(1, 2, 1, nq - 1, 2, nk)
-    for m, want in ((mask, expected), (mask.region(r), expected[1:2, :, 1 : nq - 1, 2:nk])):
+    r = Region(0, 2, 1, nq - 1, 2, nk)
+    for m, want in ((mask, expected), (mask.region(r), expected[:, :, 1 : nq - 1, 2:nk])):
         got = m.boolean(xp, None)
         got = (
             np.ones(want.shape, bool)

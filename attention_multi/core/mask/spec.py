@@ -73,7 +73,9 @@ def is_int(*xs: Any) -> bool:
     return all(isinstance(x, (int, np.integer)) for x in xs)
 
 
-HOST_MASK_MAX = 1 << 22  # (batch x Q x K) at most: a larger mask is made by the framework's threads
+# (batch x Q x K) of a mask made on the host: smaller, the framework's calls
+# run on the calling thread (torch's grain); larger, its threads are faster
+HOST_MASK_MIN, HOST_MASK_MAX = 1 << 15, 1 << 22
 
 
 class Form:
@@ -322,7 +324,11 @@ class Mask:
         if not xp.host_masks or not self.known_on_host() or xp.is_tracing():
             return False, None
         size = self.batch * self.num_queries * self.num_keys
-        if xp.on_accelerator(device) or size > HOST_MASK_MAX:
+        if (
+            xp.on_accelerator(device)
+            or not self.per_query
+            or not HOST_MASK_MIN <= size <= HOST_MASK_MAX
+        ):
             return False, None
         parts = [form.host_visible(self) for form in self.forms]
         if any(p is None for p in parts):
