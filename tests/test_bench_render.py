@@ -35,6 +35,36 @@ RUN = {
     ],
     "packed": [["torch", "forward", "flex", 0.18, 0.255, 0.71, 0.115, None, [12, 1]]],
     "a_new_table": [{"busy_ratio": 1.25, "note": "a | b"}],
+    "ring_balance": [
+        {
+            "layout": "zigzag",
+            "length": 4096,
+            "size": 2,
+            "ranks": [
+                {
+                    "rank": 1,
+                    "seconds": 2.5,
+                    "wall": 2.6,
+                    "steps": [
+                        {
+                            "step": 0,
+                            "scores": 3_000_000,
+                            "calls": 5,
+                            "compute_s": 1.25,
+                            "exchange_s": 0.01,
+                        },
+                        {
+                            "step": 1,
+                            "scores": 1_500_000,
+                            "calls": 2,
+                            "compute_s": 0.75,
+                            "exchange_s": 0.02,
+                        },
+                    ],
+                }
+            ],
+        }
+    ],
     "long": [],
 }
 
@@ -52,6 +82,12 @@ def test_every_section_and_column_of_the_run_is_rendered():
     assert "| torch | forward | flex | 180 ms | 255 ms | 0.71x | 11.5% | – |" in text  # a list row
     assert "### a_new_table" in text and "| 1.25x | a \\| b |" in text  # unknown: as it is
     assert "torch-dot" not in text and "### A long sequence" not in text  # ids, empty sections
+    # the ring balance: a row per participant, its steps summed
+    assert (
+        "| layout | length | processes | participant | scores computed (M) | calls "
+        "| compute per step | exchange waits | time |" in text
+    )
+    assert "| zigzag | 4096 | 2 | 1 | 4.5 | 7 | 1.25 s, 750 ms | 30 ms | 2.5 s |" in text
 
 
 def test_the_page_is_replaced_between_its_markers_only(tmp_path):

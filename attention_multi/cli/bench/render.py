@@ -37,6 +37,7 @@ TITLES = {
     "ring": "Ring attention",
     "flex": "The flex API against torch's compiled flex_attention",
     "busy": "A busy machine: the same rows beside one CPU-bound process",
+    "ring_balance": "Ring balance: contiguous against zigzag (causal), per participant",
 }
 # Rows the bench writes as lists instead of objects.
 LIST_COLUMNS = {
@@ -60,6 +61,7 @@ NAMES = {
     "max_abs_diff": "max abs diff",
     "peak_rss_mib": "peak RSS (MiB)",
     "rss_before_mib": "RSS before (MiB)",
+    "scores_m": "scores computed (M)",
 }
 
 
@@ -124,7 +126,32 @@ def cell(key: str, value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
+def participants(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ring balance's runs (a layout, its participants, their steps) as a
+    row per participant: its scores, calls, compute per step, waits and time."""
+    out = []
+    for run in rows:
+        for rank in run.get("ranks", []):
+            steps = rank.get("steps", [])
+            out.append(
+                {
+                    "layout": run.get("layout"),
+                    "length": run.get("length"),
+                    "processes": run.get("size"),
+                    "participant": rank.get("rank"),
+                    "scores_m": sum(s["scores"] for s in steps) / 1e6,
+                    "calls": sum(s["calls"] for s in steps),
+                    "compute_per_step_s": [s["compute_s"] for s in steps],
+                    "exchange_waits_s": sum(s["exchange_s"] for s in steps),
+                    "time_s": rank.get("seconds"),
+                }
+            )
+    return out
+
+
 def as_dicts(section: str, rows: list[Any]) -> list[dict[str, Any]]:
+    if section == "ring_balance":
+        rows = participants(rows)
     names = LIST_COLUMNS.get(section, [])
     out = []
     for row in rows:
