@@ -198,6 +198,9 @@ class Backend:
     # what a tile of the tiled path costs beyond its kernel call, in scores:
     # its host work (its slices, its rows put back)
     tile_host_cost: int = 0
+    # what copying one element costs, in scores (a tile's gathered rows, the
+    # output put back in batch order)
+    copy_cost: float = 0.0
     # what a mask costs a kernel per score it computes, in scores (a pass of
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0

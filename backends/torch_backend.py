@@ -132,6 +132,7 @@ class TorchBackend(NumpyLike):
     # forward, 0.77-0.88x forward and backward, 2-core CPU, d = 16..64)
     small_scores = 1 << 18
     tile_host_cost = 4 * 8192  # (75-140 us a tile, against SDPA's 0.8-2.2 ns a score)
+    copy_cost = 0.35  # (gathers and joins: about 1 ns an element against SDPA's 2.8 ns a score)
     weak_scalars = True
     masks_by_adding = True
 

@@ -82,6 +82,27 @@ def test_packed_rows_are_stacked_when_calls_wait(waits):
     assert calls["busy"] < calls["idle"], calls
 
 
+def test_gathered_tiles_over_blocks_of_queries_and_a_window_equal_the_oracle(waits):
+    """Elements of alike lengths between unlike ones are gathered into one
+    tile (only the queries and keys it reads), per block of queries, with a
+    window that moves the keys' start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = np.random.default_rng(2)
+    B, T = 8, 256
+    lens = np.array([256, 40, 250, 60, 240, 50, 230, 70])
+    q, k, v = (rng.standard_normal((B, T, 16)).astype(np.float32) for _ in range(3))
+    want, _ = oracle.attention(*(x[:, None] for x in (q, k, v)), lens, causal=True, window=(96, 0))
+    m = am.DotProductAttention(0.0, backend="torch", path="tiled", chunk_size=64).eval()
+    args = [torch.tensor(x) for x in (q, k, v, lens)]
+    waits(0.002)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = m(*args, causal=True, window=(96, 0))
+    assert m.last_path == "tiled"
+    assert any(e.name == "aten::index_select" for e in prof.events())  # (gathered)
+    np.testing.assert_allclose(out.numpy(), want[:, 0], rtol=2e-5, atol=2e-5)
+
+
 @pytest.fixture
 def accelerator(monkeypatch):
     """torch's CPU arrays taken as on an accelerator (a GPU's choices, here)."""

@@ -134,16 +134,18 @@ def grouped(
     most: int,
     gather: bool,
     masked_cost: float = 0.0,
+    copies: tuple[float, float] = (0.0, 0.0),
 ) -> list[tuple[np.ndarray, int, int, bool]]:
     """``(elements, k0, k1, whole)`` groups of at most ``most`` elements, each
     one kernel call over the keys its elements see (``starts``, ``stops``), at
     least cost (``rows`` scores per element and key, ``call_cost`` per group,
-    and ``masked_cost`` more per score where its elements see different keys:
-    the mask's pass); consecutive, or sorted by keys when ``gather``; those
-    that see none last. The plans of the last calls are kept: every layer of
-    a model plans the same lengths again."""
+    ``masked_cost`` more per score where its elements see different keys: the
+    mask's pass; a group that is not a range of elements is gathered: three
+    calls more, and ``copies`` per element and per element and key); consecutive,
+    or sorted by keys when ``gather``; those that see none last. The plans of
+    the last calls are kept: every layer of a model plans the same lengths again."""
     arrays = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype, stops.dtype)
-    plan = (*arrays, rows, call_cost, most, gather, masked_cost)
+    plan = (*arrays, rows, call_cost, most, gather, masked_cost, copies)
     if plan in _GROUPED:
         return list(_GROUPED[plan])
     empty = stops <= starts
@@ -151,24 +153,30 @@ def grouped(
     if gather:
         order = order[np.lexsort((starts[order], stops[order]))]
     n = len(order)
-    per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
     keys = list(zip(starts[order].tolist(), stops[order].tolist()))
     # A best grouping never splits a run of elements that see the same keys (the
     # group before takes the rest at no cost): a run is one step, unless most binds.
     bounds = [i for i in range(n) if i == 0 or most < n or keys[i] != keys[i - 1]] + [n]
     best, cut = [0.0] * len(bounds), [0] * len(bounds)
     run_keys = [keys[b] for b in bounds[:-1]]  # (a run's elements share its keys)
+    firsts = [int(order[a:b].min()) for a, b in zip(bounds, bounds[1:])]
+    lasts = [int(order[a:b].max()) for a, b in zip(bounds, bounds[1:])]
     plain, masked = 1.0, 1.0 + masked_cost
+    per_element, per_key = copies
     for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
         lo, hi, least, mixed, end, last = np.inf, -np.inf, np.inf, False, bounds[j], run_keys[j - 1]
+        first, final = n, -1
         for i in range(j - 1, -1, -1):  # the last group: from bounds[i]
             size = end - bounds[i]
             start, stop = key = run_keys[i]
             lo, hi = (start if start < lo else lo), (stop if stop > hi else hi)
+            first, final = min(first, firsts[i]), max(final, lasts[i])
             mixed = mixed or key != last
-            group = size * rows * (hi - lo) * (masked if mixed else plain) + per_group
+            group = size * rows * (hi - lo) * (masked if mixed else plain) + call_cost
             if size > most or group >= least:  # (an earlier start only adds to it)
                 break
+            if final - first + 1 != size:  # (not a range: gathered)
+                group += 3 * call_cost + size * (per_element + per_key * (hi - lo))
             if best[i] + group <= least:
                 least, cut[j] = best[i] + group, i
         best[j] = least

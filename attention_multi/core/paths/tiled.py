@@ -42,16 +42,18 @@ class Group(NamedTuple):
 
     @property
     def ranged(self) -> bool:
-        """Its rows are a range (sliced, not gathered)."""
-        return bool((np.diff(self.rows) == 1).all())
+        """Its rows are a range (sliced, not gathered); they are sorted."""
+        return int(self.rows[-1]) - int(self.rows[0]) + 1 == len(self.rows)
 
 
 class Tiles(NamedTuple):
-    """The groups of each block of queries; ``scores`` the scores computed."""
+    """The groups of each block of queries; ``scores`` the scores computed;
+    ``copied`` the elements copied (gathered rows, the output put back)."""
 
     groups: list[list[Group]]
     blocks: list[tuple[int, int]]
     scores: int
+    copied: int
 
 
 def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
@@ -71,15 +73,22 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     gather = all(f.gathers for f in mask.forms) and not taped
     masked = xp.masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    groups, work = [], 0
+    groups, work, copied = [], 0, 0
+    kv_heads, d, dv = call.keys.shape[1], call.queries.shape[-1], call.values.shape[-1]
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
         rows = heads * (q1 - q0)
         most = max(1, memory_budget // (per_query * (q1 - q0)))
-        block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked)
+        per_element, per_key = rows * d, kv_heads * (d + dv)  # (a gathered group's copies)
+        copies = (per_element * xp.copy_cost, per_key * xp.copy_cost)
+        block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked, copies)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
-    return Tiles(groups, blocks, work)
+        gathered = [g for g in groups[-1] if g.k1 > g.k0 and not g.ranged]
+        copied += sum(len(g.rows) * (per_element + per_key * (g.k1 - g.k0)) for g in gathered)
+        if len(block) > 1:  # (the outputs joined, and put back in batch order)
+            copied += call.batch * rows * dv * (1 + (_back_order(groups[-1]) is not None))
+    return Tiles(groups, blocks, work, copied)
 
 
 def plan(call: Call) -> Plan | None:
@@ -95,7 +104,8 @@ def plan(call: Call) -> Plan | None:
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    return Plan((tiles.scores + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
+    copies = tiles.copied * xp.copy_cost
+    return Plan((tiles.scores + copies + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
 
 
 def tile_cost(call: Call) -> float:
@@ -188,8 +198,8 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
             sub = None if g.whole else mask.region(region)
         else:
             rows = xp.asarray(g.rows, "int32", device)
-            q_rows, k_rows, v_rows = (xp.take(x, rows, 0) for x in (q, k, v))
-            args = (q_rows[:, :, g.q0 : g.q1], k_rows[:, :, g.k0 : g.k1], v_rows[:, :, g.k0 : g.k1])
+            cut = (q[:, :, g.q0 : g.q1], k[:, :, g.k0 : g.k1], v[:, :, g.k0 : g.k1])
+            args = tuple(xp.take(x, rows, 0) for x in cut)  # (only what the tile reads)
             sub = None if g.whole else mask.rows(g.rows).region(Region(0, n, *g[1:5]))
         if sub is None:
             sub = Mask(n, heads, g.q1 - g.q0, g.k1 - g.k0)
