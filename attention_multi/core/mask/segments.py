@@ -5,7 +5,7 @@ least and largest ids of its queries and keys: work O(Q + K + blocks)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,17 +44,13 @@ class Segments(Form):
         return self.query_ids, xp.take(self.key_ids, at, 1)
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
-        qs, ks = self.ids(xp, mask)
-        nq, nk = qs.shape[1], ks.shape[1]
-        qs4 = qs.reshape((qs.shape[0], 1, nq, 1))
-        return xp.logical_and(qs4 == ks.reshape((ks.shape[0], 1, 1, nk)), qs4 >= 0)
+        return _same_segment(*self.ids(xp, mask), xp.logical_and)
 
     def host_visible(self, mask: Mask) -> np.ndarray | bool | None:
         if self.known_ids is None or self.key_start is not None:
             return None
         qs, ks = self.known_ids
-        q4 = qs.reshape((qs.shape[0], 1, qs.shape[1], 1))
-        return (q4 == ks.reshape((ks.shape[0], 1, 1, ks.shape[1]))) & (q4 >= 0)
+        return _same_segment(qs, ks, np.logical_and)
 
     @staticmethod
     def _rows(ids: tuple[Any, Any], r: Region, xp: Backend | None = None) -> tuple[Any, Any]:
@@ -113,6 +109,14 @@ class Segments(Form):
         return Segments(
             xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids, self.key_start
         )
+
+
+def _same_segment(qs: Any, ks: Any, both: Callable[[Any, Any], Any]) -> Any:
+    """The rule, for query ids (batch|1, Q) and key ids (batch|1, K) of one
+    namespace (``both``: its logical AND): (batch|1, 1, Q, K), the same id
+    and not padding."""
+    q4 = qs.reshape((qs.shape[0], 1, qs.shape[1], 1))
+    return both(q4 == ks.reshape((ks.shape[0], 1, 1, ks.shape[1])), q4 >= 0)
 
 
 def _states(qs: np.ndarray, ks: np.ndarray, block_q: int, block_k: int) -> np.ndarray:
