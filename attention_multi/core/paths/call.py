@@ -140,10 +140,11 @@ def grouped(
     one kernel call over the keys its elements see (``starts``, ``stops``), at
     least cost (``rows`` scores per element and key, ``call_cost`` per group,
     ``masked_cost`` more per score where its elements see different keys: the
-    mask's pass; a group that is not a range of elements is gathered: three
-    calls more, and ``copies`` per element and per element and key); consecutive,
-    or sorted by keys when ``gather``; those that see none last. The plans of
-    the last calls are kept: every layer of a model plans the same lengths again."""
+    mask's pass; when ``gather``, three calls more per group, and ``copies``
+    per element and per element and key where its elements are not a range);
+    consecutive, or sorted by keys when ``gather``; those that see none last.
+    The plans of the last calls are kept: every layer of a model plans the
+    same lengths again."""
     arrays = (starts.tobytes(), stops.tobytes(), whole.tobytes(), starts.dtype, stops.dtype)
     plan = (*arrays, rows, call_cost, most, gather, masked_cost, copies)
     if plan in _GROUPED:
@@ -162,6 +163,7 @@ def grouped(
     firsts = [int(order[a:b].min()) for a, b in zip(bounds, bounds[1:])]
     lasts = [int(order[a:b].max()) for a, b in zip(bounds, bounds[1:])]
     plain, masked = 1.0, 1.0 + masked_cost
+    per_group = call_cost * (4 if gather else 1)  # (a kernel call, and gathers: see calls)
     per_element, per_key = copies
     for j in range(1, len(bounds)):  # best[j]: the elements before bounds[j], grouped
         lo, hi, least, mixed, end, last = np.inf, -np.inf, np.inf, False, bounds[j], run_keys[j - 1]
@@ -172,11 +174,11 @@ def grouped(
             lo, hi = (start if start < lo else lo), (stop if stop > hi else hi)
             first, final = min(first, firsts[i]), max(final, lasts[i])
             mixed = mixed or key != last
-            group = size * rows * (hi - lo) * (masked if mixed else plain) + call_cost
+            group = size * rows * (hi - lo) * (masked if mixed else plain) + per_group
             if size > most or group >= least:  # (an earlier start only adds to it)
                 break
-            if final - first + 1 != size:  # (not a range: gathered)
-                group += 3 * call_cost + size * (per_element + per_key * (hi - lo))
+            if final - first + 1 != size:  # (not a range: its rows copied)
+                group += size * (per_element + per_key * (hi - lo))
             if best[i] + group <= least:
                 least, cut[j] = best[i] + group, i
         best[j] = least
