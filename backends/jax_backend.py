@@ -59,6 +59,8 @@ class JaxBackend(NumpyLike):
     compiles_per_shape = True
     sequential_scan = True
     traced_values_end = True  # (tracers: a module keeps none past jax.jit)
+    host_masks = True  # (eager, each operation compiles at a new shape)
+    host_mask_min_size = 0
 
     def _register_class(self, cls):
         jax_module.register(cls)
@@ -100,6 +102,12 @@ class JaxBackend(NumpyLike):
 
     def to_numpy(self, x):
         return np.asarray(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x)
+
+    def host_sum(self, x):
+        """On the CPU NumPy's sum of the array (no program compiled per shape)."""
+        if x.dtype in (jnp.float32, jnp.float64) and not self.on_accelerator(self.device_of(x)):
+            return float(np.sum(np.asarray(x)))
+        return super().host_sum(x)
 
     def enable_float64(self):
         jax.config.update("jax_enable_x64", True)

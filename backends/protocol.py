@@ -205,8 +205,10 @@ class Backend:
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0
     # whether a mask known on the host is made with NumPy and handed over in
-    # one ``asarray`` (torch's CPU tensors share NumPy's memory: no parallel region)
+    # one ``asarray`` (torch's CPU tensors share NumPy's memory: no parallel
+    # region; eager JAX compiles no program for it), from this many entries
     host_masks: bool = False
+    host_mask_min_size: int = 1 << 15
     has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
     fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
     fused_causal: bool = False  # whether it skips the masked half of top-left causal

@@ -73,9 +73,9 @@ def is_int(*xs: Any) -> bool:
     return all(isinstance(x, (int, np.integer)) for x in xs)
 
 
-# (batch x Q x K) of a mask made on the host: smaller, the framework's calls
-# run on the calling thread (torch's grain); larger, its threads are faster
-HOST_MASK_MIN, HOST_MASK_MAX = 1 << 15, 1 << 22
+# (batch x Q x K) of a mask made on the host at most: larger, the framework's
+# threads are faster (the least: ``Backend.host_mask_min_size``)
+HOST_MASK_MAX = 1 << 22
 
 
 class Form:
@@ -327,7 +327,7 @@ class Mask:
         if (
             xp.on_accelerator(device)
             or not self.per_query
-            or not HOST_MASK_MIN <= size <= HOST_MASK_MAX
+            or not xp.host_mask_min_size <= size <= HOST_MASK_MAX
         ):
             return False, None
         parts = [form.host_visible(self) for form in self.forms]

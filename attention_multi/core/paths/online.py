@@ -14,7 +14,7 @@ import numpy as np
 from ..mask import Mask
 from ..mask.arrays import arrays
 from ..mask.rules import guard_block
-from ..numerics import empty_rows, fill, fill_against, in_dtype, normalize, scalar
+from ..numerics import empty_rows, fill, fill_against, fill_value, in_dtype, normalize, scalar
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -74,15 +74,28 @@ def merge(xp: Backend, a: State | None, b: State | None) -> State | None:
 
 
 def start(xp: Backend, shape: tuple[int, ...], dv: int, work: str, device: Any) -> State:
-    """The state of rows (batch, heads, Q) that have seen no key yet."""
-    zero = xp.zeros(tuple(shape) + (1,), work, device)
+    """The state of rows (batch, heads, Q) that have seen no key yet (eager,
+    where each new shape compiles: made with NumPy, no program compiled)."""
+    rows = tuple(shape) + (1,)
+    if xp.compiles_per_shape and not xp.is_tracing():
+        made = (np.full(rows, fill_value(work)), np.zeros(rows), np.zeros(tuple(shape) + (dv,)))
+        return tuple(xp.asarray(x, work, device) for x in made)
+    zero = xp.zeros(rows, work, device)
     return zero + fill(xp, work, device), zero, xp.zeros(tuple(shape) + (dv,), work, device)
 
 
 def finish(xp: Backend, state: State) -> Array:
-    """``accumulator / row sum``; rows with no visible key give zeros."""
+    """``accumulator / row sum``; rows with no visible key give zeros (one
+    compiled program where each new shape compiles)."""
     _, row_sum, acc = state
+    if xp.compiles_per_shape:
+        return _compiled_normalize(xp)(acc, row_sum)
     return normalize(xp, acc, row_sum)
+
+
+@functools.cache
+def _compiled_normalize(xp: Backend) -> Callable[[Array, Array], Array]:
+    return xp.compiled(functools.partial(normalize, xp))
 
 
 def step(
