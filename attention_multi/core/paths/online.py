@@ -76,12 +76,12 @@ def merge(xp: Backend, a: State | None, b: State | None) -> State | None:
 def start(xp: Backend, shape: tuple[int, ...], dv: int, work: str, device: Any) -> State:
     """The state of rows (batch, heads, Q) that have seen no key yet (eager,
     where each new shape compiles: made with NumPy, no program compiled)."""
-    rows = tuple(shape) + (1,)
+    rows, acc = tuple(shape) + (1,), tuple(shape) + (dv,)
     if xp.compiles_per_shape and not xp.is_tracing():
-        made = (np.full(rows, fill_value(work)), np.zeros(rows), np.zeros(tuple(shape) + (dv,)))
+        made = (np.full(rows, fill_value(work), work), np.zeros(rows, work), np.zeros(acc, work))
         return tuple(xp.asarray(x, work, device) for x in made)
     zero = xp.zeros(rows, work, device)
-    return zero + fill(xp, work, device), zero, xp.zeros(tuple(shape) + (dv,), work, device)
+    return zero + fill(xp, work, device), zero, xp.zeros(acc, work, device)
 
 
 def finish(xp: Backend, state: State) -> Array:
