@@ -60,12 +60,16 @@ class Intervals(Form):
         known = self.valid_lens_known
         return mask._once("least_length", lambda: int(known.min()) if known.size else mask.num_keys)
 
-    def limits(self, p: Any) -> tuple[Any, list[Any]]:
-        """For query positions ``p``: ``p - left`` (None without a left side)
-        and the ends that cap ``hi`` (``p + 1`` if causal, ``p + right + 1``)."""
+    def limits(self, p: Any, hi: Any, maximum: Callable, minimum: Callable) -> tuple[Any, Any]:
+        """The rule, for query positions ``p`` and lengths ``hi`` (None: no
+        lengths), in the array library of ``maximum`` and ``minimum``: ``(lo,
+        hi)``, ``lo = max(0, p - left)`` (None without a left side), ``hi``
+        capped by ``p + 1`` if causal and ``p + right + 1``."""
         left, right = (None, None) if self.window is None else self.window
         ends = ([p + 1] if self.causal else []) + ([] if right is None else [p + (right + 1)])
-        return (None if left is None else p - left), ends
+        for end in ends:
+            hi = end if hi is None else minimum(hi, end)
+        return (None if left is None else maximum(p - left, 0)), hi
 
     # -- on the device ------------------------------------------------------------------
     def bounds(self, xp: Backend, mask: Mask, device: Any) -> tuple[Array | None, Array]:
@@ -73,11 +77,8 @@ class Intervals(Form):
         lo, hi = None, self.valid_lens
         if self.causal or self.window is not None:
             q = mask.num_queries
-            start, ends = self.limits(xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset)
-            if start is not None:
-                lo = xp.where(start > 0, start, 0)
-            for end in ends:
-                hi = end if hi is None else xp.minimum(hi, end)
+            p = xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset
+            lo, hi = self.limits(p, hi, lambda a, b: xp.where(a > b, a, b), xp.minimum)
         if hi is None:
             hi = xp.zeros((1, 1, 1, 1), "int32", device) + mask.num_keys
         return lo, hi
@@ -188,11 +189,9 @@ def host_bounds(
         if form.valid_lens is not None:
             known = form.valid_lens_known
             hi = np.minimum(hi, known.reshape(known.shape[0], known.shape[2]))
-        start, ends = form.limits(np.arange(mask.num_queries)[None, :] + form.offset_known)
-        lo = lo if start is None else np.maximum(lo, start)
-        for end in ends:
-            hi = np.minimum(hi, end)
-        return lo, hi
+        p = np.arange(mask.num_queries)[None, :] + form.offset_known
+        start, hi = form.limits(p, hi, np.maximum, np.minimum)
+        return (lo if start is None else start), hi
 
     rows, cols, every = slice(b0, b1), slice(q0, q1), slice(None)
     return tuple(
