@@ -204,6 +204,9 @@ class Backend:
     # what a mask costs a kernel per score it computes, in scores (a pass of
     # ``where``): a tile of elements that see different keys is masked
     masked_score_cost: float = 1.0
+    # whether ``in_fewer_threads`` runs a function and its backward pass in
+    # fewer threads of the framework's CPU pool (where each op is a parallel region)
+    fewer_threads: bool = False
     # whether a mask known on the host is made with NumPy and handed over in
     # one ``asarray`` (torch's CPU tensors share NumPy's memory: no parallel
     # region; eager JAX compiles no program for it), from this many entries
@@ -345,6 +348,13 @@ class Backend:
         """``[fn(t) for t in tasks]``, in parallel where the framework does not
         parallelize each operation itself."""
         return [fn(t) for t in tasks]
+
+    def in_fewer_threads(self, fn: Callable[..., R], *arrays: Array) -> R:
+        """``fn(*arrays)``, its operations, and under autodiff their backward
+        pass, in half the threads of the CPU pool, at least one
+        (``fewer_threads``): on a busy machine its many small operations then
+        wait for fewer descheduled threads; else just the call."""
+        return fn(*arrays)
 
     def call_cost(self, device: Any = None) -> float:
         """What one more framework call on ``device`` (``device_of``) costs

@@ -1,6 +1,8 @@
 """PyTorch backend: modules are real ``torch.nn.Module`` objects."""
 
+import functools
 import os
+import threading
 import time
 
 import numpy as np
@@ -117,6 +119,53 @@ class _Waits:
         return (self.wait or 0.0) * self.SCORES_PER_SECOND
 
 
+class _FewerThreads(threading.local):
+    """Torch's CPU pool held at half its threads (at least one) in this thread
+    while any region is inside (``in_fewer_threads``); the count it had comes
+    back when the last leaves."""
+
+    def __init__(self):
+        self.depth, self.threads = 0, 1
+
+    def enter(self):
+        if self.depth == 0:
+            self.threads = torch.get_num_threads()
+            torch.set_num_threads(max(1, self.threads // 2))
+        self.depth += 1
+
+    def leave(self):
+        self.depth -= 1
+        if self.depth == 0:
+            torch.set_num_threads(self.threads)
+
+
+_FEWER_THREADS = _FewerThreads()
+
+
+class _BackwardRegion:
+    """Fewer threads from the gradient of a call's output (its hook) to those
+    of its inputs (their views' hooks), or the end of the backward pass."""
+
+    def __init__(self, inputs):
+        self.inputs, self.left, self.inside = inputs, 0, False
+
+    def enter(self, grad):
+        if not self.inside:
+            self.inside, self.left = True, self.inputs
+            _FEWER_THREADS.enter()
+            torch.autograd.Variable._execution_engine.queue_callback(self.leave_now)
+
+    def leave(self, grad):
+        self.left -= 1
+        if self.left == 0:
+            self.leave_now()
+
+    def leave_now(self):
+        if self.inside:
+            self.inside = False
+            _FEWER_THREADS.leave()
+
+
 class TorchBackend(NumpyLike):
     name = "torch"
     xp = torch
@@ -195,6 +244,33 @@ class TorchBackend(NumpyLike):
 
     def zeros(self, shape, dtype, device=None):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+
+    @functools.cached_property
+    def fewer_threads(self):
+        """Under OpenMP (torch.set_num_threads holds for the calling thread alone)."""
+        return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+    def in_fewer_threads(self, fn, *arrays):
+        """The pool at half its threads for ``fn`` (CPU arrays; it returns an array or
+        a tuple), and in its backward pass from its outputs' gradients to its
+        inputs': each input enters ``fn`` as a view whose gradient's hook leaves."""
+        if not self.fewer_threads or any(self.on_accelerator(x.device) for x in arrays):
+            return fn(*arrays)
+        taped = [torch.is_grad_enabled() and x.requires_grad for x in arrays]
+        arrays = tuple(x.view_as(x) if t else x for x, t in zip(arrays, taped))
+        _FEWER_THREADS.enter()
+        try:
+            out = fn(*arrays)
+        finally:
+            _FEWER_THREADS.leave()
+        outs = [y for y in (out if isinstance(out, tuple) else (out,)) if y is not None]
+        if any(taped) and any(y.requires_grad for y in outs):
+            region = _BackwardRegion(sum(taped))
+            for x in (x for x, t in zip(arrays, taped) if t):
+                x.register_hook(region.leave)
+            for y in (y for y in outs if y.requires_grad):
+                y.register_hook(region.enter)
+        return out
 
     def call_cost(self, device=None):
         """On the CPU ``kernel_call_cost`` plus what a parallel region waits

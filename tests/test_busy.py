@@ -269,3 +269,109 @@ def test_training_through_blocks_fills_no_input_sized_buffer_per_block(path, for
     out = m(*args, **forms)
     assert m.last_path == path
     _check_backward(out, g, args, wants)
+
+
+@pytest.fixture
+def pool():
+    """torch's pool at two threads at least (one would prove nothing); yields
+    what ``in_fewer_threads`` holds it at: half, at least one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield max(1, torch.get_num_threads() // 2)
+    torch.set_num_threads(threads)
+
+
+def test_in_fewer_threads_holds_the_pool_at_half_forward_and_backward(pool):
+    """``Backend.in_fewer_threads``: the function's operations and their
+    backward pass (from the output's gradient to the inputs') run with half
+    the threads of torch's pool; the count comes back after each, also when
+    the backward pass stops short of the inputs; values and gradients
+    (second order too) are the plain call's."""
+    xp = am.get_backend("torch")
+    if not xp.fewer_threads:
+        pytest.skip("torch's CPU pool is not OpenMP here: set_num_threads is process-wide")
+    threads = torch.get_num_threads()
+    seen = []
+
+    def f(q, k, v):
+        seen.append(("forward", torch.get_num_threads()))
+        s = torch.softmax(q @ k.transpose(-1, -2), -1)
+        s.register_hook(lambda g: seen.append(("backward", torch.get_num_threads())))
+        return s @ v
+
+    x = torch.randn(2, 8, 4, dtype=torch.float64, requires_grad=True)
+    out = xp.in_fewer_threads(f, x, x, x)  # (one input three times: one gradient, not three)
+    assert torch.get_num_threads() == threads
+    (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    assert torch.get_num_threads() == threads
+    assert seen == [("forward", pool), ("backward", pool)]
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    plain = f(x, x, x)
+    (want,) = torch.autograd.grad(plain.sum(), x, create_graph=True)
+    (want_second,) = torch.autograd.grad(want.sum(), x)
+    assert torch.equal(out, plain) and torch.allclose(grad, want)
+    assert torch.allclose(second, want_second)
+    inner = xp.in_fewer_threads(f, x, x, x)
+    torch.autograd.grad((inner * 2).sum(), inner)  # (stops at the output: no input's hook runs)
+    assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("form", ["lengths", "segments"])
+def test_on_a_busy_machine_many_calls_run_in_fewer_threads(pool, waits, form):
+    """On a busy machine the tiles and the block-sparse path run in half the
+    threads of the pool, forward and backward (their many small operations
+    wait for fewer descheduled threads): the operations that save tensors for
+    the backward pass (torch's saved-tensor hooks) save and unpack them so,
+    and a ``score_mod`` runs so without autodiff; answers and gradients the
+    oracle's; the count back after."""
+    xp = am.get_backend("torch")
+    if not xp.fewer_threads:
+        pytest.skip("torch's CPU pool is not OpenMP here: set_num_threads is process-wide")
+    rng = np.random.default_rng(5)
+    B, T, d = 4, 256, 16
+    q, k, v, g = (rng.standard_normal((B, T, d)).astype(np.float32) for _ in range(4))
+    lens = np.array([256, 40, 200, 90])
+    ids = np.repeat(np.arange(4), 64)[None].repeat(B, 0)
+    threads, saved, unpacked, modded = torch.get_num_threads(), set(), set(), set()
+
+    def same(s, b, h, i, j):
+        modded.add(torch.get_num_threads())
+        return s
+
+    if form == "lengths":
+        kw, want_kw = {"valid_lens": torch.tensor(lens)}, {"valid_lens": lens}
+    else:
+        kw = {"segment_ids": torch.tensor(ids), "causal": True, "score_mod": same}
+        want_kw = {"segment_ids": ids, "causal": True}
+    want = oracle.attention_gradients(*(x[:, None] for x in (q, k, v, g)), **want_kw)[:3]
+    out_want, _ = oracle.attention(*(x[:, None] for x in (q, k, v)), **want_kw)
+    args = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+
+    def pack(x):
+        saved.add(torch.get_num_threads())
+        return x
+
+    def unpack(x):
+        unpacked.add(torch.get_num_threads())
+        return x
+
+    waits(0.01)
+    m = am.DotProductAttention(0.0, backend="torch", path="tiled")
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = m(*args, **kw)
+        assert m.last_path == "tiled" and torch.get_num_threads() == threads
+        np.testing.assert_allclose(out.detach().numpy(), out_want[:, 0], rtol=2e-5, atol=2e-5)
+        out.sum().backward()  # (the oracle's g comes after: its product saves nothing here)
+    assert pool in saved and pool in unpacked, (saved, unpacked)
+    assert torch.get_num_threads() == threads
+    for x in args:
+        x.grad = None
+    m(*args, **kw).mul(torch.tensor(g)).sum().backward()
+    assert torch.get_num_threads() == threads
+    for got, w in zip(args, want):
+        np.testing.assert_allclose(got.grad.numpy(), w[:, 0], rtol=1e-4, atol=1e-5)
+    modded.clear()
+    with torch.no_grad():
+        out = m(*args, **kw)
+    assert modded == ({pool} if form == "segments" else set()), (modded, m.last_path)
+    np.testing.assert_allclose(out.numpy(), out_want[:, 0], rtol=2e-5, atol=2e-5)

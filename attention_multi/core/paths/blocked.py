@@ -18,7 +18,7 @@ from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
 from . import fixed_blocks, fused, online
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped
+from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped, in_fewer_threads
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -103,7 +103,12 @@ def _spans(
 
 def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
-    (queries, keys) and the host table of states (None while traced)."""
+    (queries, keys) and the host table of states (None while traced); in
+    fewer threads where ``fewer_threads``."""
+    return in_fewer_threads(call, lambda c: _run(c, plan))
+
+
+def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     block_q, block_k, table = plan.detail

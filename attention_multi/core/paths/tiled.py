@@ -13,7 +13,16 @@ from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
 from ..numerics import all_finite, compute_dtype, empty_rows, fill_against, readable, scaled
 from . import full, fused
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped
+from .call import (
+    Call,
+    Pieces,
+    Plan,
+    dropout_fn,
+    expand_kv,
+    grouped,
+    in_fewer_threads,
+    many_calls_cost,
+)
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -111,13 +120,15 @@ def plan(call: Call) -> Plan | None:
 def tile_cost(call: Call) -> float:
     """What a tile costs beyond its scores: through the framework's kernel, a
     call (waits included) and its host work (``Backend.tile_host_cost``; on an
-    accelerator ``ACCELERATOR_TILE_CALLS`` launches); else the full path's calls."""
+    accelerator ``ACCELERATOR_TILE_CALLS`` launches); else the full path's calls;
+    each call at ``many_calls_cost``."""
     xp = call.xp
+    calls = many_calls_cost(call)
     if not fused.takes(call):
-        return call.call_cost * full.CALLS
+        return calls * full.CALLS
     if xp.on_accelerator(call.device):
         return call.call_cost * (1 + ACCELERATOR_TILE_CALLS)
-    return call.call_cost + xp.tile_host_cost
+    return calls + xp.tile_host_cost
 
 
 def group_cost(call: Call) -> float:
@@ -157,13 +168,18 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
     """The groups on ``Backend.parallel_map``, back in batch order; unguarded
-    first where one check of the output allows (``fused.trusting``)."""
+    first where one check of the output allows (``fused.trusting``); in
+    fewer threads where ``fewer_threads``."""
+    return in_fewer_threads(call, lambda c: _run(c, plan)), None
+
+
+def _run(call: Call, plan: Plan) -> Array:
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
     if xp.has_fused_attention and fused.trusting(xp, q, k, v):
         out = _groups(call, plan.detail, guarded=False)
         if unguarded_holds(xp, q, k, v, out):
-            return out, None
-    return _groups(call, plan.detail, guarded=True), None
+            return out
+    return _groups(call, plan.detail, guarded=True)
 
 
 def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
