@@ -47,9 +47,17 @@ class OpenBLAS:
 
     @contextlib.contextmanager
     def single_threaded(self):
-        """Without a thread-local setting: one BLAS thread per call while any
-        of our parallel calls runs (process-wide, restored afterwards)."""
-        if self.local or not self.set_global:
+        """One BLAS thread for the calling thread while inside: its own setting
+        where OpenBLAS has one, else process-wide while any caller is inside
+        (restored after the last)."""
+        if self.local:
+            before = self.local(1)
+            try:
+                yield
+            finally:
+                self.local(before)
+            return
+        if not self.set_global:
             yield
             return
         with self._lock:
@@ -68,7 +76,7 @@ class OpenBLAS:
 
 def blas_config():
     """The configuration string of NumPy's bundled OpenBLAS (None if absent)."""
-    return OpenBLAS().config
+    return openblas().config
 
 
 def cores():
@@ -83,24 +91,30 @@ _pool = None
 _pool_lock = threading.Lock()
 
 
-def workers(threads):
-    """(pool, OpenBLAS control) for ``threads`` workers (None: one per core),
-    made on first use and again when ``threads`` changes; pool None: serial."""
-    global _blas, _pool
+def openblas():
+    """NumPy's bundled OpenBLAS, found once."""
+    global _blas
     with _pool_lock:
         if _blas is None:
             _blas = OpenBLAS()
+    return _blas
+
+
+def workers(threads):
+    """(pool, OpenBLAS control) for ``threads`` workers (None: one per core),
+    made on first use and again when ``threads`` changes; pool None: serial."""
+    global _pool
+    blas = openblas()
+    with _pool_lock:
         threads = threads or cores()
         size = _pool._max_workers if _pool is not None else 1
         if threads != size:
             if _pool is not None:
                 _pool.shutdown(wait=False)
             _pool = None
-            if _blas.usable and threads > 1:
-                _pool = ThreadPoolExecutor(
-                    threads, "attention-numpy", initializer=_blas.worker_init
-                )
-    return _pool, _blas
+            if blas.usable and threads > 1:
+                _pool = ThreadPoolExecutor(threads, "attention-numpy", initializer=blas.worker_init)
+    return _pool, blas
 
 
 def parallel_map(fn, tasks, threads=None):

@@ -207,6 +207,9 @@ class Backend:
     # whether ``in_fewer_threads`` runs a function and its backward pass in
     # fewer threads of the framework's CPU pool (where each op is a parallel region)
     fewer_threads: bool = False
+    # whether many small calls run faster in fewer threads on an idle machine too
+    # (NumPy: OpenBLAS's threads slow its small products), not only on a busy one
+    fewer_threads_always: bool = False
     # whether a mask known on the host is made with NumPy and handed over in
     # one ``asarray`` (torch's CPU tensors share NumPy's memory: no parallel
     # region; eager JAX compiles no program for it), from this many entries

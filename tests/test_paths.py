@@ -484,3 +484,44 @@ def test_tiles_weigh_the_mask_of_elements_that_see_different_keys():
     assert [(list(g[0]), g[2]) for g in apart] == [([0], 400), ([1], 300)]
     same = grouped(starts, np.array([300, 300]), whole, 128, 16384, 16, False, masked_cost=1.0)
     assert [(list(g[0]), g[3]) for g in same] == [([0, 1], True)]
+
+
+@pytest.fixture
+def blas_threads():
+    """NumPy's bundled OpenBLAS at two threads at least (one would prove
+    nothing), its count back after; yields its control."""
+    from attention_multi.backends import numpy_threads
+
+    blas = numpy_threads.openblas()
+    if blas.local or not blas.set_global:
+        pytest.skip(f"this BLAS has no process-wide thread count to read: {blas.config}")
+    before = blas.get_global()
+    blas.set_global(max(2, before))
+    yield blas
+    blas.set_global(before)
+
+
+@pytest.mark.parametrize("form", ["lengths", "segments"])
+def test_numpy_runs_many_small_products_in_one_blas_thread(blas_threads, form):
+    """NumPy's tiles and block-sparse path make many small products, for
+    which OpenBLAS's own threads cost more than they gain (idle or busy):
+    they run in one BLAS thread (``Backend.in_fewer_threads``), a
+    ``score_mod`` sees it, and the count comes back after; answers the oracle's."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((4, 256, 16)).astype(np.float32) for _ in range(3))
+    if form == "lengths":
+        kw = {"valid_lens": np.array([256, 40, 200, 90])}
+    else:
+        kw = {"segment_ids": np.repeat(np.arange(4), 64)[None].repeat(4, 0), "causal": True}
+    threads, seen = blas_threads.get_global(), set()
+
+    def same(s, b, h, i, j):
+        seen.add(blas_threads.get_global())
+        return s
+
+    m = am.DotProductAttention(0.0, backend="numpy", path="tiled")
+    out = m(q, k, v, score_mod=same, **kw)
+    assert m.last_path == "tiled" and seen == {1}, seen
+    assert blas_threads.get_global() == threads
+    want, _ = oracle.attention(*(x[:, None] for x in (q, k, v)), **kw)
+    np.testing.assert_allclose(out, want[:, 0], rtol=2e-5, atol=2e-5)

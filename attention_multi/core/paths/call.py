@@ -91,13 +91,12 @@ def fewer_threads(call: Call) -> bool:
     waits now (a busy machine), so that they wait for fewer descheduled
     threads. (2 cores beside one busy process: the tiles' training step in
     one thread 0.45x SDPA's against 1.1x in two; the packed forward 562 ms
-    against 1088; idle, the training step took the same time in either.)"""
+    against 1088; idle, the training step took the same time in either.)
+    Where the backend says so (``fewer_threads_always``), idle too."""
     xp = call.xp
-    return (
-        xp.fewer_threads
-        and not xp.on_accelerator(call.device)
-        and call.call_cost > BUSY_CALLS * xp.kernel_call_cost
-    )
+    busy = call.call_cost > BUSY_CALLS * xp.kernel_call_cost
+    cpu = not xp.on_accelerator(call.device)
+    return xp.fewer_threads and cpu and (busy or xp.fewer_threads_always)
 
 
 def many_calls_cost(call: Call) -> float:
