@@ -29,7 +29,7 @@ class NumpyBackend(NumpyLike):
     threads: int | None = None  # workers of parallel_map (None: one per core; 1: none)
     # (its blocks and tiles: many small products, for which OpenBLAS's own
     # threads cost more than they gain; the packed forward, B=4, T=4096, 2 cores:
-    # 817 ms against 1138 idle, 824 ms against 2305 beside one busy process)
+    # 785 ms against 825 idle, 846-859 ms against 3120-3190 beside one busy process)
     fewer_threads = fewer_threads_always = True
 
     def astype(self, x: Array, dtype: DType) -> Array:
