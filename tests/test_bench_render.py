@@ -116,3 +116,27 @@ def test_the_performance_guide_holds_one_rendered_run():
     # outside the markers no table of measured times: they are not edited by hand
     outside = text.replace(tables, "")
     assert not [line for line in outside.splitlines() if line.startswith("|") and "s |" in line]
+
+
+def test_tiling_bound_plans_agree_with_the_one_call():
+    """The tiling table's plans (plain torch) compute the one SDPA call's output,
+    over the share of its scores their groups hold."""
+    pytest.importorskip("torch")
+    from attention_multi.cli.bench.tiling import tiling_rows, tiling_table, with_busy
+
+    rows = tiling_rows((6, 64, 8), 0.01)
+    assert [r["plan"] for r in rows] == [
+        "2 calls, sorted",
+        "2 calls, gathered",
+        "4 calls, sorted",
+        "4 calls, gathered",
+    ]
+    for r in rows:
+        assert r["max_abs_diff"] < 1e-5, r
+        assert 0.25 <= r["scores_computed"] <= 1 and r["ratio"] > 0, r
+    assert rows[2]["scores_computed"] <= rows[0]["scores_computed"]  # (finer groups)
+    busy = with_busy(rows, [dict(r, ratio=2.0) for r in rows[:1]])
+    assert [r["busy_ratio"] for r in busy] == [2.0, None, None, None]
+    text = tiling_table(busy)
+    assert "| B=6 T=64 d=8 | 2 calls, sorted |" in text and "| 2.00x |" in text
+    assert render.TITLES["tiling"] in render.render({"tiling": busy})

@@ -60,6 +60,7 @@ from .ring import (
 )
 from .small import run_small, small_table
 from .speed import BENCHES, DOT_SHAPES, MHA_SHAPES, table
+from .tiling import tiling_rows, tiling_table, with_busy
 from .timing import rss_now_mib
 
 EXIT_CANNOT_WRITE = 1
@@ -339,8 +340,13 @@ def main(args):
             "(documents as above), H=None and one block mask per head.\n"
         )
         print(packed_table(flex_rows))
-    busy_results = []
     large = [s for s in shapes if s != "small"]
+    tiling_results = []
+    if "torch" in usable and large:
+        print("  what tiles of SDPA calls can reach ...", file=sys.stderr, flush=True)
+        for shape_name in large:
+            tiling_results += tiling_rows(DOT_SHAPES[shape_name], seconds)
+    busy_results = []
     if not args.no_busy and (large or packed_rows):
         print(
             "  busy machine: the large-batch and packed rows beside one CPU-bound process ...",
@@ -357,6 +363,10 @@ def main(args):
             packed_busy = (
                 run_packed(usable, seconds, {"batch": packed_batch}) if packed_rows else []
             )
+            tiling_busy = [
+                r for n in large if tiling_results for r in tiling_rows(DOT_SHAPES[n], seconds)
+            ]
+        tiling_results = with_busy(tiling_results, tiling_busy)
         busy_results = busy_rows(rows, speed_busy, packed_rows, packed_busy)
         print(
             "\nA busy machine: the ratios above again with one CPU-bound process beside "
@@ -364,6 +374,15 @@ def main(args):
             "against idle.\n"
         )
         print(busy_table(busy_results))
+    if tiling_results:
+        print(
+            "\nWhat tiles of SDPA calls can reach here: plain torch, SDPA over groups of the "
+            "batch elements sorted by length (each over its longest element's keys) against "
+            "one SDPA call with the padding mask; 'sorted': the elements already in that "
+            "order (slices, no copies: the least any tiling takes), 'gathered': the batch's "
+            "own order (rows copied out, outputs put back). No code of ours runs.\n"
+        )
+        print(tiling_table(tiling_results))
     info["load_average_end"] = _load_average()
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
@@ -400,6 +419,7 @@ def main(args):
                     "packed": packed_rows,
                     "flex": flex_rows,
                     "busy": busy_results,
+                    "tiling": tiling_results,
                 },
                 f,
                 indent=1,

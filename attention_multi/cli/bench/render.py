@@ -37,6 +37,7 @@ TITLES = {
     "ring": "Ring attention",
     "flex": "The flex API against torch's compiled flex_attention",
     "busy": "A busy machine: the same rows beside one CPU-bound process",
+    "tiling": "What tiles of SDPA calls can reach here (plain torch, no code of ours)",
     "ring_balance": "Ring balance: contiguous against zigzag (causal), per participant",
 }
 # Rows the bench writes as lists instead of objects.
@@ -62,6 +63,8 @@ NAMES = {
     "peak_rss_mib": "peak RSS (MiB)",
     "rss_before_mib": "RSS before (MiB)",
     "scores_m": "scores computed (M)",
+    "tiles_s": "tiles",
+    "one_call_s": "one call",
 }
 
 
