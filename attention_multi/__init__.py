@@ -86,5 +86,5 @@ def asarray(
     """``data`` as an array of ``backend`` (default: the current one) on ``device``."""
     from .config import native_device
 
-    B = get_backend(backend)
-    return B.asarray(data, dtype, native_device(B, device))
+    xp = get_backend(backend)
+    return xp.asarray(data, dtype, native_device(xp, device))

@@ -39,17 +39,17 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
 
     Unlike d2l's, this returns a new array and leaves ``X`` unchanged.
     """
-    B = backend_of(X=X)
-    check_array(B, "X", X, 2, "(N, T)")
+    xp = backend_of(X=X)
+    check_array(xp, "X", X, 2, "(N, T)")
     n, t = X.shape
     lens, _ = valid_lens_checked(
-        B, valid_len, n, -1, name="valid_len", device=B.device_of(X), num_keys=t
+        xp, valid_len, n, -1, name="valid_len", device=xp.device_of(X), num_keys=t
     )
-    mask = make_mask(B, n, 1, 1, t, valid_lens=lens)
+    mask = make_mask(xp, n, 1, 1, t, valid_lens=lens)
     if n * t == 0:
-        return zeros_for_empty(B, (n, t), X)
-    visible = mask.boolean(B, B.device_of(X))  # (valid lengths: never None)
-    return B.where(visible.reshape((n, t)), X, value)  # type: ignore[union-attr]
+        return zeros_for_empty(xp, (n, t), X)
+    visible = mask.boolean(xp, xp.device_of(X))  # (valid lengths: never None)
+    return xp.where(visible.reshape((n, t)), X, value)  # type: ignore[union-attr]
 
 
 def masked_softmax(X: Array, valid_lens: Any) -> Array:
@@ -58,14 +58,14 @@ def masked_softmax(X: Array, valid_lens: Any) -> Array:
     ``valid_lens`` is None, (B,) (repeated over queries) or (B, Q). Unlike d2l,
     a row with no valid key (length 0) gives all-zero weights, not uniform ones.
     """
-    B = backend_of(X=X)
-    check_array(B, "X", X, 3, "(batch, queries, keys)")
-    check_float(B, "X", X)
+    xp = backend_of(X=X)
+    check_array(xp, "X", X, 3, "(batch, queries, keys)")
+    check_float(xp, "X", X)
     b, q, k = X.shape
-    mask = make_mask(B, b, 1, q, k, valid_lens=valid_lens, device=B.device_of(X))
+    mask = make_mask(xp, b, 1, q, k, valid_lens=valid_lens, device=xp.device_of(X))
     if b * q * k == 0:
-        return zeros_for_empty(B, (b, q, k), X)
-    return _masked_softmax(B, X, mask.boolean_one_head(B, B.device_of(X)))
+        return zeros_for_empty(xp, (b, q, k), X)
+    return _masked_softmax(xp, X, mask.boolean_one_head(xp, xp.device_of(X)))
 
 
 def dot_product_attention(
@@ -128,54 +128,61 @@ def dot_product_attention(
       it, so another path computes such calls.
     """
     checked_forms("dot_product_attention", forms)
-    B, q, k, v, ndim = _checked_inputs(queries, keys, values)
+    xp, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
     return_lse = check_bool("return_lse", return_lse)
     if sinks is not None:
-        check_array(B, "sinks", sinks, 1, "(heads,)")
-        check_float(B, "sinks", sinks)
+        check_array(xp, "sinks", sinks, 1, "(heads,)")
+        check_float(xp, "sinks", sinks)
         if tuple(sinks.shape) != (heads,):
             raise ValueError(
                 f"sinks must have shape ({heads},) (one per head), got {tuple(sinks.shape)}"
             )
     if sinks is not None or return_lse:
         return _with_lse(
-            B, q, k, v, valid_lens, scale, dropout, key, sinks, return_lse, ndim, forms
+            xp, q, k, v, valid_lens, scale, dropout, key, sinks, return_lse, ndim, forms
         )
-    line = straight_line(B, "auto", q, k, v, valid_lens, forms)
+    line = straight_line(xp, "auto", q, k, v, valid_lens, forms)
     if line is not None:
         dropout = check_dropout("dropout", dropout)
         scale = check_scale(scale)
         scale = default_scale(q.shape[-1]) if scale is None else scale
-        out, _ = small.attention(B, q, k, v, valid_lens, scale, dropout, key, line)
+        out, _ = small.attention(xp, q, k, v, valid_lens, scale, dropout, key, line)
         return out if ndim == 4 else out[:, 0]
-    m, dropout, scale = _checked(B, q, k, valid_lens, dropout, scale, ndim, forms)
-    out, _, _ = attend(B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
+    m, dropout, scale = _checked(xp, q, k, valid_lens, dropout, scale, ndim, forms)
+    out, _, _ = attend(xp, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
     return out if ndim == 4 else out[:, 0]
 
 
 def _checked(
-    B: Backend, q: Array, k: Array, valid_lens: Any, dropout: Any, scale: Any, ndim: int, forms: Any
+    xp: Backend,
+    q: Array,
+    k: Array,
+    valid_lens: Any,
+    dropout: Any,
+    scale: Any,
+    ndim: int,
+    forms: Any,
 ) -> tuple[Any, float, Any]:
     """The call's ``Mask``, checked dropout and scale (4-D views)."""
     batch, heads, num_q, _ = q.shape
     m = make_mask(
-        B,
+        xp,
         batch,
         heads,
         num_q,
         k.shape[2],
         valid_lens=valid_lens,
-        dtype=B.dtype_name(q),
+        dtype=xp.dtype_name(q),
         heads_axis=ndim == 4,
-        device=B.device_of(q),
+        device=xp.device_of(q),
         **forms,
     )
     return m, check_dropout("dropout", dropout), check_scale(scale)
 
 
 def _with_lse(
-    B: Backend,
+    xp: Backend,
     q: Array,
     k: Array,
     v: Array,
@@ -190,12 +197,12 @@ def _with_lse(
 ) -> Array | tuple[Array, Array]:
     """``dot_product_attention`` with ``sinks`` or ``return_lse`` (4-D views)."""
     batch, heads, num_q, _ = q.shape
-    m, dropout, scale = _checked(B, q, k, valid_lens, dropout, scale, ndim, forms)
+    m, dropout, scale = _checked(xp, q, k, valid_lens, dropout, scale, ndim, forms)
     out, lse, _ = attend(
-        B, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never", lse=True
+        xp, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never", lse=True
     )
     if sinks is not None:
-        out, lse = add_sinks(B, out, lse, sinks)
+        out, lse = add_sinks(xp, out, lse, sinks)
     if ndim == 3:
         out = out[:, 0]
     if not return_lse:
@@ -206,22 +213,22 @@ def _with_lse(
 def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:
     """``(backend, q, k, v, ndim)``: the checked inputs of the functional
     attention as (batch, heads, n, features), and the rank the caller gave."""
-    B = backend_of(queries=queries, keys=keys, values=values)
+    xp = backend_of(queries=queries, keys=keys, values=values)
     ndim = len(queries.shape)
     names = ("batch", "heads", "n", "features")[4 - ndim :] if ndim in (3, 4) else ()
     what = "(" + ", ".join(names) + ")" if names else "(batch, [heads,] n, features)"
     for name, x in (("queries", queries), ("keys", keys), ("values", values)):
-        check_array(B, name, x, 4 if ndim == 4 else 3, what)
-        check_float(B, name, x)
+        check_array(xp, name, x, 4 if ndim == 4 else 3, what)
+        check_float(xp, name, x)
     q, k, v = (
         x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
         for x in (queries, keys, values)
     )
-    _check_shapes(B, q, k, v, ndim)
-    return B, q, k, v, ndim
+    _check_shapes(xp, q, k, v, ndim)
+    return xp, q, k, v, ndim
 
 
-def _check_shapes(B: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
+def _check_shapes(xp: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
     """Batch sizes, lengths, feature sizes, heads and dtypes agree (4-D views)."""
     shapes = f"queries {_shape(q, ndim)}, keys {_shape(k, ndim)}, values {_shape(v, ndim)}"
     if not q.shape[0] == k.shape[0] == v.shape[0]:
@@ -235,7 +242,7 @@ def _check_shapes(B: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
             f"the heads of queries ({q.shape[1]}) must be a multiple of "
             f"the heads of keys and values ({k.shape[1]}): {shapes}"
         )
-    dtypes = {n: B.dtype_name(x) for n, x in (("queries", q), ("keys", k), ("values", v))}
+    dtypes = {n: xp.dtype_name(x) for n, x in (("queries", q), ("keys", k), ("values", v))}
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n} {d}" for n, d in dtypes.items())
         raise TypeError(f"dtypes differ ({listing}); cast them to one dtype")
@@ -248,23 +255,23 @@ def _shape(x: Array, ndim: int) -> tuple[int, ...]:
 
 def transpose_qkv(X: Array, num_heads: int) -> Array:
     """(batch, n, num_hiddens) -> (batch * num_heads, n, num_hiddens / num_heads)."""
-    B = backend_of(X=X)
-    check_array(B, "X", X, 3, "(batch, n, num_hiddens)")
+    xp = backend_of(X=X)
+    check_array(xp, "X", X, 3, "(batch, n, num_hiddens)")
     num_heads = check_heads(X.shape[2], num_heads)
     b, n, hidden = X.shape
-    X = B.transpose(X.reshape((b, n, num_heads, hidden // num_heads)), (0, 2, 1, 3))
+    X = xp.transpose(X.reshape((b, n, num_heads, hidden // num_heads)), (0, 2, 1, 3))
     return X.reshape((b * num_heads, n, hidden // num_heads))
 
 
 def transpose_output(X: Array, num_heads: int) -> Array:
     """Inverse of ``transpose_qkv``."""
-    B = backend_of(X=X)
-    check_array(B, "X", X, 3, "(batch * num_heads, n, head_size)")
+    xp = backend_of(X=X)
+    check_array(xp, "X", X, 3, "(batch * num_heads, n, head_size)")
     num_heads = check_positive_int("num_heads", num_heads)
     if X.shape[0] % num_heads:
         raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of num_heads={num_heads}")
     bh, n, size = X.shape
-    X = B.transpose(X.reshape((bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
+    X = xp.transpose(X.reshape((bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
     return X.reshape((bh // num_heads, n, num_heads * size))
 
 
@@ -278,10 +285,10 @@ def nadaraya_watson(
     the (m, n) weights too when ``return_weights``. With no training points
     the predictions are 0 (no key: zero output).
     """
-    B = backend_of(x_train=x_train, y_train=y_train, x_query=x_query)
+    xp = backend_of(x_train=x_train, y_train=y_train, x_query=x_query)
     for name, x in (("x_train", x_train), ("y_train", y_train), ("x_query", x_query)):
-        check_array(B, name, x, 1, "(n,)")
-        check_float(B, name, x)
+        check_array(xp, name, x, 1, "(n,)")
+        check_float(xp, name, x)
     if x_train.shape != y_train.shape:
         raise ValueError(
             f"x_train and y_train must have the same shape, got "
@@ -289,12 +296,12 @@ def nadaraya_watson(
         )
     m, n = x_query.shape[0], x_train.shape[0]
     if m * n == 0:
-        y_hat = zeros_for_empty(B, (m,), x_query, x_train, y_train)
-        weights = zeros_for_empty(B, (m, n), x_query, x_train)
+        y_hat = zeros_for_empty(xp, (m,), x_query, x_train, y_train)
+        weights = zeros_for_empty(xp, (m, n), x_query, x_train)
     else:
         diff = x_query.reshape((m, 1)) - x_train.reshape((1, n))
-        weights = _masked_softmax(B, -(diff * diff) / 2, None)
-        y_hat = B.matmul(weights.reshape((1, m, n)), y_train.reshape((1, n, 1))).reshape((m,))
+        weights = _masked_softmax(xp, -(diff * diff) / 2, None)
+        y_hat = xp.matmul(weights.reshape((1, m, n)), y_train.reshape((1, n, 1))).reshape((m,))
     return (y_hat, weights) if return_weights else y_hat
 
 
@@ -369,8 +376,8 @@ def ring_attention(
             )
     parts = chunks_per_participant(layout)
     memory_budget = check_path_options("auto", memory_budget, None)[1]
-    B, q, k, v, ndim = _checked_inputs(queries, keys, values)
-    rank, size, shift = B.ring_exchange(axis_name if group is None else group)
+    xp, q, k, v, ndim = _checked_inputs(queries, keys, values)
+    rank, size, shift = xp.ring_exchange(axis_name if group is None else group)
     batch, heads, num_q, _ = q.shape
     num_k = k.shape[2]
     if num_q % parts or num_k % parts:
@@ -378,23 +385,25 @@ def ring_attention(
             f"layout={layout!r} holds {parts} chunks per participant: the local queries "
             f"({num_q}) and keys ({num_k}) must be multiples of {parts}"
         )
-    chunk_q, device = num_q // parts, B.device_of(q)
+    chunk_q, device = num_q // parts, xp.device_of(q)
     lens_all: Any = valid_lens
     lens_2d = lens_all is not None and np.ndim(lens_all) == 2
-    if lens_2d and not B.is_array(lens_all):
-        lens_all = B.asarray(np.asarray(lens_all), device=device)
+    if lens_2d and not xp.is_array(lens_all):
+        lens_all = xp.asarray(np.asarray(lens_all), device=device)
     segment_ids: Any = forms.pop("segment_ids", None)
     pair = isinstance(segment_ids, (tuple, list)) and len(segment_ids) == 2
     if pair:  # (both the backend's: the keys' are cut at the traced position of each block)
-        segment_ids = pair_on_device(B, segment_ids, device)
+        segment_ids = pair_on_device(xp, segment_ids, device)
     masks = []
     for c, index in enumerate(held_chunks(layout, rank, size)):
         first = index * chunk_q  # (the chunk's first query in the whole sequence)
         lens = lens_all[:, c * chunk_q : (c + 1) * chunk_q] if lens_2d else lens_all
-        ids = (_rows_at(B, segment_ids[0], first, chunk_q), segment_ids[1]) if pair else segment_ids
+        ids = (
+            (_rows_at(xp, segment_ids[0], first, chunk_q), segment_ids[1]) if pair else segment_ids
+        )
         masks.append(
             make_mask(
-                B,
+                xp,
                 batch,
                 heads,
                 chunk_q,
@@ -403,7 +412,7 @@ def ring_attention(
                 offset=first + size * (num_k - num_q),
                 query_base=first,
                 segment_ids=ids,
-                dtype=B.dtype_name(q),
+                dtype=xp.dtype_name(q),
                 device=device,
                 **forms,
             )
@@ -411,18 +420,18 @@ def ring_attention(
     scale = check_scale(scale)
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if 0 in (batch, heads, num_q, num_k):
-        out = zeros_for_empty(B, (batch, heads, num_q, v.shape[-1]), q, k, v)
+        out = zeros_for_empty(xp, (batch, heads, num_q, v.shape[-1]), q, k, v)
     else:
         budget = memory_budget or DEFAULT_MEMORY_BUDGET
-        out = ring(B, q, k, v, masks, scale, rank, size, shift, budget, layout, step_log)
+        out = ring(xp, q, k, v, masks, scale, rank, size, shift, budget, layout, step_log)
     return out if ndim == 4 else out[:, 0]
 
 
-def _rows_at(B: Backend, x: Array, start: Any, n: int) -> Array:
+def _rows_at(xp: Backend, x: Array, start: Any, n: int) -> Array:
     """``x[:, start : start + n]``, ``start`` an int or traced."""
     if isinstance(start, int):
         return x[:, start : start + n]
-    return B.take(x, B.arange(n, B.device_of(x)) + start, 1)
+    return xp.take(x, xp.arange(n, xp.device_of(x)) + start, 1)
 
 
 def ring_shard(
@@ -435,11 +444,11 @@ def ring_shard(
     and values; pass -1 for 2-D ``valid_lens`` (batch, T)."""
     from .core.paths.ring import held_chunks
 
-    B, cut = _chunks(x, world, layout, axis)
+    xp, cut = _chunks(x, world, layout, axis)
     rank = check_nonnegative_int("rank", rank)
     if rank >= world:
         raise ValueError(f"rank must be below world ({world}), got {rank}")
-    return _joined(B, [cut(i) for i in held_chunks(layout, rank, world)], axis)
+    return _joined(xp, [cut(i) for i in held_chunks(layout, rank, world)], axis)
 
 
 def ring_order(x: Array, world: int, *, layout: str = "contiguous", axis: int = -2) -> Array:
@@ -449,9 +458,9 @@ def ring_order(x: Array, world: int, *, layout: str = "contiguous", axis: int = 
     participant holds its part in ``layout``; ``ring_gather`` undoes it."""
     from .core.paths.ring import held_chunks
 
-    B, cut = _chunks(x, world, layout, axis)
+    xp, cut = _chunks(x, world, layout, axis)
     order = [i for r in range(world) for i in held_chunks(layout, r, world)]
-    return _joined(B, [cut(i) for i in order], axis)
+    return _joined(xp, [cut(i) for i in order], axis)
 
 
 def ring_gather(
@@ -467,16 +476,16 @@ def ring_gather(
         world = len(parts) if world is None else world
         if world != len(parts):
             raise ValueError(f"world={world}, but {len(parts)} parts were given")
-        B = backend_of(parts=parts[0])
-        x = _joined(B, list(parts), axis)
+        xp = backend_of(parts=parts[0])
+        x = _joined(xp, list(parts), axis)
     elif world is None:
         raise ValueError("ring_gather of one array needs world= (how many parts it holds)")
     else:
         x = parts
-    B, cut = _chunks(x, world, layout, axis)
+    xp, cut = _chunks(x, world, layout, axis)
     order = [i for r in range(world) for i in held_chunks(layout, r, world)]
     place = {index: n for n, index in enumerate(order)}
-    return _joined(B, [cut(place[i]) for i in range(len(order))], axis)
+    return _joined(xp, [cut(place[i]) for i in range(len(order))], axis)
 
 
 def _chunks(x: Array, world: int, layout: str, axis: int) -> tuple[Backend, Any]:
@@ -484,7 +493,7 @@ def _chunks(x: Array, world: int, layout: str, axis: int) -> tuple[Backend, Any]
     ``x`` along ``axis`` that ``layout`` cuts a sequence into over ``world``."""
     from .core.paths.ring import chunks_per_participant
 
-    B = backend_of(x=x)
+    xp = backend_of(x=x)
     check_positive_int("world", world)
     count = chunks_per_participant(layout) * world
     length = x.shape[axis]
@@ -501,8 +510,8 @@ def _chunks(x: Array, world: int, layout: str, axis: int) -> tuple[Backend, Any]
         index[axis] = slice(i * n, (i + 1) * n)
         return x[tuple(index)]
 
-    return B, cut
+    return xp, cut
 
 
-def _joined(B: Backend, pieces: list[Array], axis: int) -> Array:
-    return pieces[0] if len(pieces) == 1 else B.concatenate(pieces, axis)
+def _joined(xp: Backend, pieces: list[Array], axis: int) -> Array:
+    return pieces[0] if len(pieces) == 1 else xp.concatenate(pieces, axis)

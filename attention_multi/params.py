@@ -16,8 +16,8 @@ _M = TypeVar("_M", bound=Any)  # an attention_multi module of any backend
 def get_params(module: Any) -> dict[str, np.ndarray]:
     """``{name: numpy array}`` of a module of any backend (``W_q.weight``...)."""
     module._check_sized("get_params")
-    B = module.backend
-    return {name: B.to_numpy(value) for name, value in module.named_arrays().items()}
+    xp = module.backend
+    return {name: xp.to_numpy(value) for name, value in module.named_arrays().items()}
 
 
 def set_params(module: _M, params: Mapping[str, Any]) -> _M:
@@ -27,7 +27,7 @@ def set_params(module: _M, params: Mapping[str, Any]) -> _M:
     ValueError listing missing or unknown names, or the mismatched shapes.
     """
     module._check_sized("set_params")
-    B = module.backend
+    xp = module.backend
     current = module.named_arrays()
     missing = sorted(set(current) - set(params))
     unknown = sorted(set(params) - set(current))
@@ -45,7 +45,7 @@ def set_params(module: _M, params: Mapping[str, Any]) -> _M:
             raise ValueError(
                 f"parameter {name!r} has shape {value.shape}, the module expects {want}"
             )
-        arrays[name] = B.asarray(value, B.dtype_name(current[name]), B.device_of(current[name]))
+        arrays[name] = xp.asarray(value, xp.dtype_name(current[name]), xp.device_of(current[name]))
     for name, value in arrays.items():
         module._assign_param(name, value)
     return module

@@ -123,14 +123,14 @@ class _Attention(Module):
         values: Array,
         sizes: tuple[int | None, int | None, int | None] | None = None,
     ) -> None:
-        B = self._backend
+        xp = self._backend
         arrays = (("queries", queries), ("keys", keys), ("values", values))
         dtypes = {}
         for name, x in arrays:
-            check_array(B, name, x, 3, "(batch, n, features)")
-            dtype = dtypes[name] = B.dtype_name(x)
-            if dtype not in B.float_dtypes:
-                check_float(B, name, x)  # raises
+            check_array(xp, name, x, 3, "(batch, n, features)")
+            dtype = dtypes[name] = xp.dtype_name(x)
+            if dtype not in xp.float_dtypes:
+                check_float(xp, name, x)  # raises
         if not queries.shape[0] == keys.shape[0] == values.shape[0]:
             raise ValueError(
                 f"batch sizes differ: queries {tuple(queries.shape)}, "
@@ -208,17 +208,17 @@ class _Attention(Module):
         """The normalized mask of a call: ``valid_lens`` and ``forms``
         (``mask``, ``bias``, ``causal``, ``window``, ``offset``) for
         (batch, heads, Q, num_keys)."""
-        B = self._backend
+        xp = self._backend
         return make_mask(
-            B,
+            xp,
             queries.shape[0],
             heads,
             queries.shape[1],
             num_keys,
             valid_lens=valid_lens,
-            dtype=B.dtype_name(queries),
+            dtype=xp.dtype_name(queries),
             heads_axis=False,
-            device=B.device_of(queries),
+            device=xp.device_of(queries),
             **forms,
         )
 
@@ -228,10 +228,10 @@ class _Attention(Module):
         b, nq, nk = queries.shape[0], queries.shape[1], keys.shape[1]
         if b * nq * nk:
             return None
-        B = self._backend
-        self._keep_attention(zeros_for_empty(B, (b, nq, nk), queries))
+        xp = self._backend
+        self._keep_attention(zeros_for_empty(xp, (b, nq, nk), queries))
         self.__dict__["_attention_path"] = "empty"
-        return zeros_for_empty(B, (b, nq, values.shape[2]), queries, keys, values)
+        return zeros_for_empty(xp, (b, nq, values.shape[2]), queries, keys, values)
 
     @property
     def last_path(self) -> TakenPath | None:
@@ -327,18 +327,18 @@ class AdditiveAttention(_Attention):
         ``values`` (batch, K, v) -> (batch, Q, v); ``valid_lens`` (batch,) or
         (batch, Q); ``key``: the JAX dropout key in training mode."""
         self._check_inputs(queries, keys, values, (self.query_size, self.key_size, None))
-        B = self._backend
+        xp = self._backend
         mask = self._mask(queries, keys.shape[1], valid_lens=valid_lens)
         empty = self._empty(queries, keys, values)
         if empty is not None:
             return empty
         scores = self._scores(self.W_q(queries), self.W_k(keys))
-        weights = masked_softmax(B, scores, mask.boolean_one_head(B, B.device_of(queries)))
+        weights = masked_softmax(xp, scores, mask.boolean_one_head(xp, xp.device_of(queries)))
         values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
-        _, values4 = guard_unused(B, mask, values4, values4)
+        _, values4 = guard_unused(xp, mask, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
-        return B.matmul(
+        return xp.matmul(
             self._dropout(weights, self.dropout, key), values4.reshape(tuple(values.shape))
         )
 
@@ -346,9 +346,9 @@ class AdditiveAttention(_Attention):
         """(b, nq, nk) scores, over blocks of queries within the memory
         budget; under autodiff each block's features are recomputed in the
         backward pass (``Backend.checkpoint``) instead of kept."""
-        B, h = self._backend, self.num_hiddens
+        xp, h = self._backend, self.num_hiddens
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
-        itemsize = work_itemsize(B, q)
+        itemsize = work_itemsize(xp, q)
         budget = self.memory_budget or DEFAULT_MEMORY_BUDGET
         # features and their tanh, and in the backward pass their gradients:
         # 4 (b, block, nk, h) arrays
@@ -356,11 +356,11 @@ class AdditiveAttention(_Attention):
         k = k.reshape((b, 1, nk, h))
 
         def scores(qb: Array, k: Array) -> Array:
-            features = B.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
+            features = xp.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
             return self.w_v(features).reshape((b, qb.shape[1], nk))
 
-        chunks = [B.checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)]
-        return chunks[0] if len(chunks) == 1 else B.concatenate(chunks, axis=1)
+        chunks = [xp.checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)]
+        return chunks[0] if len(chunks) == 1 else xp.concatenate(chunks, axis=1)
 
 
 class DotProductAttention(_Attention):
@@ -525,10 +525,10 @@ class DotProductAttention(_Attention):
         return out
 
 
-def _heads(B: Backend, x: Array, h: int) -> Array:
+def _heads(xp: Backend, x: Array, h: int) -> Array:
     """(b, n, h * s) -> (b, h, n, s), a view where possible."""
     b, n, hidden = x.shape
-    return B.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
+    return xp.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
 
 
 class MultiHeadAttention(_Attention):
@@ -675,10 +675,10 @@ class MultiHeadAttention(_Attention):
         if line is None:
             sizes = (self.query_size, self.key_size, self.value_size)
             self._check_inputs(queries, keys, values, sizes)
-        B, h = self._backend, self.num_heads
-        q = _heads(B, self.W_q(queries), h)
-        k = _heads(B, self.W_k(keys), self.num_kv_heads)
-        v = _heads(B, self.W_v(values), self.num_kv_heads)
+        xp, h = self._backend, self.num_heads
+        q = _heads(xp, self.W_q(queries), h)
+        k = _heads(xp, self.W_k(keys), self.num_kv_heads)
+        v = _heads(xp, self.W_v(values), self.num_kv_heads)
         if cache is None:
             if line is None:
                 line = self.attention._new_line(q, k, v, valid_lens, forms)
@@ -686,25 +686,25 @@ class MultiHeadAttention(_Attention):
             if line is not None:
                 out = self.attention._straight(q, k, v, valid_lens, key, line)
                 b, n = queries.shape[:2]
-                out = B.transpose(out, (0, 2, 1, 3))
+                out = xp.transpose(out, (0, 2, 1, 3))
                 return self.W_o(out.reshape((b, n, self.num_hiddens)))
         num_keys, offset = keys.shape[1], None
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
-            k = B.write_slice(cache.keys, k, start, 2)
-            v = B.write_slice(cache.values, v, start, 2)
+            k = xp.write_slice(cache.keys, k, start, 2)
+            v = xp.write_slice(cache.values, v, start, 2)
             end = start + keys.shape[1]  # an int, or traced (jax.jit)
             num_keys, offset = cache.max_len, end - queries.shape[1]
             forms = {**forms, "causal": True}
             length = (
                 end
-                if B.is_array(end)
-                else B.asarray(np.asarray(end, np.int32), device=B.device_of(cache.keys))
+                if xp.is_array(end)
+                else xp.asarray(np.asarray(end, np.int32), device=xp.device_of(cache.keys))
             )
             cache = KVCache(k, v, length)
         m = self._mask(queries, num_keys, h, valid_lens, offset=offset, **forms)
         out = self.attention._attend(q, k, v, m, key, private=cache is None)
-        out = B.transpose(out, (0, 2, 1, 3))
+        out = xp.transpose(out, (0, 2, 1, 3))
         b, n = out.shape[0], out.shape[1]
         out = self.W_o(out.reshape((b, n, self.num_hiddens)))
         return out if cache is None else (out, cache)
@@ -720,35 +720,35 @@ class MultiHeadAttention(_Attention):
         for name, n in (("batch_size", batch_size), ("max_len", max_len)):
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        B = self._backend
+        xp = self._backend
         weight = self.W_o.named_arrays()["weight"]  # (never lazily sized)
-        dtype, device = B.dtype_name(weight), B.device_of(weight)
+        dtype, device = xp.dtype_name(weight), xp.device_of(weight)
         shape = (
             int(batch_size),
             self.num_kv_heads,
             int(max_len),
             self.num_hiddens // self.num_heads,
         )
-        B.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
+        xp.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
         return KVCache(
-            B.zeros(shape, dtype, device),
-            B.zeros(shape, dtype, device),
-            B.asarray(np.asarray(0, np.int32), device=device),
+            xp.zeros(shape, dtype, device),
+            xp.zeros(shape, dtype, device),
+            xp.asarray(np.asarray(0, np.int32), device=device),
         )
 
     def _check_cache(self, cache: Any, queries: Array, keys: Array) -> Array | int:
         """The cache's length (an int, or a traced 0-d array under jax.jit),
         after checking that ``cache`` belongs to this module and the call."""
-        B = self._backend
+        xp = self._backend
         if not isinstance(cache, KVCache):
             raise TypeError(
                 f"cache must be a KVCache from this module's init_cache(), "
                 f"got {type(cache).__name__}"
             )
-        if not all(B.is_array(x) for x in (cache.keys, cache.values, cache.length)):
+        if not all(xp.is_array(x) for x in (cache.keys, cache.values, cache.length)):
             raise TypeError(
                 f"cache holds {_backend_name(cache.keys)} but this module runs on "
-                f"the {B.name} backend; make the cache with its init_cache()"
+                f"the {xp.name} backend; make the cache with its init_cache()"
             )
         size = self.num_hiddens // self.num_heads
         shape = tuple(cache.keys.shape)
@@ -769,12 +769,12 @@ class MultiHeadAttention(_Attention):
                 f"cache was made for batch_size={shape[0]} but the queries "
                 f"{tuple(queries.shape)} have batch size {queries.shape[0]}"
             )
-        dtype, want = B.dtype_name(cache.keys), B.dtype_name(queries)
+        dtype, want = xp.dtype_name(cache.keys), xp.dtype_name(queries)
         if dtype != want:
             raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
-        if not B.is_concrete(cache.length):
+        if not xp.is_concrete(cache.length):
             return cache.length
-        start = int(B.to_numpy(cache.length))
+        start = int(xp.to_numpy(cache.length))
         if start + keys.shape[1] > shape[2]:
             raise ValueError(
                 f"decoding past max_len: the cache holds {start} of "

@@ -230,11 +230,11 @@ class Linear(Module):
 
     def _size_from(self, x: Array) -> None:
         """Create the parameters of a lazily sized layer for input ``x``."""
-        B = self._backend
-        if B.is_tracing() or not B.is_concrete(x):
+        xp = self._backend
+        if xp.is_tracing() or not xp.is_concrete(x):
             raise TypeError(
                 f"this {type(self).__name__}'s input size is not known yet and it is "
-                f"called under a trace ({B.name}: jit, grad, vmap or compile), where "
+                f"called under a trace ({xp.name}: jit, grad, vmap or compile), where "
                 f"its parameters cannot be created; call the module once eagerly on "
                 f"an example input, or give the input sizes to the constructor "
                 f"(key_size=, query_size=, value_size= for the attention modules)"
@@ -245,18 +245,18 @@ class Linear(Module):
                 f"axis of its first input, which is empty (shape "
                 f"{tuple(x.shape)})"
             )
-        self._create(int(x.shape[-1]), self.__dict__.get("_device") or B.device_of(x))
+        self._create(int(x.shape[-1]), self.__dict__.get("_device") or xp.device_of(x))
 
     def _create(self, in_features: int, device: Any) -> None:
-        B = self._backend
+        xp = self._backend
         self.in_features = in_features
         low, high = self._bounds()
         self._fill_lazy_param(
-            "weight", B.uniform((self.out_features, in_features), low, high, self._dtype, device)
+            "weight", xp.uniform((self.out_features, in_features), low, high, self._dtype, device)
         )
         if self.has_bias:
             self._fill_lazy_param(
-                "bias", B.uniform((self.out_features,), low, high, self._dtype, device)
+                "bias", xp.uniform((self.out_features,), low, high, self._dtype, device)
             )
 
     def _size_lazy_params(self, name: str, shape: tuple[int, ...]) -> None:

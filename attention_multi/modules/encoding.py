@@ -40,8 +40,8 @@ class PositionalEncoding(Module):
     def forward(self, X: Array, *, key: Any = None) -> Array:
         """``X`` (batch, steps, num_hiddens) plus the encoding of its steps,
         then dropout; ``key``: the JAX dropout key in training mode."""
-        B = self._backend
-        check_array(B, "X", X, 3, "(batch, steps, num_hiddens)")
+        xp = self._backend
+        check_array(xp, "X", X, 3, "(batch, steps, num_hiddens)")
         if X.shape[2] != self.num_hiddens:
             raise ValueError(
                 f"X has feature size {X.shape[2]} (shape "
@@ -53,14 +53,14 @@ class PositionalEncoding(Module):
                 f"more than max_len={self.max_len}"
             )
         P = self.P[:, : X.shape[1], :]
-        if B.dtype_name(X) != B.dtype_name(P):
+        if xp.dtype_name(X) != xp.dtype_name(P):
             raise TypeError(
-                f"X is {B.dtype_name(X)} but the encoding is "
-                f"{B.dtype_name(P)}; build it with dtype= or cast X"
+                f"X is {xp.dtype_name(X)} but the encoding is "
+                f"{xp.dtype_name(P)}; build it with dtype= or cast X"
             )
         if 0 in tuple(X.shape):
-            return zeros_for_empty(B, tuple(X.shape), X)
-        return self._dropout(X + B.to_device(P, B.device_of(X)), self.dropout, key)
+            return zeros_for_empty(xp, tuple(X.shape), X)
+        return self._dropout(X + xp.to_device(P, xp.device_of(X)), self.dropout, key)
 
 
 def sinusoid_table(max_len: int, num_hiddens: int) -> np.ndarray:

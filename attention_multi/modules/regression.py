@@ -25,10 +25,10 @@ class NWKernelRegression(Module):
     def forward(self, queries: Array, keys: Array, values: Array) -> Array:
         """``queries`` (n,), ``keys`` and ``values`` (n, m) -> (n,): query ``i``
         attends its own row of keys and values."""
-        B = self._backend
-        check_array(B, "queries", queries, 1, "(n,)")
+        xp = self._backend
+        check_array(xp, "queries", queries, 1, "(n,)")
         for name, x in (("keys", keys), ("values", values)):
-            check_array(B, name, x, 2, "(n, m)")
+            check_array(xp, name, x, 2, "(n, m)")
         if keys.shape != values.shape or keys.shape[0] != queries.shape[0]:
             raise ValueError(
                 f"keys and values must both be (n, m) with n = "
@@ -38,13 +38,13 @@ class NWKernelRegression(Module):
         n, m = keys.shape
         w = self._param("w")
         if n * m == 0:  # no query, or no key: zero output
-            empty = zeros_for_empty(B, (n, m), queries, keys, w)
+            empty = zeros_for_empty(xp, (n, m), queries, keys, w)
             self._keep_attention(lambda: empty)  # a thunk: torch.export warns of tensor attributes
-            return zeros_for_empty(B, (n,), queries, keys, values, w)
+            return zeros_for_empty(xp, (n,), queries, keys, values, w)
         d = (queries.reshape((n, 1)) - keys) * w
-        weights = masked_softmax(B, -(d * d) / 2, None)
+        weights = masked_softmax(xp, -(d * d) / 2, None)
         self._keep_attention(lambda: weights)  # a thunk, as above
-        return B.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
+        return xp.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
 
 
 def train_kernel_regression(
@@ -55,21 +55,21 @@ def train_kernel_regression(
     Uses the backend's own autodiff (torch, jax, mxnet). Returns the loss of
     each epoch, measured before that epoch's update.
     """
-    B = net.backend
-    x, y = B.to_numpy(x_train), B.to_numpy(y_train)
+    xp = net.backend
+    x, y = xp.to_numpy(x_train), xp.to_numpy(y_train)
     n = x.shape[0]
     others = ~np.eye(n, dtype=bool)
-    device = B.device_of(x_train)
-    keys = B.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
-    values = B.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
+    device = xp.device_of(x_train)
+    keys = xp.asarray(np.tile(x, (n, 1))[others].reshape(n, -1), device=device)
+    values = xp.asarray(np.tile(y, (n, 1))[others].reshape(n, -1), device=device)
 
     def loss_fn(model: NWKernelRegression) -> Array:
         err = model(x_train, keys, values) - y_train
-        return B.sum(err * err, axis=0)
+        return xp.sum(err * err, axis=0)
 
     losses = []
     for _ in range(epochs):
-        loss, grads = B.value_and_grad(net, loss_fn)
+        loss, grads = xp.value_and_grad(net, loss_fn)
         params = net.named_arrays()
         for name, grad in grads.items():
             net._assign_param(name, params[name] - lr * grad)

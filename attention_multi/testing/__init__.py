@@ -53,8 +53,8 @@ def _as_numpy(x: Any) -> tuple[np.ndarray, str, str]:
     if isinstance(x, (list, tuple, int, float, bool, np.ndarray, np.generic)):
         a = np.asarray(x)
         return a, "numpy", a.dtype.name
-    B = backends.backend_of_array(x)
-    return B.to_numpy(x), B.name, B.dtype_name(x)
+    xp = backends.backend_of_array(x)
+    return xp.to_numpy(x), xp.name, xp.dtype_name(x)
 
 
 def assert_close(
