@@ -24,8 +24,9 @@ Baselines:
   with ``npx.sequence_mask`` is used).
 
 The package: this file parses the arguments and runs the tables; ``speed``,
-``memory``, ``long`` and ``ring`` are the tables, each measuring in
-``timing``'s way; ``d2l_torch`` and ``d2l_mxnet`` are d2l's own code, the
+``memory``, ``long``, ``ring``, ``packed``, ``small``, ``busy`` and ``tiling``
+(what tiles of SDPA calls can reach, torch alone) are the tables, each
+measuring in ``timing``'s way; ``d2l_torch`` and ``d2l_mxnet`` are d2l's own code, the
 baselines (the tests use the same copies).
 """
 
