@@ -35,22 +35,26 @@ def tiling_rows(shape, seconds):
         mask = (torch.arange(T) < lens[:, None])[:, None, None, :]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    def masked(x, y, z, group_lens):
-        longest = int(group_lens.max())
-        mask = (torch.arange(longest) < group_lens[:, None])[:, None, None, :]
-        return F.scaled_dot_product_attention(
-            x, y[:, :, :longest], z[:, :, :longest], attn_mask=mask
-        )
+    def masked(x, y, z, group_lens):  # (y, z: the keys and values up to the longest)
+        mask = (torch.arange(y.shape[2]) < group_lens[:, None])[:, None, None, :]
+        return F.scaled_dot_product_attention(x, y, z, attn_mask=mask)
 
     def sorted_plan(n):
         qs, ks, vs = sorted_qkv
-        return [masked(qs[a:b], ks[a:b], vs[a:b], sorted_lens[a:b]) for a, b in _cuts(B, n)]
+        outs = []
+        for a, b in _cuts(B, n):
+            longest = int(sorted_lens[a:b].max())
+            outs.append(
+                masked(qs[a:b], ks[a:b, :, :longest], vs[a:b, :, :longest], sorted_lens[a:b])
+            )
+        return outs
 
-    def gathered_plan(n):
-        outs = [
-            masked(*(x.index_select(0, rows) for x in (q, k, v)), lens[rows])
-            for rows in (order[a:b] for a, b in _cuts(B, n))
-        ]
+    def gathered_plan(n):  # (the keys cut to the group's longest, then its rows copied)
+        outs = []
+        for rows in (order[a:b] for a, b in _cuts(B, n)):
+            longest = int(lens[rows].max())
+            y, z = (x[:, :, :longest].index_select(0, rows) for x in (k, v))
+            outs.append(masked(q.index_select(0, rows), y, z, lens[rows]))
         return torch.cat(outs).index_select(0, back)
 
     rows = []
