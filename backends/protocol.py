@@ -362,10 +362,13 @@ class Backend:
     def call_cost(self, device: Any = None) -> float:
         """What one more framework call on ``device`` (``device_of``) costs
         now, in scores: ``accelerator_call_cost`` on an accelerator;
-        ``kernel_call_cost`` on an idle CPU, more where the backend measures
-        that its calls wait (a parallel region waits for the threads the OS
-        has descheduled on a busy machine). ``ATTENTION_MULTI_CALL_COST=idle``
-        keeps the idle cost (reproducible choices, for tests)."""
+        ``kernel_call_cost`` on the CPU. Only where the user opts in with
+        ``ATTENTION_MULTI_CALL_COST=measured`` may a backend add what its calls
+        wait now (a parallel region waits for the threads the OS has
+        descheduled on a busy machine): the choice of path then follows the
+        load, and paths round differently, so the same call may give other
+        bits in another process. By default the load changes speed, never
+        answers."""
         return self.accelerator_call_cost if self.on_accelerator(device) else self.kernel_call_cost
 
     def compiled_call_cost(self, device: Any = None) -> float:

@@ -1,6 +1,5 @@
 """PyTorch backend: modules are real ``torch.nn.Module`` objects."""
 
-import functools
 import os
 import threading
 import time
@@ -86,10 +85,12 @@ class _RingShift(torch.autograd.Function):
 
 
 class _Waits:
-    """How long a parallel region of torch's CPU thread pool waits now: a
-    probe of one region (a fill of 128K floats) at most every 0.25 s, less
-    its fastest time seen, smoothed. A descheduled pool thread makes every
-    region wait for it: sixteen calls wait sixteen times."""
+    """How long a parallel region of torch's CPU thread pool waits now, read
+    only where ``ATTENTION_MULTI_CALL_COST=measured`` asks (a choice that
+    follows the load may change the bits of an answer; by default none
+    does): a probe of one region (a fill of 128K floats) at most every
+    0.25 s, less its fastest time seen, smoothed. A descheduled pool thread
+    makes every region wait for it: sixteen calls wait sixteen times."""
 
     EVERY = 0.25  # seconds between probes
     SCORES_PER_SECOND = 2e8  # (SDPA on this CPU class, d = 64: what a wait is worth)
@@ -104,7 +105,7 @@ class _Waits:
         now = time.monotonic()
         if now - self.when >= self.EVERY:
             self.when = now
-            if os.environ.get("ATTENTION_MULTI_CALL_COST") == "idle":
+            if os.environ.get("ATTENTION_MULTI_CALL_COST") != "measured":
                 self.wait = 0.0
             elif torch.get_num_threads() > 1:
                 with torch.inference_mode(False), torch.no_grad():  # (a plain tensor, any mode)
@@ -198,6 +199,10 @@ class TorchBackend(NumpyLike):
     def __init__(self):
         super().__init__()
         self._waits = _Waits()
+        # Under OpenMP (torch.set_num_threads holds for the calling thread alone).
+        # A plain attribute: torch.compile(fullgraph=True) cannot trace a
+        # cached_property's lock.
+        self.fewer_threads = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):
@@ -244,11 +249,6 @@ class TorchBackend(NumpyLike):
 
     def zeros(self, shape, dtype, device=None):
         return torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
-
-    @functools.cached_property
-    def fewer_threads(self):
-        """Under OpenMP (torch.set_num_threads holds for the calling thread alone)."""
-        return "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
     def in_fewer_threads(self, fn, *arrays):
         """The pool at half its threads for ``fn`` (CPU arrays; it returns an array or

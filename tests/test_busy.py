@@ -1,7 +1,8 @@
 """A busy machine: each framework call waits for the threads the OS has
-descheduled, so "auto" weighs a kernel call at what it costs now
-(``Backend.call_cost``, measured by torch's backend) and takes fewer, larger
-calls when they wait. The answers stay the oracle's; the calls are counted
+descheduled. Where the user opts in (``ATTENTION_MULTI_CALL_COST=measured``),
+"auto" weighs a kernel call at what it costs now (``Backend.call_cost``,
+measured by torch's backend) and takes fewer, larger calls when they wait;
+by default it weighs the idle cost, so the load never changes an answer. The answers stay the oracle's; the calls are counted
 with torch's own profiler."""
 
 import time
@@ -26,7 +27,7 @@ def _kernel_calls(f):
 @pytest.fixture
 def waits(monkeypatch):
     """Set what a parallel region of torch's pool is measured to wait (seconds)."""
-    monkeypatch.delenv("ATTENTION_MULTI_CALL_COST", raising=False)
+    monkeypatch.setenv("ATTENTION_MULTI_CALL_COST", "measured")
     xp = am.get_backend("torch")
 
     def set_wait(seconds):
@@ -37,8 +38,11 @@ def waits(monkeypatch):
 
 
 def test_the_measured_cost_of_a_call_is_at_least_the_idle_one(monkeypatch):
-    monkeypatch.delenv("ATTENTION_MULTI_CALL_COST", raising=False)
     xp = am.get_backend("torch")
+    monkeypatch.delenv("ATTENTION_MULTI_CALL_COST", raising=False)
+    xp._waits.when, xp._waits.wait = -1.0, 0.01  # (a wait measured before: not read)
+    assert xp.call_cost() == xp.kernel_call_cost  # (by default the load is not read)
+    monkeypatch.setenv("ATTENTION_MULTI_CALL_COST", "measured")
     xp._waits.when = -1.0
     cost = xp.call_cost()
     assert cost >= xp.kernel_call_cost
