@@ -40,11 +40,11 @@ import numpy as np
 from attention_multi import backends
 
 from .config import chosen_backend, get_backend, native_device
-from .core.mask.blocks import BlockMask
+from .core.mask.blocks import BlockMask, bound
 from .core.mask.captures import captured, native_captures
 from .core.mask.functions import block_mask as _block_mask
 from .core.mask.functions import checked_mask, checked_scores, index_grid, is_causal
-from .core.mask.spec import EMPTY, FULL, PARTIAL
+from .core.mask.spec import FULL, PARTIAL
 from .functional import dot_product_attention
 from .types import Array
 
@@ -102,8 +102,9 @@ def flex_attention(
 
 
 def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
-    """Ours as it is; torch's as ours (its function and block states), made
-    once; while torch traces, its function alone."""
+    """Ours as it is; torch's as ours (its function bound by its block tables,
+    FlexAttention's sense), made once; while torch traces, its function bound
+    by its tables read on the device."""
     if block_mask is None or isinstance(block_mask, BlockMask):
         return block_mask
     if not _is_torch_block_mask(block_mask):
@@ -111,8 +112,8 @@ def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
             f"block_mask must be a BlockMask of create_block_mask (ours or torch's), "
             f"got {type(block_mask).__name__}"
         )
-    if backends.load("torch").is_tracing():  # (its states are read on the host: not now)
-        return block_mask.mask_mod
+    if backends.load("torch").is_tracing():  # (its tables are not on the host now)
+        return _traced_tables(block_mask)
     ours = _CONVERTED.get(block_mask)
     if ours is None:
         ours = _CONVERTED[block_mask] = _from_torch(block_mask)
@@ -123,27 +124,52 @@ def _is_torch_block_mask(x: Any) -> bool:
     return type(x).__module__.startswith("torch.") and hasattr(x, "kv_indices")
 
 
-def _from_torch(bm: Any) -> BlockMask:
-    """torch's BlockMask as ours: its ``mask_mod``, shape and block states."""
+def _torch_states(bm: Any) -> Any:
+    """int8 torch (batch, heads, Q blocks, K blocks) states of torch's block
+    tables, on their device, with torch operations only (so under a trace
+    too): a listed block PARTIAL, one of the full tables FULL, others EMPTY."""
+    import torch
+
     num_q, num_k = (int(n) for n in bm.seq_lengths)
     block_q, block_k = (int(n) for n in bm.BLOCK_SIZE)
-    batch, heads = (int(n) for n in bm.kv_num_blocks.shape[:2])
     nqb, nkb = -(-num_q // block_q), -(-num_k // block_k)
-    states = np.full((batch, heads, nqb, nkb), EMPTY, np.int8)
-    listed: list[tuple[Any, Any, int]] = [(bm.kv_num_blocks, bm.kv_indices, PARTIAL)]
+    count = bm.kv_num_blocks[:, :, :nqb]
+    states = torch.zeros(count.shape + (nkb + 1,), dtype=torch.int8, device=count.device)
+    listed = [(bm.kv_num_blocks, bm.kv_indices, PARTIAL)]
     if bm.full_kv_num_blocks is not None:
         listed.append((bm.full_kv_num_blocks, bm.full_kv_indices, FULL))
-    for count, indices, state in listed:
-        count = count.detach().cpu().numpy()[:, :, :nqb]
-        indices = indices.detach().cpu().numpy()[:, :, :nqb]
-        b, h, i, j = np.nonzero(np.arange(indices.shape[-1]) < count[..., None])
-        cols = indices[b, h, i, j]
-        inside = cols < nkb
-        states[b[inside], h[inside], i[inside], cols[inside]] = state
-    shape = (batch, heads, num_q, num_k)
+    for counts, indices, state in listed:
+        counts, indices = counts[:, :, :nqb], indices[:, :, :nqb].long()
+        width = torch.arange(indices.shape[-1], device=indices.device)
+        kept = (width < counts[..., None]) & (indices < nkb) & (indices >= 0)
+        cols = torch.where(kept, indices, nkb)  # (unlisted: the spare column nkb)
+        states = states.scatter(-1, cols, torch.full_like(cols, state, dtype=torch.int8))
+    return states[..., :nkb]
+
+
+def _traced_tables(bm: Any) -> Callable[..., Array]:
+    """torch's BlockMask under a trace: its function bound by its tables."""
+    xp, states = backends.load("torch"), _torch_states(bm)
+    table, layout = states.to(dtype=xp.xp.int32).reshape(-1), tuple(states.shape)
+    block = (int(bm.BLOCK_SIZE[0]), int(bm.BLOCK_SIZE[1]))
+
+    def mask_mod(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
+        seen = bm.mask_mod(b, h, q_idx, kv_idx)
+        return bound(xp, table, layout, block, (b, h, q_idx, kv_idx), seen)
+
+    return mask_mod
+
+
+def _from_torch(bm: Any) -> BlockMask:
+    """torch's BlockMask as ours: its ``mask_mod``, shape and block states,
+    binding (a block its tables do not list is not computed)."""
+    num_q, num_k = (int(n) for n in bm.seq_lengths)
+    block_q, block_k = (int(n) for n in bm.BLOCK_SIZE)
+    states = _torch_states(bm).cpu().numpy()
+    shape = (int(states.shape[0]), int(states.shape[1]), num_q, num_k)
     xp, device = backends.load("torch"), bm.kv_indices.device
     causal = is_causal(xp, bm.mask_mod, states, shape, block_q, block_k, device)
-    return BlockMask(bm.mask_mod, states, shape, block_q, block_k, causal)
+    return BlockMask(bm.mask_mod, states, shape, block_q, block_k, causal, binding=True)
 
 
 def create_block_mask(

@@ -1,6 +1,7 @@
 """Block states (``EMPTY``/``PARTIAL``/``FULL``, spec.py) as data: ``BlockMask``, a
 ``mask_mod`` and its states, built once by ``functions.block_mask`` and reused
-across layers and steps; ``host_table``, the least of every form's states."""
+across layers and steps; ``host_table``, the least of every form's states;
+``bound``, the one rule by which block tables bind a function's answers."""
 
 from __future__ import annotations
 
@@ -13,7 +14,34 @@ from .spec import EMPTY, FULL, PARTIAL, Mask, least_state
 if TYPE_CHECKING:
     from ...types import Array
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "computed_fraction", "host_table"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "bound", "computed_fraction", "host_table"]
+
+
+def bound(
+    xp: Any,
+    table: Array,
+    layout: tuple[int, int, int, int],
+    block: tuple[int, int],
+    index: tuple[Array, Array, Array, Array],
+    seen: Any,
+) -> Array:
+    """FlexAttention's rule for block tables: a key in a block the tables do
+    not list is never seen, one in a FULL block always is (its function is not
+    asked), one in a PARTIAL block as the function ``seen`` answers. ``table``:
+    the int32 states flattened, of ``layout`` (batch|1, heads|1, Q blocks, K
+    blocks); ``index``: the (b, h, q_idx, kv_idx) arrays the function got."""
+    nb, nh, nqb, nkb = layout
+    b, h, q, kv = index
+    row = (q // block[0]) * nkb + kv // block[1]
+    if nh > 1:
+        row = row + h * (nqb * nkb)
+    if nb > 1:
+        row = row + b * (nh * nqb * nkb)
+    shape = tuple(row.shape)
+    state = xp.take(table, row.reshape((-1,)), 0).reshape(shape)
+    if not xp.is_array(seen):  # (a Python bool: noop_mask's kind)
+        seen = xp.asarray(np.asarray(seen, bool), device=xp.device_of(state))
+    return xp.where(state == PARTIAL, seen, state == FULL)
 
 
 def _field(state: int, by_keys: bool, which: int, doc: str) -> property:
@@ -27,7 +55,10 @@ class BlockMask:
     ``block_q`` x ``block_k``. Callable as the ``mask_mod`` itself: pass it as
     ``mask_mod=`` and the paths skip its empty blocks and drop the mask on its
     full ones. ``causal``: the function is exactly ``kv_idx <= q_idx`` over
-    Q = K (a call may take the framework's causal kernel instead)."""
+    Q = K (a call may take the framework's causal kernel instead).
+    ``binding``: the states are not the function's own but tables given
+    with it (``from_kv_blocks``, torch's ``BlockMask``): called, the block
+    mask answers by ``bound`` (FlexAttention's sense), on every path."""
 
     def __init__(
         self,
@@ -38,17 +69,36 @@ class BlockMask:
         block_k: int,
         causal: bool = False,
         all_full: bool | None = None,
+        binding: bool = False,
     ) -> None:
         self.mask_mod, self.states, self.causal = mask_mod, states, causal
+        self.binding = binding
         self.batch, self.heads, self.num_queries, self.num_keys = shape
         self.block_q, self.block_k = block_q, block_k
         # (a host bool: read under traces too)
         self.all_full = bool((states == FULL).all()) if all_full is None else all_full
         # (its function's values, kept by captures.remembered)
-        self.memo: dict[str, Any] = {"fn": mask_mod}
+        self.memo: dict[Any, Any] = {"fn": mask_mod}
 
     def __call__(self, b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
-        return self.mask_mod(b, h, q_idx, kv_idx)
+        seen = self.mask_mod(b, h, q_idx, kv_idx)
+        if not self.binding:
+            return seen
+        from attention_multi.backends import backend_of_array
+
+        xp = backend_of_array(kv_idx)
+        index = (b, h, q_idx, kv_idx)
+        return bound(xp, self._table(xp, kv_idx), self.states.shape, self.BLOCK_SIZE, index, seen)
+
+    def _table(self, xp: Any, like: Array) -> Array:
+        """The states as a flat int32 array of ``xp`` on ``like``'s device, made once."""
+        device = xp.device_of(like)
+        if xp.is_tracing():  # (nothing kept: a trace's arrays end with it)
+            return xp.asarray(self.states.astype(np.int32).reshape(-1), device=device)
+        key = ("table", xp.name, str(device))
+        if key not in self.memo:
+            self.memo[key] = xp.asarray(self.states.astype(np.int32).reshape(-1), device=device)
+        return self.memo[key]
 
     # -- what FlexAttention's users read (host NumPy arrays) ---------------------------------
     @property
@@ -115,7 +165,10 @@ class BlockMask:
     def with_mask_mod(self, mask_mod: Callable[..., Array]) -> BlockMask:
         """The same states of another function (``mask_mod`` with its captures converted)."""
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
-        return BlockMask(mask_mod, self.states, shape, self.block_q, self.block_k, self.causal)
+        return BlockMask(
+            mask_mod, self.states, shape, self.block_q, self.block_k, self.causal,
+            binding=self.binding,
+        )
 
     def __repr__(self) -> str:
         return (
