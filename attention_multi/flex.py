@@ -149,13 +149,20 @@ def _torch_states(bm: Any) -> Any:
 
 def _traced_tables(bm: Any) -> Callable[..., Array]:
     """torch's BlockMask under a trace: its function bound by its tables."""
+    import torch
+
     xp, states = backends.load("torch"), _torch_states(bm)
-    table, layout = states.to(dtype=xp.xp.int32).reshape(-1), tuple(states.shape)
-    block = (int(bm.BLOCK_SIZE[0]), int(bm.BLOCK_SIZE[1]))
+    (num_q, num_k), device = (int(n) for n in bm.seq_lengths), states.device
+    tables = (
+        states.to(torch.int32).reshape(-1),
+        (torch.arange(num_q, device=device) // int(bm.BLOCK_SIZE[0])).to(torch.int32),
+        (torch.arange(num_k, device=device) // int(bm.BLOCK_SIZE[1])).to(torch.int32),
+    )
+    layout = tuple(states.shape)
 
     def mask_mod(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
         seen = bm.mask_mod(b, h, q_idx, kv_idx)
-        return bound(xp, table, layout, block, (b, h, q_idx, kv_idx), seen)
+        return bound(xp, tables, layout, (b, h, q_idx, kv_idx), seen)
 
     return mask_mod
 

@@ -14,34 +14,47 @@ from .spec import EMPTY, FULL, PARTIAL, Mask, least_state
 if TYPE_CHECKING:
     from ...types import Array
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "bound", "computed_fraction", "host_table"]
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "bound", "computed_fraction", "host_table", "host_tables"]
 
 
 def bound(
     xp: Any,
-    table: Array,
+    tables: tuple[Array, Array, Array],
     layout: tuple[int, int, int, int],
-    block: tuple[int, int],
     index: tuple[Array, Array, Array, Array],
     seen: Any,
 ) -> Array:
     """FlexAttention's rule for block tables: a key in a block the tables do
     not list is never seen, one in a FULL block always is (its function is not
-    asked), one in a PARTIAL block as the function ``seen`` answers. ``table``:
-    the int32 states flattened, of ``layout`` (batch|1, heads|1, Q blocks, K
-    blocks); ``index``: the (b, h, q_idx, kv_idx) arrays the function got."""
+    asked), one in a PARTIAL block as the function ``seen`` answers.
+    ``tables``: the int32 states flattened, of ``layout`` (batch|1, heads|1,
+    Q blocks, K blocks), and each query's and key's block (int32 arrays, one
+    entry a position: no division, which MXNet's integers lack); ``index``:
+    the (b, h, q_idx, kv_idx) arrays the function got."""
+    states, q_block, k_block = tables
     nb, nh, nqb, nkb = layout
     b, h, q, kv = index
-    row = (q // block[0]) * nkb + kv // block[1]
+
+    def block_of(blocks: Array, x: Array) -> Array:
+        return xp.take(blocks, x.reshape((-1,)), 0).reshape(tuple(x.shape))
+
+    row = block_of(q_block, q) * nkb + block_of(k_block, kv)
     if nh > 1:
         row = row + h * (nqb * nkb)
     if nb > 1:
         row = row + b * (nh * nqb * nkb)
-    shape = tuple(row.shape)
-    state = xp.take(table, row.reshape((-1,)), 0).reshape(shape)
+    state = block_of(states, row)
     if not xp.is_array(seen):  # (a Python bool: noop_mask's kind)
         seen = xp.asarray(np.asarray(seen, bool), device=xp.device_of(state))
     return xp.where(state == PARTIAL, seen, state == FULL)
+
+
+def host_tables(states: np.ndarray, shape: tuple[int, ...], block: tuple[int, int]) -> tuple:
+    """``bound``'s tables on the host: the flat int32 states and each
+    position's block, for ``shape`` (batch, heads, Q, K)."""
+    q_block = (np.arange(shape[2]) // block[0]).astype(np.int32)
+    k_block = (np.arange(shape[3]) // block[1]).astype(np.int32)
+    return states.astype(np.int32).reshape(-1), q_block, k_block
 
 
 def _field(state: int, by_keys: bool, which: int, doc: str) -> property:
@@ -88,16 +101,21 @@ class BlockMask:
 
         xp = backend_of_array(kv_idx)
         index = (b, h, q_idx, kv_idx)
-        return bound(xp, self._table(xp, kv_idx), self.states.shape, self.BLOCK_SIZE, index, seen)
+        return bound(xp, self._tables(xp, kv_idx), self.states.shape, index, seen)
 
-    def _table(self, xp: Any, like: Array) -> Array:
-        """The states as a flat int32 array of ``xp`` on ``like``'s device, made once."""
+    def _tables(self, xp: Any, like: Array) -> tuple[Array, Array, Array]:
+        """``bound``'s tables as arrays of ``xp`` on ``like``'s device, made once."""
         device = xp.device_of(like)
+
+        def make() -> tuple[Array, Array, Array]:
+            found = host_tables(self.states, self.shape, self.BLOCK_SIZE)
+            return tuple(xp.asarray(x, device=device) for x in found)  # type: ignore[return-value]
+
         if xp.is_tracing():  # (nothing kept: a trace's arrays end with it)
-            return xp.asarray(self.states.astype(np.int32).reshape(-1), device=device)
-        key = ("table", xp.name, str(device))
+            return make()
+        key = ("tables", xp.name, str(device))
         if key not in self.memo:
-            self.memo[key] = xp.asarray(self.states.astype(np.int32).reshape(-1), device=device)
+            self.memo[key] = make()
         return self.memo[key]
 
     # -- what FlexAttention's users read (host NumPy arrays) ---------------------------------
