@@ -89,11 +89,11 @@ def _load(name: str) -> Backend:
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
             if importlib.util.find_spec(framework) is None:
                 why = f"is not installed ({exc}); install it with: "
-                why += install_hint(extra)
+                why += install_hint(extra or name)
             else:  # not a missing install: say what broke it
                 why = f"is installed but failed to import ({type(exc).__name__}: {exc}); "
                 why += "fix that error (a warning made an error by -W, or a version "
-                why += f"conflict: {install_hint(extra)} has the pins)"
+                why += f"conflict: {install_hint(extra or name)} has the pins)"
             raise ImportError(f"the {name!r} backend needs {framework}, which {why}") from exc
         finally:
             _loading.discard(name)

@@ -52,7 +52,8 @@ def _field(state: int, by_keys: bool, which: int, doc: str) -> property:
     def read(self: BlockMask) -> np.ndarray | None:
         if (state == FULL and not self.separate_full) or (by_keys and not self.q_blocks):
             return None
-        return self._listed(state, by_keys)[which]
+        given = self.given.get((state, which)) if not by_keys else None
+        return given if given is not None else self._listed(state, by_keys)[which]
 
     return property(read, doc=f"int32 {doc}.")
 
@@ -96,6 +97,7 @@ class BlockMask:
         self.lead: tuple[int, ...] = (self.batch, self.heads)  # (the tables' leading axes)
         self.separate_full = True  # (False: full blocks listed as partial, full_* None)
         self.q_blocks = True  # (False: q_* None, from_kv_blocks(compute_q_blocks=False))
+        self.given: dict[tuple[int, int], np.ndarray] = {}  # (from_kv_blocks' kv tables)
 
     @property
     def mask_mod(self) -> Callable[..., Array]:
@@ -205,10 +207,17 @@ class BlockMask:
         """The same states of another function (``mask_mod`` with its captures converted)."""
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
         out = BlockMask(
-            mask_mod, self.states, shape, self.block_q, self.block_k, self.causal,
-            all_full=self.all_full, binding=self.binding,
+            mask_mod,
+            self.states,
+            shape,
+            self.block_q,
+            self.block_k,
+            self.causal,
+            all_full=self.all_full,
+            binding=self.binding,
         )
         out.lead, out.separate_full, out.q_blocks = self.lead, self.separate_full, self.q_blocks
+        out.given = self.given
         return out
 
     def without_full_blocks(self) -> BlockMask:
@@ -217,8 +226,14 @@ class BlockMask:
         shape = (self.batch, self.heads, self.num_queries, self.num_keys)
         states = np.minimum(self.states, PARTIAL).astype(np.int8)
         out = BlockMask(
-            self.mask_mod, states, shape, self.block_q, self.block_k, self.causal,
-            all_full=False, binding=self.binding,
+            self.mask_mod,
+            states,
+            shape,
+            self.block_q,
+            self.block_k,
+            self.causal,
+            all_full=False,
+            binding=self.binding,
         )
         out.lead, out.separate_full, out.q_blocks = self.lead, False, self.q_blocks
         return out
@@ -274,8 +289,11 @@ class BlockMask:
         four = (1,) * (2 - len(lead)) + lead
         states = states.reshape(four + states.shape[-2:])
         fn = noop_mask if mask_mod is None else mask_mod
-        out = cls(fn, states, four + (num_q, num_k), bq, bk, binding=True)
+        out = cls(fn, states, (four[0], four[1], num_q, num_k), bq, bk, binding=True)
         out.lead, out.q_blocks = lead, bool(compute_q_blocks)
+        out.separate_full = full_kv_num_blocks is not None
+        for c, idx, state in listed:  # (as given: past each count, what the caller put)
+            out.given[state, 0], out.given[state, 1] = c.astype(np.int32), idx.astype(np.int32)
         out.dq_write_order, out.dq_write_order_full = dq_write_order, dq_write_order_full
         out.dq_kv_order = None if isinstance(dq_kv_order, bool) else dq_kv_order
         out.dq_kv_order_spt = dq_kv_order if isinstance(dq_kv_order, bool) else None
@@ -328,8 +346,12 @@ class BlockMask:
             picked = picked[tuple(where)]
         shape = (picked.shape[0], picked.shape[1], self.num_queries, self.num_keys)
         out = BlockMask(
-            _sliced_mask_mod_error, np.ascontiguousarray(picked, np.int8), shape,
-            self.block_q, self.block_k, binding=True,
+            _sliced_mask_mod_error,
+            np.ascontiguousarray(picked, np.int8),
+            shape,
+            self.block_q,
+            self.block_k,
+            binding=True,
         )
         out.separate_full, out.q_blocks = self.separate_full, self.q_blocks
         out.dq_kv_order_spt = self.dq_kv_order_spt
@@ -341,12 +363,10 @@ class BlockMask:
         ``grid_size`` cells at most (-1: one a block)."""
         dense = self.to_dense()
         *lead, rows, cols = dense.shape
-        if isinstance(grid_size, int) and grid_size != -1:
-            most = (grid_size, grid_size)
-        elif grid_size == -1:
-            most = (rows, cols)
+        if isinstance(grid_size, int):
+            most = (rows, cols) if grid_size == -1 else (grid_size, grid_size)
         else:
-            most = tuple(grid_size)  # type: ignore[assignment]
+            most = (int(grid_size[0]), int(grid_size[1]))
         step_r, step_c = max(1, -(-rows // most[0])), max(1, -(-cols // most[1]))
 
         def picture(at: tuple[int, ...]) -> str:
@@ -383,8 +403,11 @@ class BlockMask:
             return None if x is None else tuple(x.shape)
 
         name = getattr(self.mask_mod, "__name__", self.mask_mod)
-        fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
-        fields += ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+        fields = [
+            f"{q}{kind}"
+            for q in ("kv_", "full_kv_", "q_", "full_q_")
+            for kind in ("num_blocks", "indices")
+        ]
         lines = [f"    {f}={shape(getattr(self, f))}," for f in fields]
         lines += [f"    BLOCK_SIZE={self.BLOCK_SIZE},", f"    shape={self.shape},"]
         lines += [f"    sparsity={self.sparsity():.2f}%,", f"    mask_mod={name}"]
