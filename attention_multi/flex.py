@@ -22,9 +22,15 @@ differs from torch's:
 - ``sinks=`` (one logit per query head in every softmax denominator) is
   ours; gradients reach what a ``score_mod`` captures (a bias table, ALiBi
   slopes), on CPU too.
-- ``return_lse``: the natural-log log-sum-exp (B, H, L) of the scaled
-  scores after ``score_mod``, ``-inf`` for a query that sees no key (whose
-  output is zeros, as flex's).
+- ``return_aux=AuxRequest(lse=True, max_scores=True)`` (torch 2.13's form;
+  ``return_lse``, deprecated there, still works and warns as torch does):
+  ``lse`` the natural-log log-sum-exp (B, H, L) of the scaled scores after
+  ``score_mod``, ``-inf`` for a query that sees no key (whose output is
+  zeros, as flex's); ``max_scores`` each row's largest such score (``-inf``
+  there), computed from the dense (B, H, L, S) scores.
+- Keywords that only tune torch's GPU kernels (``kernel_options``,
+  ``create_block_mask``'s ``compute_dq_write_order`` and ``dq_kv_order``,
+  ``from_kv_blocks``' ``dq_*``) are accepted and have no effect here.
 """
 
 from __future__ import annotations
@@ -32,15 +38,16 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from attention_multi import backends
 
 from .config import chosen_backend, get_backend, native_device
-from .core.mask.blocks import BlockMask, bound
+from .core.mask.blocks import BlockMask, bound, noop_mask
 from .core.mask.captures import captured, native_captures
 from .core.mask.functions import block_mask as _block_mask
 from .core.mask.functions import checked_mask, checked_scores, index_grid, is_causal
@@ -49,7 +56,10 @@ from .functional import dot_product_attention
 from .types import Array
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockMask",
+    "FlexKernelOptions",
     "and_masks",
     "create_block_mask",
     "create_mask",
@@ -57,6 +67,28 @@ __all__ = [
     "noop_mask",
     "or_masks",
 ]
+
+FlexKernelOptions = dict
+"""torch's ``kernel_options`` type (a dict of GPU kernel settings): accepted, no effect here."""
+
+
+class AuxRequest(NamedTuple):
+    """torch's ``AuxRequest``: which auxiliary outputs ``flex_attention`` returns
+    (torch's own ``AuxRequest`` is accepted too)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """torch's ``AuxOutput``: the auxiliary outputs asked for, None where not:
+    ``lse`` and ``max_scores``, each (B, Hq, L)."""
+
+    lse: Array | None = None
+    max_scores: Array | None = None
+
+
+_WARNED: set[str] = set()  # (torch warns once a process)
 
 _CONVERTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch BlockMask -> ours
 
@@ -70,18 +102,42 @@ def flex_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    kernel_options: Any = None,
+    kernel_options: FlexKernelOptions | None = None,
     *,
+    return_aux: AuxRequest | None = None,
     sinks: Array | None = None,
-) -> Array | tuple[Array, Array]:
+) -> Array | tuple[Array, Array] | tuple[Array, AuxOutput]:
     """torch's ``flex_attention``: ``query`` (B, Hq, L, E), ``key`` (B, Hkv,
     S, E), ``value`` (B, Hkv, S, Ev); ``Hq != Hkv`` needs ``enable_gqa``.
     ``block_mask``: a ``BlockMask`` of ``create_block_mask`` (ours or
     torch's). ``score_mod(score, b, h, q_idx, kv_idx)``; ``scale`` default
-    ``1/sqrt(E)``. Returns the output (B, Hq, L, Ev), and with
-    ``return_lse`` the log-sum-exp (B, Hq, L). ``kernel_options`` is
-    accepted and ignored (no kernel to tune); ``sinks`` (Hq,): attention
-    sinks (``dot_product_attention``'s)."""
+    ``1/sqrt(E)``. Returns the output (B, Hq, L, Ev); with ``return_aux``
+    (an ``AuxRequest``, ours or torch's) ``(output, AuxOutput)``; with
+    ``return_lse`` (deprecated in torch: a ``FutureWarning`` once, as
+    torch's) ``(output, lse)``. ``kernel_options`` is accepted and has no
+    effect (no kernel to tune); ``sinks`` (Hq,): attention sinks
+    (``dot_product_attention``'s)."""
+    if return_lse and return_aux is not None:
+        raise ValueError(
+            "Cannot specify both return_lse and return_aux. "
+            "return_lse is deprecated, please use return_aux=AuxRequest(lse=True) instead."
+        )
+    if return_lse and "return_lse" not in _WARNED:
+        _WARNED.add("return_lse")
+        warnings.warn(
+            "return_lse is deprecated and will be removed in v2.10. "
+            "Please use return_aux=AuxRequest(lse=True) instead.",
+            FutureWarning,
+            stacklevel=2,
+        )
+    want_lse, want_max = bool(return_lse), False
+    if return_aux is not None:
+        if not all(hasattr(return_aux, f) for f in ("lse", "max_scores")):
+            raise TypeError(
+                f"return_aux must be an AuxRequest(lse=..., max_scores=...), "
+                f"got {type(return_aux).__name__}"
+            )
+        want_lse, want_max = bool(return_aux.lse), bool(return_aux.max_scores)
     for name, x in (("query", query), ("key", key), ("value", value)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D (B, H, L, E), got shape {tuple(x.shape)}")
@@ -96,9 +152,36 @@ def flex_attention(
         forms["mask_mod"] = blocks
     if score_mod is not None:
         forms["score_mod"] = score_mod
-    return dot_product_attention(
-        query, key, value, scale=scale, sinks=sinks, return_lse=return_lse, **forms
+    got = dot_product_attention(
+        query, key, value, scale=scale, sinks=sinks, return_lse=want_lse, **forms
     )
+    if return_aux is None:
+        return got
+    out, lse = got if want_lse else (got, None)
+    top = _max_scores(query, key, scale, forms) if want_max else None
+    return out, AuxOutput(lse=lse, max_scores=top)
+
+
+def _max_scores(query: Array, key: Array, scale: float | None, forms: dict[str, Any]) -> Array:
+    """(B, Hq, L): each row's largest scaled score after ``score_mod`` among
+    the keys it sees (``-inf``: none), from the dense scores."""
+    from .core.mask import make_mask
+    from .core.numerics import compute_dtype, default_scale, scaled
+    from .core.paths.call import expand_kv
+    from .core.paths.online import minus_inf
+
+    xp = backends.backend_of_array(query)
+    batch, heads, num_q, width = query.shape
+    device, dtype = xp.device_of(query), xp.dtype_name(query)
+    work = compute_dtype(dtype)
+    m = make_mask(xp, batch, heads, num_q, key.shape[2], dtype=dtype, device=device, **forms)
+    k, _ = expand_kv(xp, key, key, heads)
+    qs = scaled(xp, query, default_scale(width) if scale is None else scale, work)
+    s = m.scores(xp, xp.matmul(qs, xp.astype(k, work), transpose_b=True), work)
+    seen = m.boolean(xp, device)
+    if seen is not None:
+        s = xp.where(seen, s, minus_inf(xp, work, device))
+    return xp.max(s, -1)
 
 
 def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
@@ -188,6 +271,9 @@ def create_block_mask(
     device: Any = None,
     BLOCK_SIZE: int | tuple[int, int] = 128,
     _compile: bool = False,
+    separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
     *,
     backend: Any = None,
 ) -> BlockMask:
@@ -197,7 +283,37 @@ def create_block_mask(
     Evaluated one block row at a time on ``backend``: by default that of
     ``device`` or of the arrays or the framework the function names, else
     the chosen default, or torch where it is imported; ``device`` a device
-    of it (default: the current device). ``_compile`` is ignored."""
+    of it (default: the current device). ``separate_full_blocks=False``:
+    every computed block is listed as partial (``full_kv_*`` None; the
+    function is evaluated on all of them), as torch's. ``_compile``
+    (deprecated in torch: a ``DeprecationWarning``, as torch's),
+    ``compute_dq_write_order`` and ``dq_kv_order`` (torch's GPU backward
+    order) have no effect here."""
+    if _compile:
+        warnings.warn(
+            "_compile flag on create_block_mask was originally added to work around a "
+            "torch.compile limitation. That limitation has since been addressed. So, to "
+            "compile create_block_mask, we suggest doing torch.compile(create_block_mask). "
+            "This still works for now, but will be removed in the future.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if not isinstance(dq_kv_order, bool):
+        raise ValueError("dq_kv_order must be a bool when using create_block_mask")
+    made = _create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, backend)
+    return made if separate_full_blocks else made.without_full_blocks()
+
+
+def _create_block_mask(
+    mask_mod: Callable[..., Array],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: Any,
+    BLOCK_SIZE: int | tuple[int, int],
+    backend: Any,
+) -> BlockMask:
     xp = _backend_for(mask_mod, backend, device)
     if xp.host_code_traced():  # (torch.compile: no host states; every block is partial)
         shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
@@ -238,11 +354,6 @@ def create_mask(
         return checked_scores(xp, fn, xp.zeros(shape, "float32", dev), grid)
     fn = native_captures(xp, "mask_mod", mod_fn, dev)
     return xp.broadcast_to(checked_mask(xp, fn, grid, dev), shape)
-
-
-def noop_mask(b: Array, h: Array, q_idx: Array, kv_idx: Array) -> Array:
-    """Every query sees every key."""
-    return kv_idx == kv_idx
 
 
 def and_masks(*mask_mods: Callable[..., Array]) -> Callable[..., Array]:

@@ -29,7 +29,7 @@ def show_heatmaps(
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise ImportError(
-            "show_heatmaps needs matplotlib: pip install 'attention-multi[plot]'"
+            f"show_heatmaps needs matplotlib: {backends.install_hint('plot')}"
         ) from exc
     if not isinstance(matrices, np.ndarray):
         matrices = backends.backend_of_array(matrices).to_numpy(matrices)

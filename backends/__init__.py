@@ -18,7 +18,7 @@ import numpy
 
 from .devices import parse_device
 from .protocol import Backend
-from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, listing
+from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, install_hint, listing
 
 # backend name -> (module of this package, class, framework module, pip extra)
 _SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
@@ -46,6 +46,7 @@ __all__ = [
     "available_backends",
     "backend_of_array",
     "canonical_name",
+    "install_hint",
     "listing",
     "near_miss",
     "load",
@@ -88,11 +89,11 @@ def _load(name: str) -> Backend:
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
             if importlib.util.find_spec(framework) is None:
                 why = f"is not installed ({exc}); install it with: "
-                why += f"pip install 'attention-multi[{extra}]'"
+                why += install_hint(extra or name)
             else:  # not a missing install: say what broke it
                 why = f"is installed but failed to import ({type(exc).__name__}: {exc}); "
                 why += "fix that error (a warning made an error by -W, or a version "
-                why += f"conflict: pip install 'attention-multi[{extra}]' has the pins)"
+                why += f"conflict: {install_hint(extra or name)} has the pins)"
             raise ImportError(f"the {name!r} backend needs {framework}, which {why}") from exc
         finally:
             _loading.discard(name)

@@ -40,3 +40,9 @@ def listing(names: Iterable[str], last: str = "or") -> str:
     """``"numpy, torch, jax or mxnet"``: names for a message."""
     names = list(names)
     return "".join(names) if len(names) < 2 else f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs a pip extra: from a checkout, since the
+    package is on no index (``pip install '.[torch]'``)."""
+    return f"pip install '.[{extra}]' (in a checkout of attention-multi)"

@@ -106,7 +106,7 @@ def test_report_lists_every_backend_and_device(full_run):
             elif installed_but_broken(name):
                 assert f"- {name}: installed but fails to import" in text
             else:
-                assert f"- {name}: not installed (pip install 'attention-multi[{name}]')" in text
+                assert f"- {name}: not installed ({backends.install_hint(name)})" in text
 
 
 def test_report_md_has_tables_and_versions(full_run):
@@ -167,7 +167,7 @@ def test_planted_disagreement_fails(tmp_path):
 def test_uninstalled_backend_is_listed_with_its_extra(tmp_path, missing):
     result = run_report("--backends", f"numpy,{missing}", "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
-    line = f"- {missing}: not installed (pip install 'attention-multi[{missing}]')"
+    line = f"- {missing}: not installed ({backends.install_hint(missing)})"
     assert line in result.stdout
     assert line in (tmp_path / "report.md").read_text()
     alone = run_report("--backends", missing, "--out", str(tmp_path))
@@ -198,7 +198,7 @@ def test_runs_without_matplotlib(tmp_path):
     result = run_report("--backends", "numpy", "--out", str(out), pythonpath=[shadow])
     assert result.returncode == 0, result.stdout + result.stderr
     md = (out / "report.md").read_text()
-    assert "Figures skipped" in md and "pip install 'attention-multi[plot]'" in md
+    assert "Figures skipped" in md and "pip install '.[plot]'" in md
     assert "numpy/cpu" in md and not list(out.glob("*.png"))
 
 

@@ -74,7 +74,10 @@ def test_bad_device_variable_is_named(monkeypatch):
     "framework, words",
     [
         ("numpy", ["which is installed but failed to import", "ModuleNotFoundError"]),
-        ("no_such_framework_am", ["which is not installed", "pip install 'attention-multi[x]'"]),
+        (
+            "no_such_framework_am",
+            ["which is not installed", "pip install '.[x]' (in a checkout of attention-multi)"],
+        ),
     ],
 )
 def test_import_failure_hint_tells_installed_from_missing(monkeypatch, framework, words):

@@ -4,12 +4,13 @@ The tools sit on top of the library and import it; the library never imports the
 """
 
 import argparse
+import os
 import sys
 import textwrap
 
 from attention_multi import backends
 
-from ..config import get_backend
+from ..config import BACKEND_ENV, get_backend
 from ..files import WriteError
 from . import bench, conform, port, report
 
@@ -20,7 +21,7 @@ def _info(args):
     """Print the installed backends and the devices each can use."""
     for name in backends.BACKEND_NAMES:
         if name not in backends.available_backends():
-            print(f"{name:6s}  not installed (pip install 'attention-multi[{name}]')")
+            print(f"{name:6s}  not installed ({backends.install_hint(name)})")
             continue
         try:
             B = get_backend(name)
@@ -34,6 +35,21 @@ def _info(args):
         except ValueError:
             pass
         print(f"{name:6s}  devices: {', '.join(devices)}")
+    return _info_default()
+
+
+def _info_default():
+    """The default backend's line: ``ATTENTION_MULTI_BACKEND`` flagged (exit 1)
+    when it names no backend, or one that does not load."""
+    name = os.environ.get(BACKEND_ENV, "").strip()
+    if not name:
+        return 0
+    try:
+        chosen = backends.load(name)
+    except (ValueError, ImportError) as exc:
+        print(f"{BACKEND_ENV}={name!r}: {exc}")
+        return 1
+    print(f"default  {chosen.name} (from {BACKEND_ENV}={name!r})")
     return 0
 
 

@@ -35,7 +35,7 @@ from ..arguments import backend_names, device_names
 from . import frameworks
 from .cases import DTYPES, MECHANISMS, make_inputs, references, rounded
 from .render import figures, markdown, summary, table
-from .run import backend_state, device_state, run_cells, time_forward
+from .run import backend_state, device_state, error_text, run_cells, time_forward
 
 __all__ = ["MECHANISMS", "add_arguments", "main"]
 
@@ -119,7 +119,7 @@ def main(args):
         try:
             timings[label] = f"{time_forward(B, device) * 1e3:.2f} ms"
         except Exception as exc:
-            timings[label] = f"ERROR {type(exc).__name__}: {exc}"
+            timings[label] = f"ERROR {error_text(exc)}"
         failed = sum(not ok for _, ok, _ in cells[label].values())
         print(
             f"report: {label}: {len(cells[label])} cells, {failed} failed, "

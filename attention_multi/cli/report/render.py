@@ -125,7 +125,7 @@ def figures(out, B, device, inputs, trainer):
     except ImportError as exc:
         return [
             f"Figures skipped: matplotlib is not available ({exc}); "
-            "pip install 'attention-multi[plot]'."
+            f"{backends.install_hint('plot')}."
         ]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -219,7 +219,7 @@ def figures(out, B, device, inputs, trainer):
         ax_loss.text(0.5, 0.5, f"no autodiff backend\n({trainers})", ha="center", va="center")
         lines.append(
             "NWKernelRegression not trained: no autodiff backend ran "
-            "(pip install 'attention-multi[torch]')."
+            f"({backends.install_hint('torch')})."
         )
     ax.plot(i["x_train"], i["y_train"], "o", alpha=0.5, label="training points")
     ax.set(xlabel="x", ylabel="y", xlim=(0, 5), title="Nadaraya-Watson regression")

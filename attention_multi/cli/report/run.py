@@ -45,7 +45,7 @@ class Runner:
 def backend_state(name):
     """(Backend or None, note): 'not installed' with the pip extra, or why import fails."""
     if name not in backends.available_backends():
-        return None, f"not installed (pip install 'attention-multi[{name}]')"
+        return None, f"not installed ({backends.install_hint(name)})"
     try:
         return am.get_backend(name), ""
     except ImportError as exc:
@@ -88,8 +88,22 @@ def run_cells(B, device, inputs, refs, plant):
                 err, ok = compare(got, refs[dtype][name], dtype)
                 cells[name, dtype] = (err, ok, "")
             except Exception as exc:  # one broken mechanism must not stop the report
-                cells[name, dtype] = (None, False, f"{type(exc).__name__}: {exc}")
+                cells[name, dtype] = (None, False, error_text(exc))
     return cells
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message`` in one line; a message that is a traceback (MXNet's
+    C++ errors: ``Traceback (most recent call last):``, its frames, then the
+    error) gives its last line, the error itself."""
+    name = type(exc).__name__
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    if not lines:
+        return name
+    if lines[0].startswith("Traceback") and len(lines) > 1:
+        last = lines[-1]
+        return last if last.startswith(f"{name}:") else f"{name}: {last}"
+    return f"{name}: {' '.join(lines)}"
 
 
 TIMING_SHAPE = (

@@ -7,7 +7,9 @@ length when decoding, else 0), ``kv_idx`` from 0; a region shifts the bases,
 so every path evaluates the same function on its own block's grid. Answers
 are checked from their dtype and shape on every evaluation (``checked_mask``,
 ``checked_scores``); a function that fails on index arrays, or answers with a
-wrong shape, is evaluated per element by the backend's ``vmap``. A
+wrong shape, is evaluated per element by the backend's ``vmap`` (under
+torch.compile, from the start); one that fails both ways raises its own
+exception, with a note naming the function and the shapes. A
 ``BlockMask`` carries its block states: no evaluation."""
 
 from __future__ import annotations
@@ -135,34 +137,61 @@ def _evaluated(
 ) -> Array:
     """``answer(fn(*args))`` on index arrays broadcasting to ``shape``; a
     function that fails on them or answers with a wrong shape (one written
-    for scalar indices) is mapped over the grid's elements by ``xp.vmap``."""
-    try:
-        return answer(fn(*args))
-    except TypeError as exc:
-        if str(exc).startswith(name):  # (our own check: no second try)
-            raise
-        why: BaseException = exc
-    except Exception as exc:  # noqa: BLE001 (_WrongShape, or the framework's complaint, said below)
-        why = exc
-    grids = ", ".join(str(tuple(a.shape)) for a in args if hasattr(a, "shape"))
-    said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape}): {why}"
-    mapped = xp.vmap(fn)
+    for scalar indices) is mapped over the grid's elements by ``xp.vmap``
+    (FlexAttention's definition: the function of one element). Where the
+    host code is traced (torch.compile), a failing framework call ends the
+    trace rather than raising, so the function is mapped there from the
+    start. A function that fails both ways raises its own exception (the
+    one on the arrays), with a note saying which function, on which shapes;
+    one whose answer on the arrays has a wrong shape, a ValueError."""
+    first: BaseException | None = None
+    if not xp.host_code_traced():
+        try:
+            return answer(fn(*args))
+        except TypeError as exc:
+            if str(exc).startswith(name):  # (our own check: no second try)
+                raise
+            first = exc
+        except Exception as exc:  # noqa: BLE001 (_WrongShape, or the function's own)
+            first = exc
+
+    def one(*element: Any) -> Any:  # (a function: vmap names it, a BlockMask's repr is long)
+        return fn(*element)
+
+    mapped = xp.vmap(one)
+    grids = [tuple(a.shape) for a in args if hasattr(a, "shape")]  # (no str.join: dynamo)
+    said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape})"
     if mapped is None:
-        raise ValueError(
-            f"{said}; a function written for scalar indices needs a vmap, which the "
-            f"{xp.name} backend lacks: write it for index arrays"
-        ) from why
+        if first is None or isinstance(first, _WrongShape):
+            raise ValueError(
+                f"{said}: {first}; a function written for scalar indices needs a vmap, "
+                f"which the {xp.name} backend lacks: write it for index arrays"
+            ) from first
+        first.add_note(f"{said}; the {xp.name} backend has no vmap to try per element")
+        raise first
     flat = tuple(xp.broadcast_to(a, shape).reshape((-1,)) for a in args)
     try:
         out = mapped(*flat)
     except Exception as exc:
-        raise ValueError(f"{said}; evaluated per element (vmap): {exc}") from why
+        if isinstance(first, _WrongShape):  # (it ran on the arrays: its answer is the bug)
+            raise ValueError(
+                f"{said}: {first}; evaluated per element (vmap) it raised "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if first is None:
+            exc.add_note(f"raised by {name} evaluated per element (vmap) over {shape}")
+            raise
+        first.add_note(
+            f"{said} (this exception); evaluated per element (vmap) it raised "
+            f"{type(exc).__name__}: {exc}"
+        )
+        raise first from None
     if out is None or not xp.is_array(out) or math.prod(out.shape) != math.prod(shape):
         got = None if out is None else getattr(out, "shape", type(out).__name__)
         raise ValueError(
-            f"{said}; evaluated per element (vmap) it answered {got}, not one value per "
-            f"element of {shape}"
-        ) from why
+            f"{said}: {first}; evaluated per element (vmap) it answered {got}, not one "
+            f"value per element of {shape}"
+        ) from first
     return answer(out.reshape(shape))
 
 
