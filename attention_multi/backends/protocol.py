@@ -91,6 +91,7 @@ class Backend:
     # == 1. Required: the framework's arrays, devices and randomness ===========
     name: str = ""  # canonical name, e.g. "torch" (a row of table.BACKENDS)
     module_base: type[NativeModule] | None = None  # base class that makes a module native
+    xp: Any = None  # the framework's NumPy-like namespace (numpy, torch, jax.numpy, mxnet.np)
 
     def is_array(self, x: Any) -> bool:
         """True if ``x`` is an array (or tracer) of this framework."""

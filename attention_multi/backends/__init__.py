@@ -14,11 +14,11 @@ import importlib.util
 import sys
 from typing import Any
 
-import numpy
+import numpy as _numpy  # (not `numpy`: the submodule .numpy would rebind that name)
 
 from .devices import parse_device
 from .protocol import Backend
-from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, listing
+from .table import ALIASES, BACKEND_NAMES, BACKENDS, ROOTS, BackendSpec, framework_of, listing
 
 # backend name -> (module of this package, class, framework module, pip extra)
 _SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
@@ -31,8 +31,8 @@ def _restore_numpy_bool() -> None:
     """MXNet 1.9.1 uses ``numpy.bool``, which numpy 1.24-1.26 removed (numpy 2
     has it again): restore the alias where MXNet is installed, so that
     ``import mxnet`` works after ``import attention_multi`` too."""
-    if "bool" not in vars(numpy) and importlib.util.find_spec("mxnet") is not None:
-        numpy.bool = bool  # type: ignore[assignment,attr-defined,misc,unused-ignore]
+    if "bool" not in vars(_numpy) and importlib.util.find_spec("mxnet") is not None:
+        _numpy.bool = bool  # type: ignore[assignment,attr-defined,misc,unused-ignore]
 
 
 _restore_numpy_bool()
@@ -43,9 +43,11 @@ __all__ = [
     "BACKEND_NAMES",
     "Backend",
     "BackendSpec",
+    "ROOTS",
     "available_backends",
     "backend_of_array",
     "canonical_name",
+    "framework_of",
     "listing",
     "near_miss",
     "load",
