@@ -94,6 +94,22 @@ def test_every_list_of_frameworks_is_the_tables():
         assert frameworks.detect(scope["f"]) == (name or "numpy")
 
 
+def test_the_required_protocol_is_small_and_capabilities_are_declared(backend):
+    """At most 25 required members, which every backend has; the fused kernel
+    and the distributed exchange are capabilities a backend has or lacks
+    (NumPy: neither, no member of either)."""
+    from attention_multi.backends.capabilities import Distributed, Fused, supports
+    from attention_multi.backends.required import REQUIRED, Required
+
+    assert len(REQUIRED) <= 25 and isinstance(backend, Required)
+    assert supports(backend, Fused) == (backend.name != "numpy")
+    assert supports(backend, Distributed) == (backend.name in ("torch", "jax"))
+    if backend.name == "numpy":
+        assert not hasattr(backend, "fused_attention") and not hasattr(backend, "ring_exchange")
+    source = REPO / "attention_multi" / "backends" / "numpy.py"
+    assert len(source.read_text().splitlines()) <= 150
+
+
 def test_asarray_to_numpy_round_trip(backend, dtype):
     x = rounded(rng.normal(size=(2, 3)), dtype)
     a = put(backend, x, dtype)

@@ -173,7 +173,6 @@ class TorchBackend(NumpyLike):
     array_type = torch.Tensor
     module_base = TorchModule
     autodiff = True
-    has_fused_attention = True
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
