@@ -413,7 +413,7 @@ def _is_score_mod(fn: Callable[..., Any]) -> bool:
     return sum(p.default is inspect.Parameter.empty for p in params) == 5
 
 
-_FRAMEWORKS = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "mxnet": "mxnet"}
+_FRAMEWORKS = backends.ROOTS  # (top-level package -> backend: the one table's)
 
 
 def _backend_for(fn: Callable[..., Any], backend: Any, device: Any = None) -> Any:
@@ -466,4 +466,4 @@ def _framework(x: Any) -> str | None:
     module = x.__name__ if isinstance(x, types.ModuleType) else type(x).__module__
     if not isinstance(x, types.ModuleType) and callable(x):
         module = getattr(x, "__module__", None) or ""
-    return _FRAMEWORKS.get(str(module).split(".")[0])
+    return backends.framework_of(str(module))

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .backends.capabilities import Distributed, supports
 from .core import attend, checked_forms, default_scale, make_mask, straight_line, zeros_for_empty
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (
@@ -377,6 +378,11 @@ def ring_attention(
     parts = chunks_per_participant(layout)
     memory_budget = check_path_options("auto", memory_budget, None)[1]
     xp, q, k, v, ndim = _checked_inputs(queries, keys, values)
+    if not supports(xp, Distributed):
+        raise NotImplementedError(
+            f"ring attention needs a communicating framework; the {xp.name} "
+            f"backend has none (use torch.distributed or a JAX mesh)"
+        )
     rank, size, shift = xp.ring_exchange(axis_name if group is None else group)
     batch, heads, num_q, _ = q.shape
     num_k = k.shape[2]

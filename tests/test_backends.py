@@ -1,11 +1,15 @@
 """Protocol conformance: every backend method, on CPU, across dtypes,
 checked against NumPy float64 computed here."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from attention_multi import backends
 from attention_multi.backends.protocol import Backend, NativeModule
+
+REPO = Path(__file__).resolve().parents[1]
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
@@ -63,6 +67,47 @@ def test_names_and_messages_come_from_the_table():
         backends.canonical_name("cntk")
     with pytest.raises(TypeError, match="a numpy, torch, jax or mxnet array"):
         backends.backend_of_array(b"x")
+
+
+def test_every_list_of_frameworks_is_the_tables():
+    """A new backend is one row: the extras, the conformance grid's frameworks,
+    the conform command's adapters and the detection of a function's framework
+    follow it."""
+    import types
+
+    import tomllib
+
+    from attention_multi import flex
+    from attention_multi.cli.conform.adapters import ADAPTERS
+    from attention_multi.testing import frameworks
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    assert all(s.extra in extras for s in backends.BACKENDS if s.extra), extras
+    assert frameworks.FRAMEWORKS == backends.BACKEND_NAMES
+    assert {f"am-{n}" for n in backends.BACKEND_NAMES} <= set(ADAPTERS)
+    for root, name in {**backends.ROOTS, "numpy": None, "jaxlib.xla": "jax"}.items():
+        module = types.ModuleType(root)
+        assert backends.framework_of(root) == name and flex._framework(module) == name
+        scope = {"__name__": "t", "fw": module}
+        exec("def f(): return fw", scope)  # noqa: S102
+        assert frameworks.detect(scope["f"]) == (name or "numpy")
+
+
+def test_the_required_protocol_is_small_and_capabilities_are_declared(backend):
+    """At most 25 required members, which every backend has; the fused kernel
+    and the distributed exchange are capabilities a backend has or lacks
+    (NumPy: neither, no member of either)."""
+    from attention_multi.backends.capabilities import Distributed, Fused, supports
+    from attention_multi.backends.required import REQUIRED, Required
+
+    assert len(REQUIRED) <= 25 and isinstance(backend, Required)
+    assert supports(backend, Fused) == (backend.name != "numpy")
+    assert supports(backend, Distributed) == (backend.name in ("torch", "jax"))
+    if backend.name == "numpy":
+        assert not hasattr(backend, "fused_attention") and not hasattr(backend, "ring_exchange")
+    source = REPO / "attention_multi" / "backends" / "numpy.py"
+    assert len(source.read_text().splitlines()) <= 150
 
 
 def test_asarray_to_numpy_round_trip(backend, dtype):

@@ -10,6 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
+from attention_multi.backends.capabilities import Fused, supports
 from attention_multi.core import attend, make_mask
 
 BATCH, HEADS, D = 2, 4, 4
@@ -104,7 +105,7 @@ def _expect_path(backend, path, dtype, form):
     if path != "fused":
         return path
     declines = (
-        not backend.has_fused_attention
+        not supports(backend, Fused)
         or (backend.name == "jax" and dtype == "float64")
         or (backend.name == "torch" and "bias" in form and dtype in ("float16", "bfloat16"))
     )

@@ -1,8 +1,8 @@
 """What installing the library puts on a user's path: only ``attention_multi``.
 
-The repository's ``backends/`` folder is the package ``attention_multi.backends``
-(through the link ``attention_multi/backends``), so a project with its own
-``backends`` package imports both, installed or from the repository."""
+The backends are the subpackage ``attention_multi.backends`` (a folder of the
+package, no link), which imports nothing of the rest of the library; a project
+with its own ``backends`` package imports both, installed or from the repository."""
 
 import re
 import shutil
@@ -24,14 +24,22 @@ def test_the_library_never_imports_the_top_level_backends():
     assert not offenders, f"import attention_multi.backends instead, in {offenders}"
 
 
+def test_backends_is_a_real_subpackage_that_imports_nothing_above_it():
+    folder = REPO / "attention_multi" / "backends"
+    assert folder.is_dir() and not folder.is_symlink()
+    assert not (REPO / "backends").exists()
+    above = re.compile(r"^\s*(from\s+(attention_multi\b|\.\.)|import\s+attention_multi\b)", re.M)
+    offenders = [p.name for p in folder.rglob("*.py") if above.search(p.read_text())]
+    assert not offenders, f"backends/ imports the rest of attention_multi in {offenders}"
+
+
 def build_wheel(tmp_path):
     """The wheel of a copy of the sources (a build in the repository would race
     with the other stack's suite)."""
     source = tmp_path / "source"
     source.mkdir()
     ignore = shutil.ignore_patterns("__pycache__")
-    for name in ("attention_multi", "backends"):
-        shutil.copytree(REPO / name, source / name, symlinks=True, ignore=ignore)
+    shutil.copytree(REPO / "attention_multi", source / "attention_multi", ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
     pip = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
@@ -73,7 +81,7 @@ def test_the_wheel_installs_only_attention_multi_and_works_beside_a_backends_pac
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"attention_multi"}, top
     assert "attention_multi/backends/protocol.py" in names
-    assert "attention_multi/backends/py.typed" in names
+    assert "attention_multi/py.typed" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)  # a pure-Python wheel: unpacking installs it
     result = imports_beside_its_own_backends(tmp_path / "project", site)

@@ -10,6 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
+from attention_multi.backends.capabilities import Fused, supports
 from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 
 PATHS = ("fused", "tiled", "chunked", "full")
@@ -54,7 +55,7 @@ def _expected_path(backend, path, dv=D, d=D, mask=None):
     kernel for the case: at these sizes the cheapest plan is the full path
     (a tile would cost a kernel call), or the tiles when no query sees a key
     (they call no kernel then)."""
-    if path == "fused" and (not backend.has_fused_attention or (backend.name == "jax" and dv != d)):
+    if path == "fused" and (not supports(backend, Fused) or (backend.name == "jax" and dv != d)):
         return "tiled" if mask == "zeros" and not backend.compiles_per_shape else "full"
     return path  # (jax.nn.dot_product_attention needs dv == d)
 
@@ -213,7 +214,7 @@ def test_auto_path_choice(backend):
     want, _ = oracle.dot_product_attention(*big, full)
     qb, kb, vb = (backend.asarray(x, "float32") for x in big)
     got = m(qb, kb, vb, backend.asarray(full))
-    assert m.last_path == ("fused" if backend.has_fused_attention else "tiled")
+    assert m.last_path == ("fused" if supports(backend, Fused) else "tiled")
     np.testing.assert_allclose(backend.to_numpy(got), want, **TOL)
     # most keys padding: the tiles skip it (a framework that compiles each
     # shape takes its kernel)
@@ -413,7 +414,7 @@ def test_size_dependent_kernel_variants(backend, mask):
                 path=path,
             )
             # (no kernel: "auto"'s choice at this size, the tiles)
-            assert taken == ("tiled" if not backend.has_fused_attention else path)
+            assert taken == ("tiled" if not supports(backend, Fused) else path)
             np.testing.assert_allclose(
                 backend.to_numpy(out).reshape(ref.shape), ref4 if shape4 else ref, **TOL
             )

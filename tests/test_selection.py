@@ -57,7 +57,7 @@ def test_aliases():
 def test_uninstalled_backend_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` fail
     monkeypatch.delitem(backends._loaded, "jax", raising=False)
-    monkeypatch.delitem(sys.modules, "attention_multi.backends.jax_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "attention_multi.backends.jax", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'attention-multi\[jax\]'"):
         am.set_backend("jax")
 
@@ -176,14 +176,34 @@ def test_import_with_numpy_imports_no_framework():
     assert _imported_after(code) == ""
 
 
-def test_mxnet_imports_after_attention_multi():
-    """The README's promise, as a user writes it: on numpy 1.24-1.26 (where
-    numpy.bool is gone) mxnet imports after attention_multi."""
+def test_mxnet_imports_after_the_mxnet_backend():
+    """The guide's promise, as a user writes it: on numpy 1.24-1.26 (where
+    numpy.bool is gone) mxnet imports after the MXNet backend loaded."""
     load_backend("mxnet")  # skips (or fails where required) without MXNet
-    code = "import attention_multi\nfrom mxnet import np\nprint(np.ones((2,)).sum())"
+    code = (
+        "import attention_multi as am\nam.get_backend('mxnet')\n"
+        "from mxnet import np\nprint(np.ones((2,)).sum())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "2.0"
+
+
+IMPORT_CHANGES = """
+import sys, numpy
+before = (list(sys.meta_path), dict(vars(numpy)), list(sys.path_hooks))
+import attention_multi, attention_multi.functional, attention_multi.modules
+after = (list(sys.meta_path), dict(vars(numpy)), list(sys.path_hooks))
+print(before[0] == after[0], before[1].keys() == after[1].keys(), before[2] == after[2])
+"""
+
+
+def test_importing_the_library_changes_nothing_outside_it():
+    """No finder on sys.meta_path, no alias set in NumPy's namespace: only the
+    MXNet backend, when it loads MXNet, sets ``numpy.bool`` (numpy 1.24-1.26)."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHANGES], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True"]
 
 
 def test_a_backend_imports_only_its_framework(backend):

@@ -6,7 +6,9 @@ MXNet, each as arrays of a dtype, back to NumPy, and the gradients of
 guesses a function's framework from the modules its module imports. The
 conformance grid (``conformance.run_case``) and the ``conform`` command's
 adapters hand cases to a framework through these, so a function of any of them
-is graded with its gradients. Nothing here imports attention-multi's backends.
+is graded with its gradients. The list of frameworks and the detection of a
+function's are the backends' table's (``attention_multi.backends.table``); the
+arrays and gradients here do not go through attention-multi's backends.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from attention_multi.backends.table import BACKEND_NAMES, framework_of
+
 __all__ = ["FRAMEWORKS", "Framework", "detect", "get"]
 
-FRAMEWORKS = ("numpy", "torch", "jax", "mxnet")
+FRAMEWORKS = BACKEND_NAMES
 
 
 class NotSupported(Exception):
@@ -149,8 +153,9 @@ class MXNet(Framework):
     autodiff = True
 
     def __init__(self) -> None:
-        if not hasattr(np, "bool"):  # MXNet 1.9 reads numpy.bool, gone since numpy 1.24
-            setattr(np, "bool", bool)  # noqa: B010 (numpy 2 has it; mypy knows numpy 2)
+        from attention_multi.backends import load
+
+        load("mxnet")  # (the one place that makes MXNet 1.9 importable on numpy 1.26)
         import mxnet
 
         mxnet.npx.set_np()
@@ -184,37 +189,32 @@ class MXNet(Framework):
         return out, tuple(x.grad for x in inputs)
 
 
-_CLASSES: dict[str, type[Framework]] = {
-    "numpy": Framework,
-    "torch": Torch,
-    "jax": Jax,
-    "mxnet": MXNet,
-}
+_CLASSES: dict[str, type[Framework]] = {c.name: c for c in (Framework, Torch, Jax, MXNet)}
 
 
 @functools.cache
 def get(name: str) -> Framework:
     """The framework ``name`` (one of ``FRAMEWORKS``); ImportError when it is
     not installed, ValueError for another name."""
-    if name not in _CLASSES:
+    if name not in FRAMEWORKS:
         raise ValueError(f"framework {name!r}: expected one of {', '.join(FRAMEWORKS)}")
+    if name not in _CLASSES:
+        raise NotSupported(f"the conformance grid has no arrays and gradients of {name} yet")
     return _CLASSES[name]()
 
 
 def detect(function: Callable) -> str:
-    """The framework a function is written in: the one of torch, jax and mxnet
-    that its module imports (NumPy when none). ValueError when it imports
+    """The framework a function is written in: the one framework (of the
+    backends' table) that its module imports (NumPy when none). ValueError when it imports
     several (say which with ``--framework``)."""
     module = sys.modules.get(getattr(function, "__module__", "") or "")
     names = dict(vars(module)) if module is not None else {}
     names.update(inspect.getclosurevars(function).globals if inspect.isfunction(function) else {})
     found = set()
     for value in names.values():
-        root = (getattr(value, "__name__", "") if inspect.ismodule(value) else "").split(".")[0]
-        if root in ("torch", "jax", "mxnet"):
-            found.add(root)
-        elif root == "jaxlib":
-            found.add("jax")
+        name = framework_of(getattr(value, "__name__", "")) if inspect.ismodule(value) else None
+        if name is not None:
+            found.add(name)
     if len(found) > 1:
         raise ValueError(
             f"{getattr(function, '__qualname__', function)!r} imports {' and '.join(sorted(found))}"

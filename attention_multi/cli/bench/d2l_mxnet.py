@@ -1,15 +1,17 @@
 """d2l's MXNet attention code (chapter "Attention Mechanisms and Transformers",
 NumPy mode): the baseline of the bench and the blocks of the test fixtures.
-Importing it imports MXNet (through ``backends``, which restores
+Importing it imports MXNet (through the MXNet backend, which restores
 ``numpy.bool`` for MXNet 1.9.1 on numpy 1.24-1.26)."""
 
 import math
 
-from attention_multi import backends  # noqa: F401  (numpy.bool for mxnet, before it is imported)
+from attention_multi import backends
+
+backends.load("mxnet")  # (numpy.bool for mxnet, before it is imported)
 
 # isort: split
-from mxnet import np, npx
-from mxnet.gluon import nn
+from mxnet import np, npx  # noqa: E402
+from mxnet.gluon import nn  # noqa: E402
 
 
 def masked_softmax(X, valid_lens):

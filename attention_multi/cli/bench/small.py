@@ -385,10 +385,11 @@ def bench_jax(seconds):
 
 
 def bench_mxnet(seconds):
+    import attention_multi as am
+
+    am.get_backend("mxnet")  # (it makes MXNet importable on numpy 1.26, then imports it)
     from mxnet import np as mnp
     from mxnet import npx
-
-    import attention_multi as am
 
     from . import d2l_mxnet
 

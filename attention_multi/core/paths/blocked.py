@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import Fused, supports
+
 from ..mask import EMPTY, FULL, PARTIAL, Mask, computed_fraction, host_table
 from ..mask.arrays import arrays
 from ..mask.rules import guard_unused
@@ -121,7 +123,7 @@ def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
     dv = v.shape[-1]
     drop = dropout_fn(xp, call.dropout, call.key)
     # (blocks of queries through the backend's kernel, which gives no log-sum-exp)
-    kernel = not traced and not call.lse and xp.has_fused_attention and mask.score_mod is None
+    kernel = not traced and not call.lse and supports(xp, Fused) and mask.score_mod is None
     # (one read of the inputs instead of the NaN passes around each kernel call)
     finite = kernel and all_finite(xp, q, k, v)
     if not finite:

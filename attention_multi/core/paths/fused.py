@@ -1,10 +1,12 @@
 """The fused path: the framework's own attention kernel
-(``Backend.fused_attention``), given the normalized mask, with the core's
+(``capabilities.Fused.fused_attention``), given the normalized mask, with the core's
 rules around it (``mask.rules.kernel_inputs``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
+
+from attention_multi.backends.capabilities import Fused, supports
 
 from ..mask.rules import kernel_inputs, unguarded_holds, zero_empty_rows
 from ..numerics import readable
@@ -38,13 +40,14 @@ def kernel(
     around it (``rules.kernel_inputs``: what the caller knows, finite inputs,
     rows that each see a key); not ``guarded``: empty rows zeroed only (the
     caller checks ``rules.unguarded_holds``)."""
-    if not xp.has_fused_attention or mask.score_mod is not None:
+    if not supports(xp, Fused) or mask.score_mod is not None:
         return None
+    kernel = cast(Fused, xp)
     if not guarded:
-        out = xp.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
+        out = kernel.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
         return None if out is None else zero_empty_rows(xp, mask, out)
     k, v, done = kernel_inputs(xp, mask, q, k, v, queries_finite, keys_finite, rows_see_keys)
-    out = xp.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
+    out = kernel.fused_attention(q, k, v, mask, scale, memory_budget, dropout)
     return None if out is None else done(out)
 
 
@@ -59,7 +62,7 @@ def takes(call: Call) -> bool:
     """Whether the backend's kernel takes this call's form and dropout."""
     xp = call.xp
     return (
-        xp.has_fused_attention
+        supports(xp, Fused)
         and call.mask.score_mod is None
         and (not call.dropout or xp.fused_dropout)
     )

@@ -5,7 +5,7 @@ The sequence is split over ``size`` participants in a **layout**:
 (chunks ``r`` and ``2 size - 1 - r`` of ``2 size``: under a causal mask each
 then sees as many keys). In ``size`` steps each participant merges its queries
 over the block of keys it holds into its online-softmax state and passes the
-block on (``Backend.ring_exchange``); empty chunks cost no kernel call (while
+block on (``Distributed.ring_exchange``); empty chunks cost no kernel call (while
 the rank is traced, ``Backend.cond`` skips them). Every exchange happens on
 every participant, and the last block stays in the output's graph so the
 backward exchanges pair up. Messages travel in the compute dtype. Memory:

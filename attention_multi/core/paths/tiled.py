@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from attention_multi.backends.capabilities import Fused, supports
+
 from ..mask.intervals import element_ranges, host_bounds
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
@@ -175,7 +177,7 @@ def run(call: Call, plan: Plan) -> tuple[Array, None]:
 
 def _run(call: Call, plan: Plan) -> Array:
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
-    if xp.has_fused_attention and fused.trusting(xp, q, k, v):
+    if supports(xp, Fused) and fused.trusting(xp, q, k, v):
         out = _groups(call, plan.detail, guarded=False)
         if unguarded_holds(xp, q, k, v, out):
             return out
@@ -190,11 +192,11 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     checks = {"queries_finite": False, "keys_finite": False, "guarded": guarded}
     if guarded:
         # (one read of the inputs instead of the NaN passes around each tile's kernel)
-        finite = xp.has_fused_attention and not xp.fused_keeps_nan and all_finite(xp, q)
+        finite = supports(xp, Fused) and not xp.fused_keeps_nan and all_finite(xp, q)
         # (keys a group holds that some of its rows do not see: read once, not zeroed per group)
         unseen = mask.per_query or any(not g.whole and len(g.rows) > 1 for g in groups)
         checks["queries_finite"] = finite
-        checks["keys_finite"] = xp.has_fused_attention and unseen and all_finite(xp, k, v)
+        checks["keys_finite"] = supports(xp, Fused) and unseen and all_finite(xp, k, v)
 
     pieces = _pieces(xp, call, tiles)
 

@@ -8,34 +8,41 @@ The library fetches backends through these two; its users call
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
 import importlib.util
 import sys
-from typing import Any
-
-import numpy
+from typing import Any, Callable
 
 from .devices import parse_device
 from .protocol import Backend
-from .table import ALIASES, BACKEND_NAMES, BACKENDS, BackendSpec, install_hint, listing
+from .table import (
+    ALIASES,
+    BACKEND_NAMES,
+    BACKENDS,
+    ROOTS,
+    BackendSpec,
+    framework_of,
+    install_hint,
+    listing,
+)
 
 # backend name -> (module of this package, class, framework module, pip extra)
 _SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
 _loaded: dict[str, Backend] = {}
-_loading: set[str] = set()  # (names being loaded: their framework's import must not load them)
-_BY_FRAMEWORK = {s.framework: s.name for s in BACKENDS}
 
 
-def _restore_numpy_bool() -> None:
-    """MXNet 1.9.1 uses ``numpy.bool``, which numpy 1.24-1.26 removed (numpy 2
-    has it again): restore the alias where MXNet is installed, so that
-    ``import mxnet`` works after ``import attention_multi`` too."""
-    if "bool" not in vars(numpy) and importlib.util.find_spec("mxnet") is not None:
-        numpy.bool = bool  # type: ignore[assignment,attr-defined,misc,unused-ignore]
+def _importer(module: str) -> Callable[[], Any]:
+    """A function whose body is the statement ``from . import <module>``: an
+    import statement, which torch.compile's dynamo runs while it traces (it
+    refuses importlib's functions), so that a backend may load inside the
+    first call of a process, compiled. (No finder on ``sys.meta_path``:
+    importing the library changes nothing outside it.)"""
+    scope: dict[str, Any] = {}
+    exec(f"def load():\n    from . import {module} as m\n    return m\n", globals(), scope)
+    return scope["load"]
 
 
-_restore_numpy_bool()
+_IMPORTERS = {s.name: _importer(s.module) for s in BACKENDS}
+
 
 __all__ = [
     "ALIASES",
@@ -43,9 +50,11 @@ __all__ = [
     "BACKEND_NAMES",
     "Backend",
     "BackendSpec",
+    "ROOTS",
     "available_backends",
     "backend_of_array",
     "canonical_name",
+    "framework_of",
     "install_hint",
     "listing",
     "near_miss",
@@ -83,9 +92,8 @@ def _load(name: str) -> Backend:
     backend = _loaded.get(name)
     if backend is None:
         module_name, class_name, framework, extra = _SPECS[name]
-        _loading.add(name)
         try:
-            module = importlib.import_module(f"{__name__}.{module_name}")
+            module = _IMPORTERS[name]()
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
             if importlib.util.find_spec(framework) is None:
                 why = f"is not installed ({exc}); install it with: "
@@ -95,54 +103,8 @@ def _load(name: str) -> Backend:
                 why += "fix that error (a warning made an error by -W, or a version "
                 why += f"conflict: {install_hint(extra or name)} has the pins)"
             raise ImportError(f"the {name!r} backend needs {framework}, which {why}") from exc
-        finally:
-            _loading.discard(name)
         backend = _loaded[name] = getattr(module, class_name)()
     return backend
-
-
-def _load_quietly(name: str) -> None:
-    """Load a backend ahead of its first use; a failure is raised at that use."""
-    if name not in _loaded and name not in _loading:
-        try:
-            _load(name)
-        except Exception:  # noqa: BLE001,S110 (said again, in full, at first use)
-            pass
-
-
-class _LoadAfterImport(importlib.abc.MetaPathFinder):
-    """Loads a backend as soon as its framework is imported, so that the first
-    call never imports a module: ``torch.compile`` cannot trace an import,
-    and the first call of a process may be compiled."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        name = _BY_FRAMEWORK.get(fullname)
-        if name is None or name in _loaded:
-            return None
-        for finder in sys.meta_path:
-            if finder is not self and hasattr(finder, "find_spec"):
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            run(module)
-            _load_quietly(name)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
-for _framework, _name in _BY_FRAMEWORK.items():  # imported already: load now
-    if _framework in sys.modules:
-        _load_quietly(_name)
-sys.meta_path.insert(0, _LoadAfterImport())
 
 
 def backend_of_array(x: Any) -> Backend:

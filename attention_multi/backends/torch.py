@@ -173,7 +173,6 @@ class TorchBackend(NumpyLike):
     array_type = torch.Tensor
     module_base = TorchModule
     autodiff = True
-    has_fused_attention = True
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
@@ -199,10 +198,11 @@ class TorchBackend(NumpyLike):
     def __init__(self):
         super().__init__()
         self._waits = _Waits()
-        # Under OpenMP (torch.set_num_threads holds for the calling thread alone).
-        # A plain attribute: torch.compile(fullgraph=True) cannot trace a
-        # cached_property's lock.
-        self.fewer_threads = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+    # Under OpenMP (torch.set_num_threads holds for the calling thread alone).
+    # Read when the module loads: a backend may be made inside the first,
+    # compiled call (torch.compile(fullgraph=True) traces no parallel_info()).
+    fewer_threads = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):

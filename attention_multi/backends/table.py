@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ALIASES", "BACKENDS", "BACKEND_NAMES", "BackendSpec", "listing"]
+__all__ = [
+    "ALIASES",
+    "BACKENDS",
+    "BACKEND_NAMES",
+    "BackendSpec",
+    "ROOTS",
+    "framework_of",
+    "listing",
+]
 
 
 @dataclass(frozen=True)
@@ -21,19 +29,43 @@ class BackendSpec:
     aliases: tuple[str, ...] = ()  # other accepted names
     autodiff: bool = True  # the class's ``autodiff`` (tests check they agree)
     cuda: bool = True  # whether it can run on CUDA devices
+    # the top-level packages whose functions and modules mean this framework
+    # (``framework_of``); empty for NumPy, whose functions every framework takes
+    roots: tuple[str, ...] | None = None  # None: (framework,)
+
+    @property
+    def module_roots(self) -> tuple[str, ...]:
+        return (self.framework,) if self.roots is None else self.roots
 
 
 BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec(
-        "numpy", "numpy_backend", "NumpyBackend", "numpy", None, ("np",), autodiff=False, cuda=False
+        "numpy",
+        "numpy",
+        "NumpyBackend",
+        "numpy",
+        None,
+        ("np",),
+        autodiff=False,
+        cuda=False,
+        roots=(),
     ),
-    BackendSpec("torch", "torch_backend", "TorchBackend", "torch", "torch", ("pytorch",)),
-    BackendSpec("jax", "jax_backend", "JaxBackend", "jax", "jax"),
-    BackendSpec("mxnet", "mxnet_backend", "MXNetBackend", "mxnet", "mxnet", ("mx",)),
+    BackendSpec("torch", "torch", "TorchBackend", "torch", "torch", ("pytorch",)),
+    BackendSpec("jax", "jax", "JaxBackend", "jax", "jax", roots=("jax", "jaxlib")),
+    BackendSpec("mxnet", "mxnet", "MXNetBackend", "mxnet", "mxnet", ("mx",)),
 )
 
 BACKEND_NAMES: tuple[str, ...] = tuple(s.name for s in BACKENDS)
 ALIASES: dict[str, str] = {alias: s.name for s in BACKENDS for alias in s.aliases}
+# top-level package -> backend name: {"torch": "torch", "jax": "jax", "jaxlib": "jax", ...}
+ROOTS: dict[str, str] = {root: s.name for s in BACKENDS for root in s.module_roots}
+
+
+def framework_of(module: str) -> str | None:
+    """The backend whose framework the module named ``module`` belongs to
+    (``"jaxlib.xla_extension"`` -> ``"jax"``), else None (NumPy's modules
+    too: every framework takes NumPy's functions and arrays)."""
+    return ROOTS.get(module.split(".", 1)[0])
 
 
 def listing(names: Iterable[str], last: str = "or") -> str:

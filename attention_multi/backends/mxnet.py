@@ -1,8 +1,9 @@
 """MXNet backend: ``mxnet.numpy`` arrays, ``npx.batch_dot``, Gluon blocks.
 
 MXNet 1.9.1 quirks handled here:
-- it uses ``numpy.bool``, which numpy 1.24-1.26 removed: ``backends/__init__.py``
-  restores the alias where MXNet is installed;
+- it uses ``numpy.bool``, which numpy 1.24-1.26 removed: this module restores
+  the alias just before it imports MXNet (the one place the library touches
+  NumPy's namespace, and only when the MXNet backend loads);
 - importing this backend calls ``npx.set_np()``, which switches the whole
   process to MXNet's NumPy mode (Gluon blocks then take ``mxnet.numpy`` arrays,
   and legacy ``mx.nd`` code in the same process runs in NumPy mode too);
@@ -15,10 +16,14 @@ MXNet 1.9.1 quirks handled here:
 import functools
 import math
 
-import mxnet as mx  # (backends/__init__.py restored numpy.bool)
 import numpy as np
-from mxnet import autograd, npx
-from mxnet import np as mnp
+
+if "bool" not in vars(np):  # numpy 1.24-1.26 (numpy 2 has it again)
+    np.bool = bool  # type: ignore[assignment,attr-defined,misc,unused-ignore]
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, npx  # noqa: E402
+from mxnet import np as mnp  # noqa: E402
 
 from .mxnet_module import GluonModule
 from .numpy_like import NumpyLike
@@ -88,7 +93,6 @@ class MXNetBackend(NumpyLike):
     module_base = GluonModule
     float_dtypes = ("float16", "float32", "float64")
     autodiff = True
-    has_fused_attention = True
     dense_index_grids = True  # MXNet 1.9.1: | and & on broadcast booleans fail
     mixed_int_ops = False  # MXNet 1.9.1: int32 <= int64 fails ("Type inconsistent")
     kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)

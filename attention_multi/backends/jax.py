@@ -53,7 +53,6 @@ class JaxBackend(NumpyLike):
     array_type = jax.Array
     module_base = jax_module.JaxModule
     autodiff = True
-    has_fused_attention = True
     fused_keeps_nan = True  # (jax.nn.dot_product_attention masks by select)
     runtime_cond = True
     compiles_per_shape = True

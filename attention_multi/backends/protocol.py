@@ -9,7 +9,7 @@ what the framework's module base provides):
    ``NumpyLike`` binds them from ``xp``.
 3. **Capability flags**: class attributes the core reads to choose a path;
    the defaults describe a framework without the capability.
-4. **Kernels**: the framework's own attention, ring exchange, autodiff,
+4. **Kernels**: autodiff,
    recomputation, run-time branch, slice read and write, compiled functions
    and parallel map; each default
    is the core's generic way, or a clear refusal.
@@ -22,6 +22,12 @@ A new backend subclasses ``NumpyLike`` (``numpy_like.py``), sets ``name``,
 overrides the required methods where NumPy's CPU-only versions do not fit
 and the math its framework spells differently, then sets the flags and
 writes the kernels it has. Everything in groups 3-5 is optional.
+
+The required part alone is ``required.Required`` (at most 25 members); the
+framework's own attention kernel and a distributed exchange are optional
+capabilities, declared in ``capabilities.py`` (``Fused``, ``Distributed``)
+and detected with ``capabilities.supports``: a backend without them has no
+such members at all.
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ class Backend:
     # == 1. Required: the framework's arrays, devices and randomness ===========
     name: str = ""  # canonical name, e.g. "torch" (a row of table.BACKENDS)
     module_base: type[NativeModule] | None = None  # base class that makes a module native
+    xp: Any = None  # the framework's NumPy-like namespace (numpy, torch, jax.numpy, mxnet.np)
 
     def is_array(self, x: Any) -> bool:
         """True if ``x`` is an array (or tracer) of this framework."""
@@ -215,9 +222,10 @@ class Backend:
     # region; eager JAX compiles no program for it), from this many entries
     host_masks: bool = False
     host_mask_min_size: int = 1 << 15
-    has_fused_attention: bool = False  # whether ``fused_attention`` is implemented
-    fused_dropout: bool = False  # whether it takes ``dropout`` (its own generator)
-    fused_causal: bool = False  # whether it skips the masked half of top-left causal
+    # (with ``capabilities.Fused``: a kernel that takes dropout, one that skips
+    # the masked half of top-left causal, one that keeps NaN by itself)
+    fused_dropout: bool = False
+    fused_causal: bool = False
     weak_scalars: bool = False  # whether ``where(c, x, python float)`` keeps x's dtype
     # whether adding a broadcast (..., 1, K) array beats ``where`` over the
     # scores (torch's and MXNet's CPU ``where`` cost several additions)
@@ -227,53 +235,12 @@ class Backend:
     # for non-finite entries on the host before their unused rows are zeroed
     # (a finite pair skips the zeroing); below it the zeroing costs less
     finite_check_min: int = 1 << 16
-    # whether ``fused_attention`` keeps NaN as the masking contract says: a NaN
-    # query row or visible key gives NaN, a NaN score the mask hides does not
-    # (the mask is a select, not an addition); if not, the core restores it
     fused_keeps_nan: bool = False
     dense_index_grids: bool = False  # mask_mod gets full-shape indices (no broadcast bool ops)
     mixed_int_ops: bool = True  # whether int32 and int64 arrays meet in one operation
     traced_values_end: bool = False  # values made under a trace are gone when it ends (JAX's)
 
     # == 4. Kernels: the framework's own way, where it has one ===================
-    def fused_attention(
-        self,
-        queries: Array,
-        keys: Array,
-        values: Array,
-        mask: MaskView,
-        scale: float,
-        memory_budget: int | None = None,
-        dropout: float = 0.0,
-    ) -> Array | None:
-        """The framework's own attention kernel (with ``has_fused_attention``
-        True), or None to let the core's generic paths run.
-
-        ``queries`` (batch, heads, Q, d); ``keys`` and ``values`` (batch,
-        kv_heads, K, d|dv), ``heads`` a multiple of ``kv_heads``. ``mask`` is
-        the core's normalized mask, read through ``MaskView`` alone; a
-        kernel translates what its framework supports. The core has already
-        zeroed key and value rows that no query may see, and zeroes rows with
-        no visible key afterwards.
-        Return ``dropout(softmax(scale Q K^T + bias, masked)) V`` (batch,
-        heads, Q, dv), dropout at rate ``dropout`` with the framework's own
-        generator, softmax accumulated in float32 for half precision; or None
-        when the case (dtype, layout, mask form, dropout, or extra memory
-        beyond ``memory_budget`` bytes, None meaning no limit) is not supported.
-        """
-        return None
-
-    def ring_exchange(self, group: Any) -> tuple[Any, int, Callable[[Array], Array]]:
-        """``(rank, size, shift)`` for ring attention over ``group`` (the
-        framework's process group or mesh axis): this participant's index
-        (an int, or traced), how many there are, and ``shift(x)``, which sends
-        ``x`` to participant ``rank + 1`` and returns the array that ``rank -
-        1`` sent, differentiably where the framework can."""
-        raise NotImplementedError(
-            f"ring attention needs a communicating framework; the {self.name} "
-            f"backend has none (use torch.distributed or a JAX mesh)"
-        )
-
     def gradients(
         self, loss_fn: Callable[..., Array], module: Any, *inputs: Array
     ) -> tuple[float, dict[str, Array], list[Array]]:
