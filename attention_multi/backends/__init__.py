@@ -31,17 +31,23 @@ _loaded: dict[str, Backend] = {}
 
 
 def _importer(module: str) -> Callable[[], Any]:
-    """A function whose body is the statement ``from . import <module>``: an
-    import statement, which torch.compile's dynamo runs while it traces (it
+    """A function whose body is the statement ``import <package>.<module>``:
+    an import statement, which torch.compile's dynamo runs while it traces (it
     refuses importlib's functions), so that a backend may load inside the
     first call of a process, compiled. (No finder on ``sys.meta_path``:
     importing the library changes nothing outside it.)"""
-    scope: dict[str, Any] = {}
-    exec(f"def load():\n    from . import {module} as m\n    return m\n", globals(), scope)
-    return scope["load"]
+    importer = _IMPORTERS.get(module)
+    if importer is None:
+        scope: dict[str, Any] = {}
+        code = f"def load():\n    import {__name__}.{module} as m\n    return m\n"
+        exec(code, {}, scope)
+        importer = _IMPORTERS[module] = scope["load"]
+    return importer
 
 
-_IMPORTERS = {s.name: _importer(s.module) for s in BACKENDS}
+_IMPORTERS: dict[str, Callable[[], Any]] = {}
+for _spec in BACKENDS:  # (made now: a trace cannot make them)
+    _importer(_spec.module)
 
 
 __all__ = [
@@ -93,7 +99,7 @@ def _load(name: str) -> Backend:
     if backend is None:
         module_name, class_name, framework, extra = _SPECS[name]
         try:
-            module = _IMPORTERS[name]()
+            module = _importer(module_name)()
         except Exception as exc:  # missing, or installed but broken (e.g. mxnet on numpy 2)
             if importlib.util.find_spec(framework) is None:
                 why = f"is not installed ({exc}); install it with: "
