@@ -22,7 +22,9 @@ RUNS = 20
 
 
 def _required():
-    return {n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()}
+    return {
+        n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()
+    }
 
 
 def _spin():

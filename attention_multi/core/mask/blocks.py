@@ -15,7 +15,16 @@ from .spec import EMPTY, FULL, PARTIAL, Mask, least_state
 if TYPE_CHECKING:
     from ...types import Array
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "bound", "computed_fraction", "host_table", "host_tables"]
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "BlockMask",
+    "bound",
+    "computed_fraction",
+    "host_table",
+    "host_tables",
+]
 
 
 def bound(
@@ -140,7 +149,7 @@ class BlockMask:
 
         def make() -> tuple[Array, Array, Array]:
             found = host_tables(self.states, self.shape, self.BLOCK_SIZE)
-            return tuple(xp.asarray(x, device=device) for x in found)  # type: ignore[return-value]
+            return tuple(xp.asarray(x, device=device) for x in found)
 
         if xp.is_tracing():  # (nothing kept: a trace's arrays end with it)
             return make()
