@@ -187,10 +187,11 @@ def _translated(parts, batch, q_len, kv_len, q_offset, kv_offset, padding, xp_de
         size, left = int(values["chunked"]["chunk_size"]), values["chunked"]["left_padding"]
         device = left.device
         left = left.reshape(-1, 1)
+        shift = left // size + 1  # (ids from 0: negative ids are padding)
         q_pos = torch.arange(q_len, device=device) + q_offset
         k_pos = torch.arange(keys, device=device) + kv_offset
-        q_ids = torch.div(q_pos - left, size, rounding_mode="floor").expand(batch, q_len)
-        k_ids = torch.div(k_pos - left, size, rounding_mode="floor").expand(batch, keys)
+        q_ids = (torch.div(q_pos - left, size, rounding_mode="floor") + shift).expand(batch, q_len)
+        k_ids = (torch.div(k_pos - left, size, rounding_mode="floor") + shift).expand(batch, keys)
     if "packed" in names:
         ids = values["packed"]["packed_sequence_mask"]
         if ids.shape[-1] != q_len or q_len != keys or kv_offset or q_offset:
@@ -211,7 +212,6 @@ def _translated(parts, batch, q_len, kv_len, q_offset, kv_offset, padding, xp_de
                 k_ids = torch.zeros((batch, keys), dtype=torch.int32, device=padding.device)
             k_ids = torch.where(padding, k_ids, -1)
     if k_ids is not None:
-        k_ids = torch.where(k_ids < 0, -1, k_ids)  # (negative: padding)
         forms["segment_ids"] = (q_ids.to(torch.int32), k_ids.to(torch.int32))
     return forms, (None if keys == kv_len else keys)
 
