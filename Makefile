@@ -31,7 +31,7 @@ test-legacy: $(LEGACY)/ready
 
 # MXNet cannot be installed with numpy 2: its cases skip with a reason.
 test-modern: $(MODERN)/ready
-	ATTENTION_MULTI_REQUIRE=numpy,torch,jax $(MODERN)/bin/$(PYTEST)
+	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,transformers,flax $(MODERN)/bin/$(PYTEST)
 
 # Each gate runs even when an earlier one fails; check fails if any did.
 check: $(LINT)/ready

@@ -96,6 +96,17 @@ def load_backend(name):
     return B
 
 
+def import_or_skip(module):
+    """``module`` imported, or the test module skipped (failed where
+    ATTENTION_MULTI_REQUIRE names it: the integrations' transformers, flax)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        if module in REQUIRED:
+            pytest.fail(f"required package {module!r} is unavailable: {exc}", pytrace=False)
+        pytest.skip(f"{module!r} is not installed: {exc}", allow_module_level=True)
+
+
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
