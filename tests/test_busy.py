@@ -2,7 +2,8 @@
 descheduled. Where the user opts in (``ATTENTION_MULTI_CALL_COST=measured``),
 "auto" weighs a kernel call at what it costs now (``Backend.call_cost``,
 measured by torch's backend) and takes fewer, larger calls when they wait;
-by default it weighs the idle cost, so the load never changes an answer. The answers stay the oracle's; the calls are counted
+by default it weighs the idle cost, so the load never changes an answer. The answers stay
+the oracle's; the calls are counted
 with torch's own profiler."""
 
 import time

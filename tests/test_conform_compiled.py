@@ -64,6 +64,7 @@ def _onnx_runtime_required():
         pytest.skip(f"{', '.join(missing)} not installed: the onnx extra is not on this stack")
 
 
+@pytest.mark.second_stack
 @pytest.mark.parametrize("name", ONNX)
 def test_onnx_runtime_adapters(name, grid):
     """Exported to ONNX and run in ONNX Runtime: a few forward cases, one
