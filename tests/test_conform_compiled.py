@@ -20,6 +20,7 @@ def grid():
     return conformance_cases()
 
 
+@pytest.mark.slow
 def test_flex_adapter_one_compile(grid):
     """One compiled shape (q<k, float32): every form through one mask_mod
     (segment ids too); then a case's own mask_mod and score_mod, one more compile."""

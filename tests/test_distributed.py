@@ -144,6 +144,7 @@ def _gather(parts, key, name):
     return am.ring_gather([p[f"{name}.{key}"] for p in parts], layout=layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("name", sorted(D.RING_CASES))
 def test_torch_ring_attention_equals_one_process(torch_runs, name, size):
@@ -154,6 +155,7 @@ def test_torch_ring_attention_equals_one_process(torch_runs, name, size):
         assert_close(_gather(parts, key, name), expected[key], **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.second_stack
 @pytest.mark.parametrize(
     "name, size", [(n, size) for size, names in D.JAX_RING_CASES.items() for n in names]

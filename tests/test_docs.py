@@ -107,6 +107,7 @@ def test_readme_snippets_run(tmp_path):
     assert "(1, 4, 64, 8)" in out and "attention.W_q.weight" in out
 
 
+@pytest.mark.slow
 def test_porting_doc_snippets_run(tmp_path):
     stdout = run_doc(PORTING, tmp_path)
     errors = [float(line) for line in stdout.splitlines() if re.fullmatch(r"[0-9.e+-]+", line)]
@@ -146,6 +147,7 @@ def jax_only(code):
     return "jax" in code and "torch" not in code and "dist." not in code
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4])
 def test_jax_multi_device_recipes(devices, tmp_path):
     pytest.importorskip("jax")
@@ -200,6 +202,7 @@ def _second_stack(doc):
     return doc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", [_second_stack(d) for d in RUNNABLE], ids=page_id)
 def test_docs_page_snippets_run(doc, tmp_path):
     run_doc(doc, tmp_path)

@@ -154,6 +154,7 @@ def test_torch_compile_fullgraph_forward_backward(name, dim, form):
             assert_close(got, expected, **TOL)
 
 
+@pytest.mark.slow
 @needs_torch
 def test_torch_compile_inductor():
     torch._dynamo.reset()

@@ -52,6 +52,7 @@ def _check(form, traced, path, chunk_size):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.second_stack
 @pytest.mark.parametrize("form", FORMS)
 def test_jitted_gradient_chunked(form):
