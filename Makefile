@@ -1,6 +1,10 @@
 # `make report`: set up the legacy stack (all four backends) and run the report.
 # `make test`:   set up both stacks and the lint venv (in parallel), then run the suite on each
-#                stack and `make check`, all three at once (.ci/test_all.py: progress, summary).
+#                stack and `make check`, all three at once (.ci/test_all.py: progress, summary):
+#                the fast matrix on legacy, what differs on modern (conftest.py's tiers).
+# `make test-all`: the same with the full matrix on both stacks (every row on every backend).
+# `make mutants`: plant the bugs of .ci/mutants.py one at a time in a copy of the tree and show
+#                that the fast suite fails on each one the full matrix fails on.
 # `make check`:  lint (ruff), formatting (ruff format), types (mypy), the docs site (strict).
 # `make docs`:   build the documentation site into site/ (open site/index.html).
 # `make peers`:   the peers' conformance rows, Keras 3 and flax, in their own venv (.venv-peers,
@@ -14,7 +18,7 @@ PEERS := .venv-peers
 PYTEST := python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --durations=20
 SHELL := /bin/bash
 
-.PHONY: report test venvs test-legacy test-modern check docs peers
+.PHONY: report test test-all mutants venvs test-legacy test-modern check docs peers
 
 report: $(LEGACY)/ready
 	$(LEGACY)/bin/attention-multi report
@@ -23,15 +27,24 @@ test:
 	@$(MAKE) --no-print-directory -j3 venvs
 	@$(PYTHON) .ci/test_all.py
 
+# every row of every test on every backend, on both stacks
+test-all:
+	@$(MAKE) --no-print-directory -j3 venvs
+	@ATTENTION_MULTI_MATRIX=full $(PYTHON) .ci/test_all.py
+
+mutants: $(LEGACY)/ready
+	@$(PYTHON) .ci/mutants.py
+
 venvs: $(LEGACY)/ready $(MODERN)/ready $(LINT)/ready
 
 # Every CPU backend is required on the legacy stack: a missing one fails.
 test-legacy: $(LEGACY)/ready
 	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,mxnet $(LEGACY)/bin/$(PYTEST)
 
-# MXNet cannot be installed with numpy 2: its cases skip with a reason.
+# MXNet cannot be installed with numpy 2: its cases skip with a reason. The
+# second stack runs what differs there (--stack=second; ATTENTION_MULTI_MATRIX=full: all).
 test-modern: $(MODERN)/ready
-	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,transformers,flax $(MODERN)/bin/$(PYTEST)
+	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,transformers,flax $(MODERN)/bin/$(PYTEST) --stack=second
 
 # Each gate runs even when an earlier one fails; check fails if any did.
 check: $(LINT)/ready

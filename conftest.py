@@ -1,8 +1,31 @@
-"""Test fixtures: ``backend`` and ``device``, parametrized over what is installed.
+"""Test fixtures: ``backend`` and ``device``, parametrized over what is installed,
+and the tiers of the suite (issue 63).
 
 Backends that are not installed skip with a reason, unless they are named in
-ATTENTION_MULTI_REQUIRE (e.g. ``numpy,torch,jax,mxnet``): then they fail.
-The ``cuda`` device skips with a reason where no GPU is present.
+ATTENTION_MULTI_REQUIRE (e.g. ``numpy,torch,jax,mxnet``): then they fail (and
+``test_backends.py::test_required_backend_loads`` fails for each, whatever the tier).
+The ``cuda`` device is collected only where a CUDA driver is present
+(``/proc/driver/nvidia``, or ``ATTENTION_MULTI_CUDA=1``), and skips with a
+reason where it then cannot be used.
+
+Tiers (``--matrix``, default ``ATTENTION_MULTI_MATRIX`` or ``fast``; ``--stack``,
+default ``first``), by marker, so that a new test file needs no list here:
+
+- ``--matrix=full``: every row of every test on every backend (``make test-all``).
+- ``--matrix=fast`` (``make test``):
+  ``@pytest.mark.core``: a fact the core decides (argument checks, editions,
+  messages): every row on NumPy, the first row of the test on each other
+  backend (its smoke). ``@pytest.mark.grid(rows=...)``: a path x form x dtype
+  grid: every row on NumPy, torch and MXNet (cheap); on JAX (each new program
+  compiles) the rows whose parameters match ``rows`` (default float32), and
+  the ``grid_paths`` fixture gives it the paths JAX takes by itself (fused,
+  full) instead of all four.
+- ``--stack=second`` (the modern stack in ``make test``): what differs there:
+  every NumPy row, the first row of each test on every other backend, the
+  tests marked ``second_stack`` (numpy 2's files and oracle, ONNX, the
+  newest JAX's own features) or ``integration`` (``tests/test_integrations_*.py``
+  are marked so by their name); a test that has no backend parameter and no
+  such marker runs on the first stack only.
 """
 
 import importlib.util
@@ -71,6 +94,111 @@ if JAX_CACHE not in os.environ:
 os.environ.setdefault("ATTENTION_MULTI_CALL_COST", "idle")
 
 
+MARKERS = {
+    "core": "a fact the core decides: --matrix=fast runs every row on NumPy and "
+    "the test's first row on each other backend",
+    "grid(rows=None, jax_paths=None)": "a path x form x dtype grid: --matrix=fast runs "
+    "on JAX only the rows matching rows (default dtype float32), over grid_paths",
+    "integration": "a framework integration (transformers, flax, ONNX): runs on the "
+    "second stack too",
+    "second_stack": "what it proves differs on the second (modern) stack: runs there in make test",
+    "slow": "takes more than about 10 s of one core (shown, not skipped: make test runs it)",
+}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("attention-multi tiers")
+    group.addoption(
+        "--matrix",
+        choices=("fast", "full"),
+        default=os.environ.get("ATTENTION_MULTI_MATRIX", "fast"),
+        help="fast: each core fact on NumPy plus a smoke per backend, JAX grids "
+        "cut to their own paths; full: every row everywhere (default: "
+        "$ATTENTION_MULTI_MATRIX or fast)",
+    )
+    group.addoption(
+        "--stack",
+        choices=("first", "second"),
+        default=os.environ.get("ATTENTION_MULTI_STACK", "first"),
+        help="second: only what differs on a second stack (see conftest.py)",
+    )
+
+
+def pytest_configure(config):
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def _full(config):
+    return config.getoption("matrix") == "full"
+
+
+def _backend_of(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("backend_name") or params.get("am_backend_name")
+
+
+GRID_ROWS = {"dtype": "float32"}  # JAX's rows of a grid in the fast matrix
+JAX_PATHS = ("fused", "full")  # the paths JAX takes by itself ("auto": full or fused)
+
+
+def _matches(item, rows):
+    params = item.callspec.params
+    return all(params.get(k, v) in (v if isinstance(v, tuple) else (v,)) for k, v in rows.items())
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:  # (named by their file: a new one needs no marker of its own)
+        if item.path.name.startswith("test_integrations_"):
+            item.add_marker(pytest.mark.integration)
+    if _full(config):
+        return
+    second = config.getoption("stack") == "second"
+    keep, dropped, smoked = [], [], set()
+    for item in items:
+        name = _backend_of(item)
+        func = (item.path, item.originalname)
+        if name is None:
+            ok = not second or any(
+                item.get_closest_marker(m) for m in ("second_stack", "integration")
+            )
+        elif name.startswith("numpy"):  # (and its flipped variants)
+            ok = True
+        elif second and not any(
+            item.get_closest_marker(m) for m in ("second_stack", "integration")
+        ):
+            ok = (func, name) not in smoked
+        elif item.get_closest_marker("core"):
+            ok = (func, name) not in smoked
+        elif item.get_closest_marker("grid") and name == "jax":
+            marker = item.get_closest_marker("grid")
+            ok = _matches(item, marker.kwargs.get("rows") or GRID_ROWS)
+        else:
+            ok = True
+        if name is not None and ok:
+            smoked.add((func, name))
+        (keep if ok else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
+@pytest.fixture
+def grid_paths(request, backend):
+    """``grid_paths(PATHS)``: the paths a grid test loops over: all of them in
+    the full matrix and on every backend but JAX; on JAX in the fast matrix the
+    ones it takes by itself (``grid(jax_paths=...)``, default fused and full)."""
+    marker = request.node.get_closest_marker("grid")
+    own = (marker.kwargs.get("jax_paths") if marker else None) or JAX_PATHS
+
+    def paths(every):
+        if _full(request.config) or backend.name != "jax":
+            return tuple(every)
+        return tuple(p for p in every if p in own)
+
+    return paths
+
+
 def pytest_unconfigure(config):
     if _made_jax_cache is not None:
         shutil.rmtree(_made_jax_cache, ignore_errors=True)
@@ -79,12 +207,23 @@ def pytest_unconfigure(config):
 REQUIRED = {
     n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()
 }
-DEVICES = ("cpu", "cuda")
+# CUDA rows are collected only where a driver is (ATTENTION_MULTI_CUDA=1 or 0 decides)
+_CUDA = os.environ.get("ATTENTION_MULTI_CUDA", "")
+HAS_CUDA = os.path.exists("/proc/driver/nvidia") if not _CUDA else _CUDA != "0"
+DEVICES = ("cpu", "cuda") if HAS_CUDA else ("cpu",)
+
+
+FLIPPED = ("numpy-adding", "numpy-lengths", "numpy-select")  # tests/flipped.py
 
 
 def load_backend(name):
     """The backend, or skip (fail if required) when it cannot be imported."""
     from attention_multi import get_backend
+
+    if name in FLIPPED:
+        from tests import flipped
+
+        return flipped.make(name)
 
     try:
         B = get_backend(name)
@@ -109,11 +248,14 @@ def import_or_skip(module):
 
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
+    # a grid's rows run on NumPy with other frameworks' flags too (tests/flipped.py)
+    flipped = FLIPPED if metafunc.definition.get_closest_marker("grid") else ()
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
         pairs = [(s.name, d) for s in backends.BACKENDS for d in DEVICES if s.cuda or d == "cpu"]
+        pairs += [(n, "cpu") for n in flipped]
         metafunc.parametrize("backend_name, device_name", pairs, ids=[f"{b}-{d}" for b, d in pairs])
     elif "backend_name" in names:
-        metafunc.parametrize("backend_name", backends.BACKEND_NAMES)
+        metafunc.parametrize("backend_name", [*backends.BACKEND_NAMES, *flipped])
 
 
 @pytest.fixture

@@ -89,7 +89,14 @@ def main():
         shown = ", ".join(f"{found[k]} {k}" for k in COUNTS if found[k] or k in COUNTS[:4])
         rows.append((name, code, seconds, shown))
 
-    print(f"\n==== make test summary ({elapsed(started)} for the suites and checks) ====")
+    for name in JOBS:  # pytest's --durations table, the first lines of each
+        if name != "check":
+            print(f"\n{name}: slowest tests (pytest --durations)")
+            print(slowest((LOGS / f"{name}.log").read_text(errors="replace")))
+
+    matrix = os.environ.get("ATTENTION_MULTI_MATRIX", "fast")
+    took = f"{elapsed(started)} for the suites and checks"
+    print(f"\n==== make test summary, {matrix} matrix ({took}) ====")
     for name, code, seconds, shown in rows:
         word = "ok    " if code == 0 else "FAILED"
         print(f"{name:7s} {word} {fmt(seconds):>7s}  {shown}")
@@ -97,6 +104,16 @@ def main():
     print(f"logs: {LOGS.relative_to(ROOT)}/{{{','.join(JOBS)}}}.log")
     print(f"total: {total['passed']} passed, {total['failed']} failed, {total['skipped']} skipped")
     return 1 if failed else 0
+
+
+def slowest(text, limit=10):
+    """The first ``limit`` rows of pytest's slowest-durations table, or a note."""
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if "slowest" in ln and "durations" in ln), None)
+    if start is None:
+        return "  (no durations table in the log)"
+    rows = [ln for ln in lines[start + 1 :] if re.match(r"^[\d.]+s ", ln)][:limit]
+    return "\n".join(f"  {ln}" for ln in rows)
 
 
 def failures(text, limit=600):

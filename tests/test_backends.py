@@ -1,11 +1,13 @@
 """Protocol conformance: every backend method, on CPU, across dtypes,
 checked against NumPy float64 computed here."""
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import attention_multi as am
 from attention_multi import backends
 from attention_multi.backends.protocol import Backend, NativeModule
 
@@ -334,3 +336,22 @@ def test_native_class_is_cached_and_native(backend):
     cls = backend.native_class(am.DotProductAttention)
     assert cls is backend.native_class(am.DotProductAttention)
     assert issubclass(cls, am.DotProductAttention) and issubclass(cls, backend.module_base)
+
+
+REQUIRED = sorted(
+    n.strip() for n in os.environ.get("ATTENTION_MULTI_REQUIRE", "").split(",") if n.strip()
+)
+
+
+@pytest.mark.second_stack
+@pytest.mark.parametrize("name", REQUIRED or ["numpy"])
+def test_required_backend_loads(name):
+    """Each backend ATTENTION_MULTI_REQUIRE names loads, in every tier: the fast
+    matrix runs a backend's rows only as smokes, and this is what fails when one
+    is missing (the conftest's ``backend`` fixture fails too, where it runs)."""
+    try:
+        b = am.get_backend(name)
+    except ImportError as exc:
+        pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
+    assert b.name == name
+    np.testing.assert_array_equal(b.to_numpy(b.asarray(np.arange(3.0))), np.arange(3.0))

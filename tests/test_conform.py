@@ -350,6 +350,7 @@ ONNX = [n for n in ADAPTERS if n.startswith("onnx-")]
 NOT_FLEX = [n for n in ADAPTERS if n not in ("flex", "d2l", "keras", "flax", *ONNX)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [available(n) for n in NOT_FLEX])
 def test_adapter_agrees_with_its_expected_differences(name, quick):
     adapter = ADAPTERS[name]()

@@ -20,6 +20,7 @@ def grid():
     return conformance_cases()
 
 
+@pytest.mark.slow
 def test_flex_adapter_one_compile(grid):
     """One compiled shape (q<k, float32): every form through one mask_mod
     (segment ids too); then a case's own mask_mod and score_mod, one more compile."""
@@ -64,6 +65,7 @@ def _onnx_runtime_required():
         pytest.skip(f"{', '.join(missing)} not installed: the onnx extra is not on this stack")
 
 
+@pytest.mark.second_stack
 @pytest.mark.parametrize("name", ONNX)
 def test_onnx_runtime_adapters(name, grid):
     """Exported to ONNX and run in ONNX Runtime: a few forward cases, one

@@ -13,6 +13,9 @@ import pytest
 import attention_multi as am
 from attention_multi.core import checks
 
+# (issue 63) checks the core makes: every row on NumPy, a smoke on each other backend
+pytestmark = pytest.mark.core
+
 # Every public module, built with keywords only, and its valid arguments.
 GOOD = {
     "AdditiveAttention": dict(

@@ -144,6 +144,7 @@ def _gather(parts, key, name):
     return am.ring_gather([p[f"{name}.{key}"] for p in parts], layout=layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("name", sorted(D.RING_CASES))
 def test_torch_ring_attention_equals_one_process(torch_runs, name, size):
@@ -154,6 +155,8 @@ def test_torch_ring_attention_equals_one_process(torch_runs, name, size):
         assert_close(_gather(parts, key, name), expected[key], **TOL)
 
 
+@pytest.mark.slow
+@pytest.mark.second_stack
 @pytest.mark.parametrize(
     "name, size", [(n, size) for size, names in D.JAX_RING_CASES.items() for n in names]
 )
@@ -235,6 +238,7 @@ def test_torch_data_parallel_equals_one_process(torch_runs, engine):
     assert not np.allclose(params["W_q.weight"], D.initial_params()["W_q.weight"])
 
 
+@pytest.mark.second_stack
 def test_jax_mesh_sharding_equals_one_device(jax_runs):
     """MultiHeadAttention trained under jax.jit with the batch sharded over
     "data" and the heads over "model" (a 2x2 mesh) equals one device."""

@@ -109,6 +109,7 @@ def test_keyword_spellings_of_both_forms(backend):
     assert am.AdditiveAttention(4, 4, 8, dropout=0.0, backend=backend).key_size == 4
 
 
+@pytest.mark.core
 @pytest.mark.parametrize(
     "cls, args, kwargs, pattern",
     [

@@ -6,6 +6,9 @@ import pytest
 
 import attention_multi as am
 
+# (issue 63) checks the core makes: every row on NumPy, a smoke on each other backend
+pytestmark = pytest.mark.core
+
 
 def arr(backend, *shape, dtype="float32"):
     return backend.asarray(np.random.default_rng(0).normal(size=shape), dtype)

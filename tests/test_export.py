@@ -154,6 +154,7 @@ def test_torch_compile_fullgraph_forward_backward(name, dim, form):
             assert_close(got, expected, **TOL)
 
 
+@pytest.mark.slow
 @needs_torch
 def test_torch_compile_inductor():
     torch._dynamo.reset()
@@ -201,6 +202,7 @@ def _onnx_required():
     return np.lib.NumpyVersion(np.__version__) >= "2.0.0"
 
 
+@pytest.mark.second_stack
 @needs_torch
 @pytest.mark.parametrize(
     "name,dim,form",
@@ -249,6 +251,7 @@ def _jax_modules():
     }
 
 
+@pytest.mark.second_stack
 @needs_jax
 @pytest.mark.parametrize("dim", [1, 2])
 def test_jax_jit_and_vmap_of_modules(dim):
@@ -268,6 +271,7 @@ def test_jax_jit_and_vmap_of_modules(dim):
             assert_close(per_row(x, lens), f(module, x, lens), **TOL)
 
 
+@pytest.mark.second_stack
 @needs_jax
 @pytest.mark.parametrize("name", ["dot", "mha", "additive", "pe", "nw"])
 def test_jax_export_serialize_round_trip(name):
@@ -307,6 +311,7 @@ def test_jax_export_serialize_round_trip(name):
     assert_close(restored.call(other, *new_args), f(other, *new_args), **TOL)
 
 
+@pytest.mark.second_stack
 @needs_jax
 def test_jax_export_serialized_names_are_stable():
     from attention_multi.backends import jax_module

@@ -112,19 +112,20 @@ def _expect_path(backend, path, dtype, form):
     return None if declines else "fused"
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize(
     "case, dtype",
     [(c, d) for c in CASES for d in ("float32", "float64")]
     + [(c, d) for c in HALF_CASES for d in ("float16", "bfloat16")],
 )
-def test_forms_every_path(backend, case, dtype):
+def test_forms_every_path(backend, case, dtype, grid_paths):
     if dtype not in backend.float_dtypes:
         pytest.skip(f"the {backend.name} backend has no {dtype}")
     kv, nq, nk, form = _case(case)
     q, k, v = _inputs(backend, kv, nq, nk, dtype)
     want, _ = oracle.attention(*(backend.to_numpy(x) for x in (q, k, v)), **form)
     tol = TOL[dtype]
-    for path in PATHS:
+    for path in grid_paths(PATHS):
         out, taken = _run(backend, q, k, v, form, path)
         expected = _expect_path(backend, path, dtype, form)
         if expected is not None:
@@ -137,8 +138,9 @@ def test_forms_every_path(backend, case, dtype):
         assert (got[~rows] == 0).all()
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("case", ["causal_more_queries", "bias", "gqa_all"])
-def test_forms_gradients(backend, case):
+def test_forms_gradients(backend, case, grid_paths):
     if not backend.autodiff:
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
@@ -153,7 +155,7 @@ def test_forms_gradients(backend, case):
     form = {n: x for n, x in form.items() if n != "bias"}
     R = backend.asarray(grad_out, dtype)
     dummy = am.DotProductAttention(0.0, backend=backend, dtype=dtype)
-    for path in PATHS:
+    for path in grid_paths(PATHS):
 
         def loss(module, q, k, v, b, path=path):
             out, _ = _run(backend, q, k, v, form, path, bias=b)

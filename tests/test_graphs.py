@@ -131,6 +131,7 @@ print(float((f(q) - am.dot_product_attention(q, q, q, causal=True)).abs().max())
 """
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize(
     "first, second", [("torch", "attention_multi as am"), ("attention_multi as am", "torch")]

@@ -52,12 +52,15 @@ def _check(form, traced, path, chunk_size):
         np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.second_stack
 @pytest.mark.parametrize("form", FORMS)
 def test_jitted_gradient_chunked(form):
     """Chunked path, blocks of 16: five full blocks scanned, one short one."""
     _check(form, traced=False, path="chunked", chunk_size=16)
 
 
+@pytest.mark.second_stack
 @pytest.mark.parametrize("form", ["lens", "lens-causal"])
 def test_jitted_gradient_traced_lengths(form):
     """Lengths as an argument of the jitted function: the traced tiled path
@@ -65,6 +68,7 @@ def test_jitted_gradient_traced_lengths(form):
     _check(form, traced=True, path="auto", chunk_size=16)
 
 
+@pytest.mark.second_stack
 def test_jitted_gradient_counts_what_its_backward_holds():
     """Under ``jax.jit(jax.grad(...))`` a materialized softmax holds about
     four score-sized arrays for the backward pass: "auto" counts them against

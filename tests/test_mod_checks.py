@@ -118,6 +118,7 @@ ANSWERS = [
 ]
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("form, error, message", ANSWERS)
 def test_function_answers_are_checked(backend, form, error, message):
     """None, floats or a wrong shape: an error naming the function and the

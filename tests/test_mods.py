@@ -138,12 +138,13 @@ def _run(B, q, k, v, form, path, chunk=3):
     return out, taken
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize(
     "case, dtype",
     [(c, d) for c in CASES for d in ("float32", "float64")]
     + [(c, d) for c in HALF_CASES for d in ("float16", "bfloat16")],
 )
-def test_mods_every_path(backend, case, dtype):
+def test_mods_every_path(backend, case, dtype, grid_paths):
     if dtype not in backend.float_dtypes:
         pytest.skip(f"the {backend.name} backend has no {dtype}")
     kv, nq, nk, form, ref = _case(backend, case)
@@ -157,7 +158,7 @@ def test_mods_every_path(backend, case, dtype):
         **{n: x for n, x in ref.items() if n not in ("score_mod",)},
     ).any(-1)
     tol = TOL[dtype]
-    for path in PATHS:
+    for path in grid_paths(PATHS):
         for chunk in (3, None) if path in ("chunked", "tiled") else (None,):
             out, taken = _run(backend, q, k, v, form, path, chunk)
             if path != "fused":

@@ -57,9 +57,10 @@ def check(got, want, label):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=label)
 
 
+@pytest.mark.grid(rows={"where": ("query_row", "key", "bias")})
 @pytest.mark.parametrize("where", list(INJECTIONS))
 @pytest.mark.parametrize("case", CASES + ("none", "lens"))
-def test_nan_propagates_and_never_leaks_every_path(backend, case, where):
+def test_nan_propagates_and_never_leaks_every_path(backend, case, where, grid_paths):
     if case in ("none", "lens"):
         q, k, v, form = nan_inputs("gqa", where)
         k, v = k.repeat(2, 1), v.repeat(2, 1)
@@ -70,7 +71,7 @@ def test_nan_propagates_and_never_leaks_every_path(backend, case, where):
     want = expected(q, k, v, form)
     args = [backend.asarray(x, "float32") for x in (q, k, v)]
     bias = form.pop("bias", None)
-    for path in PATHS:
+    for path in grid_paths(PATHS):
         out, taken = _run(
             backend, *args, form, path, None if bias is None else backend.asarray(bias, "float32")
         )
@@ -93,6 +94,7 @@ def test_nan_through_the_api(backend, where, causal):
         check(backend.to_numpy(got), want, f"lens={lens}")
 
 
+@pytest.mark.second_stack
 def test_nan_under_jit_with_traced_lengths():
     jax = pytest.importorskip("jax")
     B = am.get_backend("jax")

@@ -99,6 +99,7 @@ def expected(name, x, lens):
     )
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("mechanism", MASKED_MECHANISMS)
 def test_masked_mechanisms(backend, device, mechanism, dtype, mask):

@@ -299,6 +299,7 @@ def test_additive_attention_blocks_of_queries(backend, budget):
     np.testing.assert_allclose(backend.to_numpy(m.attention_weights), ref_w, **TOL)
 
 
+@pytest.mark.second_stack
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("path", PATHS)
 def test_under_jax_jit(path, mask):

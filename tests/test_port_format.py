@@ -14,6 +14,9 @@ import pytest
 
 from attention_multi.port import load_mxnet_params, save_mxnet_params
 
+# (issue 63) the files' format, on NumPy 1 and NumPy 2
+pytestmark = pytest.mark.second_stack
+
 FIXTURES = Path(__file__).parent / "fixtures" / "mxnet"
 NP_MODE = ["mha_nobias", "mha_bias", "mha_bias_float64", "mha_bias_float16", "additive"]
 V2_MAGIC, V3_MAGIC = b"\xc9\xfa\x93\xf9", b"\xca\xfa\x93\xf9"

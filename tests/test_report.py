@@ -76,6 +76,7 @@ def full_run(tmp_path_factory):
     return run_report("--out", str(out)), out
 
 
+@pytest.mark.slow
 def test_report_passes_on_every_installed_backend(full_run):
     result, out = full_run
     assert result.returncode == 0, result.stdout + result.stderr

@@ -26,6 +26,7 @@ def _dtype(backend, dtype):
     return dtype
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("lens_dtype", ["int32", "int64", "float32"])
 @pytest.mark.parametrize("form", sorted(LENS))

@@ -7,6 +7,9 @@ import pytest
 import attention_multi as am
 from attention_multi import reference as oracle
 
+# (issue 63) checks the core makes: every row on NumPy, a smoke on each other backend
+pytestmark = pytest.mark.core
+
 
 @pytest.mark.parametrize(
     "scale, error, message",

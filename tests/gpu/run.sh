@@ -8,7 +8,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # (JAX takes 75% of the GPU per proc
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 python3 -c "import torch, jax, numpy; print('torch', torch.__version__, torch.cuda.get_device_name(0)); print('jax', jax.__version__, jax.devices()); print('numpy', numpy.__version__)"
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
-(timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 -k cuda tests/test_parity.py > $OUT/parity.log 2>&1; echo "parity rc $?" >> $OUT/parity.log) &
+(timeout 200 python3 -m pytest -q -p no:cacheprovider -n 4 --matrix=full -k cuda tests/test_parity.py > $OUT/parity.log 2>&1; echo "parity rc $?" >> $OUT/parity.log) &
 (timeout 200 python3 tests/gpu/conform_on.py cuda --impl am-torch --json $OUT/am_torch_cuda.json > $OUT/conform_torch.log 2>&1; echo "rc $?" >> $OUT/conform_torch.log) &
 (timeout 200 python3 -m attention_multi conform --impl am-jax --quick > $OUT/conform_jax.log 2>&1; echo "rc $?" >> $OUT/conform_jax.log) &
 (timeout 200 python3 -m attention_multi report --backends numpy,torch,jax --devices cpu,cuda --out /tmp/report > $OUT/report.log 2>&1; echo "rc $?" >> $OUT/report.log) &
