@@ -339,3 +339,25 @@ def test_report_error_cell_ends_at_the_error():
     )
     assert error_text(exc) == "MXNetError: Check failed: src.Size() == dst->Size() (6 vs. 7)"
     assert error_text(ValueError("plain")) == "ValueError: plain"
+
+
+def test_mxnet_function_building_its_own_arrays():
+    """A ``mask_mod`` that builds MXNet arrays in its body runs on an MXNet
+    call and on a NumPy one (its answer taken as the call's arrays), with the
+    oracle's answer; the block mask is evaluated on MXNet (the framework it
+    names)."""
+    mx = pytest.importorskip("mxnet")
+    seg = np.array([[0, 0, 0, 1, 1, 1, 2, 2], [0, 0, 1, 1, 1, 1, 1, 1]])
+
+    def same(b, h, i, j):
+        return mx.np.array(seg)[b, i] == mx.np.array(seg)[b, j]
+
+    rng = np.random.default_rng(3)
+    qn = rng.standard_normal((2, 1, 8, 4)).astype(np.float32)
+    want, _ = oracle.attention(qn, qn, qn, mask_mod=lambda b, h, i, j: seg[b, i] == seg[b, j])
+    for x in (qn, mx.np.array(qn)):
+        got = am.dot_product_attention(x, x, x, mask_mod=same)
+        bm = flex.create_block_mask(same, 2, None, 8, 8, BLOCK_SIZE=4)
+        again = flex.flex_attention(x, x, x, block_mask=bm)
+        for y in (got, again):
+            np.testing.assert_allclose(am.get_backend(y).to_numpy(y), want, atol=2e-6)

@@ -98,6 +98,8 @@ def _mask_answer(xp: Backend, out: Any, shape: tuple[int, ...], device: Any) -> 
         )
     if isinstance(out, (bool, np.bool_)):
         return as_bool(xp, out, device)
+    if not xp.is_array(out) and not isinstance(out, np.ndarray):
+        out = _foreign(xp, out, device)
     if xp.is_array(out):
         dtype = xp.dtype_name(out)
     elif isinstance(out, np.ndarray):
@@ -112,6 +114,18 @@ def _mask_answer(xp: Backend, out: Any, shape: tuple[int, ...], device: Any) -> 
     if not _broadcasts(tuple(out.shape), shape):
         raise _WrongShape(f"mask_mod returned shape {tuple(out.shape)}")
     return as_bool(xp, out, device)
+
+
+def _foreign(xp: Backend, out: Any, device: Any) -> Any:
+    """A mask answer in another framework's arrays (a function that builds
+    its own, ``mx.np.array(seg)[b, i]`` on a NumPy call) as ``xp``'s; else as it is."""
+    from attention_multi.backends import backend_of_array
+
+    try:
+        other = backend_of_array(out)
+    except TypeError:
+        return out
+    return xp.asarray(np.asarray(other.to_numpy(out)), device=device)
 
 
 def _score_answer(xp: Backend, out: Any, shape: tuple[int, ...]) -> Array:
