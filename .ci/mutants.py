@@ -158,7 +158,7 @@ MUTANTS = [
     M(
         "torch-fused-causal",
         "torch",
-        "backends/torch_backend.py",
+        "attention_multi/backends/torch.py",
         '            options["is_causal"] = True',
         '            options["is_causal"] = False',
         "torch's SDPA called without is_causal for top-left causal",
@@ -167,7 +167,7 @@ MUTANTS = [
     M(
         "torch-fused-gqa",
         "torch",
-        "backends/torch_backend.py",
+        "attention_multi/backends/torch.py",
         '        if queries.shape[1] != keys.shape[1]:\n            options["enable_gqa"] = True',
         "        if queries.shape[1] != keys.shape[1]:\n            return None",
         "torch's SDPA declines grouped-query heads (the fused path never runs for GQA)",
@@ -176,7 +176,7 @@ MUTANTS = [
     M(
         "jax-fused-lens",
         "jax",
-        "backends/jax_backend.py",
+        "attention_multi/backends/jax.py",
         "            lens = mask.per_batch_lens\n",
         "            lens = mask.per_batch_lens + 1\n",
         "JAX's fused kernel sees one key too many per batch element",
@@ -185,7 +185,7 @@ MUTANTS = [
     M(
         "jax-softmax-axis",
         "jax",
-        "backends/jax_backend.py",
+        "attention_multi/backends/jax.py",
         "        return jax.nn.softmax(x, axis=axis)",
         "        return jax.nn.softmax(x, axis=-1 if axis == -2 else axis)",
         "JAX's softmax ignores axis -2",
@@ -194,7 +194,7 @@ MUTANTS = [
     M(
         "mxnet-nan-rows",
         "mxnet",
-        "backends/mxnet_backend.py",
+        "attention_multi/backends/mxnet.py",
         "        return npx.softmax(x, axis=axis) + 0 * mnp.max(x, axis=axis, keepdims=True)",
         "        return npx.softmax(x, axis=axis)",
         "MXNet's softmax leaves a NaN row's other entries finite",
@@ -203,7 +203,7 @@ MUTANTS = [
     M(
         "mxnet-lengths-rows",
         "mxnet",
-        "backends/mxnet_backend.py",
+        "attention_multi/backends/mxnet.py",
         "            lens = mnp.max(lens, axis=1) if lens.ndim == 2 else lens",
         "            lens = mnp.min(lens, axis=1) if lens.ndim == 2 else lens",
         "MXNet's SequenceMask keeps key rows below the shortest length, not the longest",
@@ -212,7 +212,7 @@ MUTANTS = [
     M(
         "numpy-matmul-transpose",
         "numpy",
-        "backends/numpy_backend.py",
+        "attention_multi/backends/numpy.py",
         "        b = b.swapaxes(-1, -2) if transpose_b else b",
         "        b = b.swapaxes(-1, -2) if transpose_b and b.shape[-1] != b.shape[-2] else b",
         "NumPy's matmul forgets transpose_b for square operands",
