@@ -187,8 +187,10 @@ def test_every_fence_is_run_or_shown(doc):
     assert runnable == len(blocks(doc)), f"{doc}: a python/sh block is not found by BLOCK"
     for requirement, _, _ in blocks(doc):
         # (onnxscript: the onnx extra, required on the modern stack and tested
-        # there by tests/test_export.py, which says why it skips elsewhere)
-        assert requirement in (None, "mxnet", "torch", "jax", "onnxscript"), requirement
+        # there by tests/test_export.py, which says why it skips elsewhere;
+        # transformers and flax likewise, by tests/test_integrations_*.py)
+        allowed = (None, "mxnet", "torch", "jax", "onnxscript", "transformers", "flax")
+        assert requirement in allowed, requirement
 
 
 # porting.md and the README have their own tests, with their outputs checked.

@@ -6,6 +6,7 @@ weights, under jax.jit, jax.grad, nnx.jit and decode=True."""
 import inspect
 
 import pytest
+
 from conftest import import_or_skip
 
 flax = import_or_skip("flax")

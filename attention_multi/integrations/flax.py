@@ -1,9 +1,10 @@
 """This library as the attention of flax nnx's modules.
 
 ```python
+from attention_multi.integrations import flax as amf
+
 layer = nnx.MultiHeadAttention(
-    num_heads=8, in_features=64, attention_fn=attention_multi.integrations.flax.dot_product_attention,
-    rngs=nnx.Rngs(0),
+    num_heads=8, in_features=64, attention_fn=amf.dot_product_attention, rngs=nnx.Rngs(0)
 )
 ```
 
@@ -104,13 +105,15 @@ def dot_product_attention(
         if dropout_rng is None:
             raise ValueError("dropout_rate > 0 and deterministic=False need a dropout_rng")
         options = {"dropout": float(dropout_rate), "key": dropout_rng}
-    out = am.dot_product_attention(q, k, v, **options, **forms)
+    out: Any = am.dot_product_attention(q, k, v, **options, **forms)
     if module is not None:  # sow_weights: the weights are those of the identity as values
         eye = jnp.broadcast_to(jnp.eye(k.shape[2], dtype=q.dtype), k.shape[:2] + (k.shape[2],) * 2)
-        weights = am.dot_product_attention(q, k, eye, **forms)
+        weights: Any = am.dot_product_attention(q, k, eye, **forms)
         if k.shape[2] != num_k:
             weights = jnp.pad(weights, ((0, 0), (0, 0), (0, 0), (0, num_k - k.shape[2])))
-        module.sow(nnx.Intermediate, "attention_weights", weights.reshape(batch + weights.shape[1:]))
+        module.sow(
+            nnx.Intermediate, "attention_weights", weights.reshape(batch + weights.shape[1:])
+        )
     return jnp.swapaxes(out, 1, 2).reshape(batch + (num_q, heads, value.shape[-1]))
 
 

@@ -203,7 +203,9 @@ def _translated(parts, batch, q_len, kv_len, q_offset, kv_offset, padding, xp_de
             padding = None
     if padding is not None:
         lens = padding.sum(-1)
-        prefix = bool((padding == (torch.arange(keys, device=padding.device) < lens[:, None])).all())
+        prefix = bool(
+            (padding == (torch.arange(keys, device=padding.device) < lens[:, None])).all()
+        )
         if k_ids is None and prefix:
             forms["valid_lens"] = lens.to(torch.int32)
         else:
@@ -337,11 +339,11 @@ def attention_function(
     dropout = float(dropout) if getattr(module, "training", False) else 0.0
     options = {"scale": scaling, "sinks": sinks, **forms}
     if not kwargs.get("output_attentions"):
-        out = am.dot_product_attention(query, k, v, dropout=dropout, **options)
+        out: Any = am.dot_product_attention(query, k, v, dropout=dropout, **options)
         return out.transpose(1, 2), None
     # the weights: the attention of the identity as values (the same forms, no dropout)
     eye = torch.eye(k.shape[2], dtype=query.dtype, device=query.device)
-    weights = am.dot_product_attention(
+    weights: Any = am.dot_product_attention(
         query, k, eye.expand(k.shape[0], k.shape[1], -1, -1), **options
     )
     if dropout:
@@ -370,4 +372,3 @@ def _softcapped(cap: float, bias: Any) -> Any:
         return torch.tanh(score / cap) * cap + table[b, hb, q_idx, kv_idx]
 
     return softcap_then_bias
-

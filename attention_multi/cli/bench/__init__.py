@@ -47,6 +47,8 @@ from ..arguments import (
 )
 from .busy import busy_rows, busy_table, one_busy_process
 from .environment import blas_note, machine
+from .integrations import INTEGRATIONS, integrations_table, run_integrations
+from .integrations import with_busy as integrations_with_busy
 from .long import LONG, long_table, run_long
 from .memory import MEMORY, memory_table, run_memory
 from .packed import PACKED, packed_table, run_flex, run_packed
@@ -145,6 +147,12 @@ def add_arguments(parser):
     )
     parser.add_argument(
         "--no-small", action="store_true", help="skip the small-calls table (d2l's sizes)"
+    )
+    parser.add_argument(
+        "--no-integrations",
+        action="store_true",
+        help="skip the integrations table (a transformers Llama-style model against sdpa "
+        "and eager, a flax MultiHeadAttention under jit(grad); where they are installed)",
     )
     parser.add_argument(
         "--no-busy",
@@ -347,6 +355,10 @@ def main(args):
         print("  what tiles of SDPA calls can reach ...", file=sys.stderr, flush=True)
         for shape_name in large:
             tiling_results += tiling_rows(DOT_SHAPES[shape_name], seconds)
+    integration_rows = []
+    if not (args.no_integrations or args.quick):
+        print("  integrations: transformers, flax ...", file=sys.stderr, flush=True)
+        integration_rows = run_integrations(seconds)
     busy_results = []
     if not args.no_busy and (large or packed_rows):
         print(
@@ -367,7 +379,9 @@ def main(args):
             tiling_busy = [
                 r for n in large if tiling_results for r in tiling_rows(DOT_SHAPES[n], seconds)
             ]
+            integrations_busy = run_integrations(seconds) if integration_rows else []
         tiling_results = with_busy(tiling_results, tiling_busy)
+        integration_rows = integrations_with_busy(integration_rows, integrations_busy)
         busy_results = busy_rows(rows, speed_busy, packed_rows, packed_busy)
         print(
             "\nA busy machine: the ratios above again with one CPU-bound process beside "
@@ -384,6 +398,17 @@ def main(args):
             "own order (rows copied out, outputs put back). No code of ours runs.\n"
         )
         print(tiling_table(tiling_results))
+    if integration_rows:
+        print(
+            f"\nInside the models people run: a transformers Llama-style model (2 layers, "
+            f"hidden {INTEGRATIONS['hidden']}, {INTEGRATIONS['heads']} heads, "
+            f"{INTEGRATIONS['kv_heads']} kv heads), B={INTEGRATIONS['batch']}, right padding "
+            f"(lengths uniform in [T/4, T]), float32, attn_implementation=register() against "
+            f"sdpa and eager; the attention call alone with each one's mask; a flax nnx "
+            f"MultiHeadAttention under jax.jit(jax.grad), padding mask, attention_fn= ours "
+            f"against flax's default.\n"
+        )
+        print(integrations_table(integration_rows))
     info["load_average_end"] = _load_average()
     if args.json:
         with atomic_write(args.json, "w", encoding="utf-8") as f:
@@ -421,6 +446,7 @@ def main(args):
                     "flex": flex_rows,
                     "busy": busy_results,
                     "tiling": tiling_results,
+                    "integrations": integration_rows,
                 },
                 f,
                 indent=1,

@@ -703,7 +703,7 @@ class Flax(Native):
     def setup(self):
         super().setup()
         self.jax, self.jnp = self.fw.jax, self.fw.jnp
-        from flax import nnx  # type: ignore[import-not-found]
+        from flax import nnx
 
         self.nnx = nnx
 
