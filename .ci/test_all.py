@@ -109,7 +109,9 @@ def main():
 def slowest(text, limit=10):
     """The first ``limit`` rows of pytest's slowest-durations table, or a note."""
     lines = text.splitlines()
-    start = next((i for i, ln in enumerate(lines) if "slowest" in ln and "durations" in ln), None)
+    start = next(
+        (i for i, ln in enumerate(lines) if re.match(r"^=+ slowest .*durations", ln)), None
+    )
     if start is None:
         return "  (no durations table in the log)"
     rows = [ln for ln in lines[start + 1 :] if re.match(r"^[\d.]+s ", ln)][:limit]
