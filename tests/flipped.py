@@ -24,7 +24,7 @@ FLIPS = {
     "numpy-adding": dict(
         masks_by_adding=True,
         host_masks=True,
-        has_fused_attention=True,
+        fused=True,
         fused_causal=True,
         fused_keeps_nan=False,
     ),
@@ -37,7 +37,7 @@ FLIPS = {
     ),
     # JAX's flags: a fused kernel that masks by a select and keeps NaN, host masks
     "numpy-select": dict(
-        has_fused_attention=True,
+        fused=True,
         fused_keeps_nan=True,
         host_masks=True,
         host_mask_min_size=1,
@@ -65,6 +65,11 @@ class _Flipped:
         keeps it (NumPy 1's ``where`` with a Python float would widen it)."""
         keep = keep() if callable(keep) else keep
         return np.where(keep, x, np.asarray(value, x.dtype))
+
+
+class _FlippedFused(_Flipped):
+    """A flipped backend with a fused kernel (``supports(xp, Fused)``: the
+    capability is the method itself, so one without it has none)."""
 
     def fused_attention(self, queries, keys, values, mask, scale, memory_budget=None, dropout=0.0):
         if dropout or values.shape[-1] != queries.shape[-1]:
@@ -100,8 +105,8 @@ def make(name: str):
     """The variant ``name`` (one instance a process)."""
     if name not in _MADE:
         base = type(am.get_backend("numpy"))
-        cls = type(f"NumpyBackend_{name.split('-')[1]}", (_Flipped, base), dict(FLIPS[name]))
-        if not FLIPS[name].get("has_fused_attention"):
-            cls.fused_attention = base.fused_attention  # (the base's: none)
+        flags = {k: v for k, v in FLIPS[name].items() if k != "fused"}
+        mixin = _FlippedFused if FLIPS[name].get("fused") else _Flipped
+        cls = type(f"NumpyBackend_{name.split('-')[1]}", (mixin, base), flags)
         _MADE[name] = cls()
     return _MADE[name]

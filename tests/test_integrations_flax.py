@@ -31,7 +31,7 @@ def layers(**options):
 
 
 def inputs(shape=(2, 3, 7, 16), seed=1):
-    return jax.random.normal(jax.random.key(seed), shape)
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32)  # (under x64 too)
 
 
 def padding(batch=(2, 3), length=7):
