@@ -244,7 +244,11 @@ def test_every_public_module_has_a_reference_page():
     for name in documented:  # every directive names a real module, or an object in one
         try:
             importlib.import_module(name)
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            if exc.name and not exc.name.startswith("attention_multi"):
+                # (a module of ours whose framework this stack lacks: it exists)
+                assert importlib.util.find_spec(name) is not None, name
+                continue
             parent, _, attr = name.rpartition(".")
             getattr(importlib.import_module(parent), attr)
 

@@ -58,7 +58,7 @@ def test_uninstalled_backend_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax", None)  # makes `import jax` fail
     monkeypatch.delitem(backends._loaded, "jax", raising=False)
     monkeypatch.delitem(sys.modules, "attention_multi.backends.jax", raising=False)
-    with pytest.raises(ImportError, match=r"pip install 'attention-multi\[jax\]'"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[jax\]'"):
         am.set_backend("jax")
 
 
