@@ -264,7 +264,8 @@ def test_scalar_score_mod_eager_and_compiled():
     mod32 = _mla(
         torch.dot, torch.tensor(qr, dtype=torch.float32), torch.tensor(kr, dtype=torch.float32), H
     )
-    compiled = torch.compile(flex.flex_attention, fullgraph=True)
+    torch._dynamo.reset()  # (earlier tests compiled flex_attention: no automatic dynamic shapes)
+    compiled = torch.compile(flex.flex_attention, fullgraph=True, dynamic=False)
     out = compiled(q32, k32, v32, score_mod=mod32, block_mask=bm)
     np.testing.assert_allclose(out.numpy(), want, atol=2e-5)
 

@@ -10,6 +10,7 @@ costs.)
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from .types import Array
@@ -75,5 +76,12 @@ def supports(backend: Any, capability: type) -> bool:
     key = (type(backend), capability)
     found = _SUPPORTS.get(key)
     if found is None:
-        found = _SUPPORTS[key] = isinstance(backend, capability)
+        found = isinstance(backend, capability)
+        if not _compiling():  # (a dict changed under torch.compile is a guard: a recompile)
+            _SUPPORTS[key] = found
     return found
+
+
+def _compiling() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.compiler.is_compiling())
