@@ -1,9 +1,11 @@
 """The commands never lose a file and never end in a traceback.
 
 Every file that ``port``, ``report`` and ``bench --json`` write goes through
-``attention_multi.files.atomic_write``. Each command runs in a subprocess;
+``attention_multi.files.atomic_write``. A command with a fault runs in a subprocess;
 ``tests/faults.py`` injects a full disk (ENOSPC) or a hang part-way through a
-write, which the tests then kill (SIGKILL) or interrupt (SIGINT).
+write, which the tests then kill (SIGKILL) or interrupt (SIGINT). The other
+commands run in the test's process (tests/cli_runner.py): the same parser,
+exit codes and messages, without a fresh interpreter's imports.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import pytest
 import attention_multi as am
 from attention_multi.files import WriteError, atomic_write, check_writable, make_directory
 from attention_multi.port import load_mxnet_params
+from tests.cli_runner import run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "mxnet"
@@ -52,8 +55,12 @@ def environment():
     return env
 
 
-def run(*args, fault=None, cwd=REPO):
-    """``attention-multi ARGS`` (through tests/faults.py with ``fault=(kind, writer)``)."""
+def run(*args, fault=None, cwd=REPO, process=False):
+    """``attention-multi ARGS``: in this process (tests/cli_runner.py), or in a
+    subprocess of its own with ``process=True`` or through tests/faults.py
+    with ``fault=(kind, writer)``."""
+    if fault is None and not process:
+        return run_in_process(*args, cwd=cwd)
     prefix = [str(FAULTS), *fault] if fault else ["-m", "attention_multi"]
     return subprocess.run(
         [sys.executable, *prefix, *map(str, args)],
@@ -198,7 +205,7 @@ def test_port_permission_denied_is_one_line_exit_1():
 
 
 def test_port_help_mentions_force():
-    result = run("port", "--help")
+    result = run("port", "--help", process=True)  # (the entry point itself)
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "--force replace OUT if it exists" in text
@@ -316,7 +323,7 @@ def test_report_unwritable_out_is_one_line_exit_3(tmp_path, out, reason):
 
 
 def test_report_help_documents_exit_3():
-    result = run("report", "--help")
+    result = run("report", "--help", process=True)
     assert "3 --out cannot be created or written" in " ".join(result.stdout.split())
 
 

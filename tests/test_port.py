@@ -8,9 +8,6 @@ weights on every backend. The tests at the end run only where mxnet imports.
 
 import contextlib
 import importlib.util
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi.port import load_into, load_mxnet_params, save_mxnet_params
+from tests.cli_runner import run_in_process
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures" / "mxnet"
@@ -156,16 +154,9 @@ def test_load_into_bad_file_names_it(tmp_path):
 
 
 def run_cli(*args, cwd=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    return subprocess.run(
-        [sys.executable, "-m", "attention_multi", "port", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd or REPO,
-        timeout=120,
-    )
+    """``attention-multi port ARGS`` in this process (tests/cli_runner.py;
+    test_cli_files.py runs the entry point itself in subprocesses)."""
+    return run_in_process("port", *args, cwd=cwd or REPO)
 
 
 def assert_clean_failure(result, code):
