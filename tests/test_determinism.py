@@ -3,7 +3,8 @@ three calls (a block-table mask, padding by lengths, packed documents with
 causal; path "auto") in 20 fresh processes, half of them beside a CPU-bound
 process, give bit-identical outputs on every CPU backend installed. The
 processes get the user's environment: no ``ATTENTION_MULTI_CALL_COST`` (the
-suite's conftest sets it; a user's shell does not)."""
+suite's conftest sets it; a user's shell does not). The first stack only:
+the choices it proves load-free are the core's, the same code on both."""
 
 import json
 import os
@@ -11,11 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import attention_multi as am
-
-pytestmark = pytest.mark.integration
 
 CHILD = Path(__file__).with_name("determinism_child.py")
 RUNS = 20

@@ -3,7 +3,8 @@ the tiled and block-sparse paths run (T=256: before c5330e8 their
 ``fewer_threads``, a ``cached_property``, broke dynamo with its lock), one
 graph for three calls of one shape (no recompile), and the answers the
 float64 oracle gives. ``aot_eager`` traces as inductor does without
-generating code (T = 64 ... 4096 with inductor: measured in issue 62's note)."""
+generating code (T = 64 ... 4096 with inductor: measured in issue 62's note).
+The first stack only: torch is the same release on both."""
 
 import numpy as np
 import pytest
@@ -15,8 +16,6 @@ from attention_multi import reference as oracle
 torch = pytest.importorskip("torch")
 from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 B, H, T, D = 2, 2, 256, 16
 DOC = np.repeat(np.arange(4), T // 4)
