@@ -99,6 +99,7 @@ def test_flex_api_on_every_backend(backend):
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
 
 
+@pytest.mark.grid(rows={"path": ("fused", "full")})  # (JAX: the paths it takes itself)
 @pytest.mark.parametrize("path", PATHS)
 def test_lse_and_sinks_every_path(backend, path):
     """``return_lse`` and ``sinks`` on every path (a kernel path declines and
@@ -128,7 +129,8 @@ def test_lse_and_sinks_every_path(backend, path):
     assert np.isneginf(want_lse[1] - SINKS[:, None]).sum() == 0  # (row with no key: the sink)
 
 
-def test_sinks_and_lse_gradients(backend):
+@pytest.mark.grid
+def test_sinks_and_lse_gradients(backend, grid_paths):
     """Gradients of ``sum(out * R) + sum(lse * S)`` with sinks, to the
     queries, keys, values and sinks, on every path, against central
     differences of the float64 oracle; a row that sees no key gives finite ones."""
@@ -153,7 +155,7 @@ def test_sinks_and_lse_gradients(backend):
         want.append(_numeric_grad(lambda y, i=i: loss_np(*args[:i], y, *args[i + 1 :]), x))
     dummy = am.DotProductAttention(0.0, backend=backend, dtype=dtype)
     Rb, Sb = backend.asarray(R, dtype), backend.asarray(S, dtype)
-    for path in ("full", "chunked", "tiled"):
+    for path in grid_paths(("full", "chunked", "tiled")):
 
         def f(module, q, k, v, sinks, path=path):
             m = make_mask(backend, B_, H, 5, 6, valid_lens=backend.asarray(lens), causal=True)

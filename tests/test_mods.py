@@ -191,8 +191,9 @@ def _numeric_grad(f, x, eps=1e-6):
     return g
 
 
+@pytest.mark.grid
 @pytest.mark.parametrize("case", ["segments_causal", "prefix_lm", "all"])
-def test_mods_gradients(backend, case):
+def test_mods_gradients(backend, case, grid_paths):
     if not backend.autodiff:
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
@@ -217,7 +218,7 @@ def test_mods_gradients(backend, case):
         tol = GRAD_TOL[dtype]
     R = backend.asarray(grad_out, dtype)
     dummy = am.DotProductAttention(0.0, backend=backend, dtype=dtype)
-    for path in ("full", "chunked", "tiled"):
+    for path in grid_paths(("full", "chunked", "tiled")):
 
         def f(module, q, k, v, path=path):
             out, _ = _run(backend, q, k, v, form, path)

@@ -115,6 +115,7 @@ def test_multi_head_paths_match_oracle(backend, path, mask):
     np.testing.assert_allclose(backend.to_numpy(w), ref_w, **TOL)
 
 
+@pytest.mark.grid(rows={"path": ("fused", "full")})  # (JAX: the paths it takes itself)
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
@@ -259,6 +260,7 @@ def test_default_budget_and_option_checks():
     assert m.attention.memory_budget == 1024
 
 
+@pytest.mark.grid(rows={"path": ("fused", "full")})  # (JAX: the paths it takes itself)
 @pytest.mark.parametrize("path", PATHS)
 def test_dropout_on_every_path(backend, path):
     """Dropout in training mode: per-block (or the kernel's own) masks, the
