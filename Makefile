@@ -1,6 +1,6 @@
 # `make report`: set up the legacy stack (all four backends) and run the report.
-# `make test`:   set up both stacks and the lint venv (in parallel), then run the suite on each
-#                stack and `make check`, all three at once (.ci/test_all.py: progress, summary):
+# `make test`:   the suite on each stack and `make check`, all three at once, each job
+#                building its venv first (in parallel) (.ci/test_all.py: progress, summary):
 #                the fast matrix on legacy, what differs on modern (conftest.py's tiers).
 # `make test-all`: the same with the full matrix on both stacks (every row on every backend).
 # `make mutants`: plant the bugs of .ci/mutants.py one at a time in a copy of the tree and show
@@ -23,13 +23,13 @@ SHELL := /bin/bash
 report: $(LEGACY)/ready
 	$(LEGACY)/bin/attention-multi report
 
+# (each of the three jobs builds its own venv first: a stack's suite starts
+# as soon as its venv is ready, while the others still install)
 test:
-	@$(MAKE) --no-print-directory -j3 venvs
 	@$(PYTHON) .ci/test_all.py
 
 # every row of every test on every backend, on both stacks
 test-all:
-	@$(MAKE) --no-print-directory -j3 venvs
 	@ATTENTION_MULTI_MATRIX=full $(PYTHON) .ci/test_all.py
 
 mutants: $(LEGACY)/ready

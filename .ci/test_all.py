@@ -1,8 +1,9 @@
-"""`make test` once the venvs are built: the suite on the legacy and the modern
-stack and `make check`, all three at once (2 cores: each suite is mostly one
-busy process), each into .test-logs/NAME.log; a progress line every 30 s; at the
-end pytest's own closing lines, the failures in full, and a one-screen summary.
-Exit status 1 if any of the three failed. Standard library only."""
+"""`make test`: the suite on the legacy and the modern stack and `make check`,
+all three at once, each building its venv first if it is not built (2 cores:
+each suite is mostly one busy process), each into .test-logs/NAME.log; a
+progress line every 30 s; at the end pytest's own closing lines, the failures
+in full, and a one-screen summary. Exit status 1 if any of the three failed.
+Standard library only."""
 
 import os
 import re
@@ -20,6 +21,8 @@ COUNTS = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
 
 def progress(name, log):
     text = log.read_text(errors="replace") if log.exists() else ""
+    if "[venv " in text and "] ready in " not in text:
+        return "installing its venv"
     if name == "check":
         return f"{text.count('-- ')}/4 gates"
     found = re.findall(r"\[\s*(\d+)%\]", text)
