@@ -45,6 +45,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from attention_multi import backends
+from attention_multi.backends.capabilities import opt
 
 from .config import chosen_backend, get_backend, native_device
 from .core.mask.blocks import BlockMask, bound, noop_mask
@@ -195,7 +196,7 @@ def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
             f"block_mask must be a BlockMask of create_block_mask (ours or torch's), "
             f"got {type(block_mask).__name__}"
         )
-    if backends.load("torch").is_tracing():  # (its tables are not on the host now)
+    if opt(backends.load("torch")).is_tracing():  # (its tables are not on the host now)
         return _traced_tables(block_mask)
     ours = _CONVERTED.get(block_mask)
     if ours is None:
@@ -315,7 +316,7 @@ def _create_block_mask(
     backend: Any,
 ) -> BlockMask:
     xp = _backend_for(mask_mod, backend, device)
-    if xp.host_code_traced():  # (torch.compile: no host states; every block is partial)
+    if opt(xp).host_code_traced():  # (torch.compile: no host states; every block is partial)
         shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
         bq, bk = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE,) * 2
         states = np.full(shape[:2] + (-(-Q_LEN // bq), -(-KV_LEN // bk)), PARTIAL, np.int8)

@@ -10,6 +10,7 @@ import pytest
 import attention_multi as am
 from attention_multi import flex
 from attention_multi import reference as oracle
+from attention_multi.backends.capabilities import Autodiff, opt, supports
 from attention_multi.core import attend, make_mask
 from attention_multi.core.paths.online import add_sinks
 
@@ -132,7 +133,7 @@ def test_sinks_and_lse_gradients(backend):
     """Gradients of ``sum(out * R) + sum(lse * S)`` with sinks, to the
     queries, keys, values and sinks, on every path, against central
     differences of the float64 oracle; a row that sees no key gives finite ones."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
     tol = 1e-6 if dtype == "float64" else 3e-4
@@ -227,7 +228,7 @@ def test_gradients_to_what_score_mod_captures(backend, what):
     by a ``score_mod`` and passed as an input of the differentiated
     function, gets its gradient on every path: equal to central differences
     of the float64 oracle, and the same bits on a second run."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
     tol = 1e-6 if dtype == "float64" else 3e-4
@@ -329,7 +330,7 @@ def test_causal_block_mask_takes_the_causal_kernel(backend):
     causal_path = m.last_path
     for fn, same in ((_causal, _causal), (almost, almost_np)):
         out = m(q, k, v, mask_mod=blocks[fn])
-        if backend.fused_causal:  # (elsewhere causal=True runs the block-sparse path too)
+        if opt(backend).fused_causal:  # (elsewhere causal=True runs the block-sparse path too)
             assert (m.last_path == causal_path) == (fn is _causal), m.last_path
         want, _ = oracle.attention(*(x[:, None] for x in _np(backend, q, k, v)), mask_mod=same)
         np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=3e-5, atol=3e-5)

@@ -10,7 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Autodiff, Fused, opt, supports, value_and_grad
 from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 
 PATHS = ("fused", "tiled", "chunked", "full")
@@ -56,7 +56,7 @@ def _expected_path(backend, path, dv=D, d=D, mask=None):
     (a tile would cost a kernel call), or the tiles when no query sees a key
     (they call no kernel then)."""
     if path == "fused" and (not supports(backend, Fused) or (backend.name == "jax" and dv != d)):
-        return "tiled" if mask == "zeros" and not backend.compiles_per_shape else "full"
+        return "tiled" if mask == "zeros" and not opt(backend).compiles_per_shape else "full"
     return path  # (jax.nn.dot_product_attention needs dv == d)
 
 
@@ -130,7 +130,7 @@ def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
     out = backend.to_numpy(m(*args, backend.asarray(lens)))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, **TOL)
-    if backend.autodiff:  # nor into the gradients
+    if supports(backend, Autodiff):  # nor into the gradients
 
         def loss_fn(module, *xs):
             y = module(*xs, backend.asarray(lens))
@@ -166,7 +166,7 @@ def test_float16_large_scores_do_not_overflow(backend, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_float64(backend, path):
-    backend.enable_float64()
+    opt(backend).enable_float64()
     q, k, v = _inputs(5)
     lens = MASKS["2d"]
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
@@ -221,7 +221,7 @@ def test_auto_path_choice(backend):
     short = np.array([20, 1, 30])
     want, _ = oracle.dot_product_attention(*big, short)
     got = m(qb, kb, vb, backend.asarray(short))
-    assert m.last_path == ("fused" if backend.compiles_per_shape else "tiled")
+    assert m.last_path == ("fused" if opt(backend).compiles_per_shape else "tiled")
     np.testing.assert_allclose(backend.to_numpy(got), want, **TOL)
     # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit
     m.memory_budget = 16
@@ -234,7 +234,7 @@ def test_auto_path_choice(backend):
     # where there is one), but not with a PRNG key: a jitted call must draw
     # what an eager one draws; the weights are those before dropout
     m = am.DotProductAttention(0.5, backend=backend).train()  # (MXNet: outside record())
-    key = backend.dropout_key(0)
+    key = opt(backend).dropout_key(0)
     m(qb, kb, vb, backend.asarray(short), **({} if key is None else {"key": key}))
     assert m.last_path == ("full" if key is not None else "tiled")
     np.testing.assert_allclose(
@@ -263,7 +263,7 @@ def test_default_budget_and_option_checks():
 def test_dropout_on_every_path(backend, path):
     """Dropout in training mode: per-block (or the kernel's own) masks, the
     right mean, zeros for rows with no key, and the pre-dropout weights."""
-    key = backend.dropout_key(0)
+    key = opt(backend).dropout_key(0)
     backend.seed(0)
     q, k, v = _inputs(8, nk=16)
     lens = np.array([10, 16, 0])
@@ -271,13 +271,14 @@ def test_dropout_on_every_path(backend, path):
     m = am.DotProductAttention(0.5, backend=backend, path=path, chunk_size=8).train()
     outs = []
     for i in range(40):
-        kw = {} if key is None else {"key": backend.fold_key(key, i)}
+        kw = {} if key is None else {"key": opt(backend).fold_key(key, i)}
         outs.append(backend.to_numpy(m(*args, **kw)))
     # (no kernel with dropout, or keyed dropout, which no tile takes: "auto"'s
     # choice at this size, the full path)
     assert m.last_path == (
         "full"
-        if (path == "fused" and not backend.fused_dropout) or (path == "tiled" and key is not None)
+        if (path == "fused" and not opt(backend).fused_dropout)
+        or (path == "tiled" and key is not None)
         else path
     )
     assert all(np.isfinite(o).all() and (o[2] == 0).all() for o in outs)
@@ -349,7 +350,7 @@ def test_attend_function_4d_layout(backend):
 def test_gradients_agree_across_paths(backend):
     """Training through each path (dropout 0, so fused is allowed in training
     mode) gives the gradients of the full path."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     q, k, v = (backend.asarray(x, "float32") for x in _inputs(12, d=6, dv=6))
     lens = backend.asarray(MASKS["2d"])
@@ -357,7 +358,7 @@ def test_gradients_agree_across_paths(backend):
     grads = {}
     # (JAX: jitted, where eager autodiff through the block loops would take
     # seconds; the tiled path under jit is checked in test_under_jax_jit)
-    paths = ("full", "fused", "chunked") if backend.compiles_per_shape else PATHS
+    paths = ("full", "fused", "chunked") if opt(backend).compiles_per_shape else PATHS
     for path in paths:
         m = am.MultiHeadAttention(
             6, 6, 6, 8, 2, 0.0, bias=True, backend=backend, path=path, chunk_size=3
@@ -370,14 +371,14 @@ def test_gradients_agree_across_paths(backend):
             out = module(q, k, v, lens)
             return backend.sum((out * out).reshape((-1,)), 0)
 
-        if backend.compiles_per_shape:  # jitted: eager autodiff compiles op by op
+        if opt(backend).compiles_per_shape:  # jitted: eager autodiff compiles op by op
             import jax
 
             g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
         else:
-            g = backend.value_and_grad(m, loss_fn)[1]
+            g = value_and_grad(backend, m, loss_fn)[1]
         grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
-        if not backend.compiles_per_shape:  # (jitted, the call ran on a traced copy)
+        if not opt(backend).compiles_per_shape:  # (jitted, the call ran on a traced copy)
             assert m.last_path == path
     for path in paths[1:]:
         for name, g in grads["full"].items():

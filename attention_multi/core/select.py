@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
+from attention_multi.backends.capabilities import opt
+
 from . import paths
 from .checks import check_choice, check_positive_int
 from .mask import no_forms
@@ -40,9 +42,9 @@ def is_small(xp: Backend, scores: int, num_keys: int, queries: Array, plain: boo
     lengths or nothing."""
     if scores <= SMALL_SCORES:
         return True
-    if not plain or scores > xp.small_scores or num_keys > SMALL_KEYS:
+    if not plain or scores > opt(xp).small_scores or num_keys > SMALL_KEYS:
         return False
-    return not xp.on_accelerator(xp.device_of(queries))
+    return not opt(xp).on_accelerator(xp.device_of(queries))
 
 
 def check_path_options(
@@ -82,7 +84,7 @@ def straight_line(
         return None
     if path == "auto":
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-        held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
+        held = AUTODIFF_HELD if opt(xp).is_differentiated(queries) else 1
         if scores * work_itemsize(xp, queries) * held > budget:
             return None
         if not weights_read and not is_small(xp, scores, ks[-2], queries, True):
@@ -199,7 +201,7 @@ def _kept_weights(call: Call) -> Callable[[], Array]:
     (``Backend.keep``; private ones as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
-    kept = (lambda: (q, k)) if call.private else xp.keep(q, k)
+    kept = (lambda: (q, k)) if call.private else opt(xp).keep(q, k)
     mask = call.mask.snapshot(xp)
 
     def read() -> Array:

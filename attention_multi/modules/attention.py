@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..core import (
     DEFAULT_MEMORY_BUDGET,
     attend,
@@ -179,7 +181,7 @@ class _Attention(Module):
         """The straight line (``core/paths/small.py``) kept from an earlier call
         with this call's signature (``small.signature``), which passed the
         same input checks: they are not repeated. None otherwise."""
-        if not no_forms(forms) or self._backend.is_tracing():
+        if not no_forms(forms) or opt(self._backend).is_tracing():
             return None
         kept = self.__dict__.get("_attention_line")
         if kept is None or kept[1] != small.signature(queries, keys, values, valid_lens):
@@ -191,7 +193,7 @@ class _Attention(Module):
     ) -> None:
         """Keep ``line``, the straight line of a call with these inputs,
         checked, for the next calls with their signature (outside traces)."""
-        if line is None or not line.reusable or self._backend.is_tracing():
+        if line is None or not line.reusable or opt(self._backend).is_tracing():
             return
         sig = small.signature(queries, keys, values, valid_lens)
         if sig is not None:
@@ -359,7 +361,9 @@ class AdditiveAttention(_Attention):
             features = xp.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
             return self.w_v(features).reshape((b, qb.shape[1], nk))
 
-        chunks = [xp.checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)]
+        chunks = [
+            opt(xp).checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)
+        ]
         return chunks[0] if len(chunks) == 1 else xp.concatenate(chunks, axis=1)
 
 
@@ -691,8 +695,8 @@ class MultiHeadAttention(_Attention):
         num_keys, offset = keys.shape[1], None
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
-            k = xp.write_slice(cache.keys, k, start, 2)
-            v = xp.write_slice(cache.values, v, start, 2)
+            k = opt(xp).write_slice(cache.keys, k, start, 2)
+            v = opt(xp).write_slice(cache.values, v, start, 2)
             end = start + keys.shape[1]  # an int, or traced (jax.jit)
             num_keys, offset = cache.max_len, end - queries.shape[1]
             forms = {**forms, "causal": True}
@@ -729,7 +733,7 @@ class MultiHeadAttention(_Attention):
             int(max_len),
             self.num_hiddens // self.num_heads,
         )
-        xp.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
+        opt(xp).register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
         return KVCache(
             xp.zeros(shape, dtype, device),
             xp.zeros(shape, dtype, device),
@@ -772,7 +776,7 @@ class MultiHeadAttention(_Attention):
         dtype, want = xp.dtype_name(cache.keys), xp.dtype_name(queries)
         if dtype != want:
             raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
-        if not xp.is_concrete(cache.length):
+        if not opt(xp).is_concrete(cache.length):
             return cache.length
         start = int(xp.to_numpy(cache.length))
         if start + keys.shape[1] > shape[2]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Fused, opt, supports
 
 from ..mask import EMPTY, FULL, PARTIAL, Mask, computed_fraction, host_table
 from ..mask.arrays import arrays
@@ -52,7 +52,7 @@ def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]
 
 def _fixed(xp: Backend, traced: bool) -> bool:
     """Whether the blocks have one shape (``fixed_blocks``)."""
-    return xp.sequential_scan if traced else xp.compiles_per_shape
+    return opt(xp).sequential_scan if traced else opt(xp).compiles_per_shape
 
 
 def plan(call: Call) -> Plan | None:
@@ -66,7 +66,7 @@ def plan(call: Call) -> Plan | None:
     if call.path != "tiled":
         if call.keyed_dropout:  # (jit and eager must draw alike)
             return None
-        if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
+        if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and opt(xp).runtime_cond):
             return None
     fixed, size = _fixed(xp, traced), call.chunk_size
     block_q, block_k = (size, size) if size else pick_block(mask, traced, fixed)
@@ -164,7 +164,7 @@ def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
-                seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
+                seen = mask.seen(xp, r, device) if traced and opt(xp).runtime_cond else None
                 ks, vs = cuts.keys(b0, b1, [(k0, k1, st)])
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, ks, vs, sub, work, block_drop, seen=seen)
@@ -219,7 +219,7 @@ class _Cuts:
     ) -> None:
         self.xp, self.arrays = xp, arrays
         self.pieces: dict[int, tuple[Pieces, ...]] | None = None
-        if not any(xp.is_differentiated(x) for x in arrays):
+        if not any(opt(xp).is_differentiated(x) for x in arrays):
             return
         sizes = [b1 - b0 for b0, b1 in groups]
         per_group = [xp.split(x, sizes, 0) if len(groups) > 1 else [x] for x in arrays]

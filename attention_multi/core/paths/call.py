@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..numerics import DEFAULT_MEMORY_BUDGET, compute_dtype, work_itemsize
 
 if TYPE_CHECKING:
@@ -61,11 +63,11 @@ class Call:
         self.work = compute_dtype(self.dtype)
         self.scores = self.batch * self.heads * self.num_queries * self.num_keys
         self.itemsize = work_itemsize(xp, queries)
-        self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
+        self.held = AUTODIFF_HELD if opt(xp).is_differentiated(queries) else 1
         self.scores_bytes = self.scores * self.itemsize * self.held
         self.keyed_dropout = bool(dropout) and key is not None
-        self.call_cost = xp.call_cost(self.device)  # (in scores: one more framework call, now)
-        self.compiled_call_cost = xp.compiled_call_cost(self.device)  # (a branch under jit)
+        self.call_cost = opt(xp).call_cost(self.device)  # (in scores: one more framework call, now)
+        self.compiled_call_cost = opt(xp).compiled_call_cost(self.device)  # (a branch under jit)
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""
@@ -94,9 +96,9 @@ def fewer_threads(call: Call) -> bool:
     against 1088; idle, the training step took the same time in either.)
     Where the backend says so (``fewer_threads_always``), idle too."""
     xp = call.xp
-    busy = call.call_cost > BUSY_CALLS * xp.kernel_call_cost
-    cpu = not xp.on_accelerator(call.device)
-    return xp.fewer_threads and cpu and (busy or xp.fewer_threads_always)
+    busy = call.call_cost > BUSY_CALLS * opt(xp).kernel_call_cost
+    cpu = not opt(xp).on_accelerator(call.device)
+    return opt(xp).fewer_threads and cpu and (busy or opt(xp).fewer_threads_always)
 
 
 def many_calls_cost(call: Call) -> float:
@@ -104,7 +106,7 @@ def many_calls_cost(call: Call) -> float:
     ``fewer_threads``, an idle call's (the training step above); else what a
     call costs now (a forward pass in fewer threads still gains by fewer calls)."""
     idle = call.held > 1 and fewer_threads(call)
-    return call.xp.kernel_call_cost if idle else call.call_cost
+    return opt(call.xp).kernel_call_cost if idle else call.call_cost
 
 
 def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
@@ -112,7 +114,7 @@ def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
     if not fewer_threads(call):
         return run(call)
     q, k, v = call.queries, call.keys, call.values
-    return call.xp.in_fewer_threads(lambda *qkv: run(call.on(*qkv)), q, k, v)
+    return opt(call.xp).in_fewer_threads(lambda *qkv: run(call.on(*qkv)), q, k, v)
 
 
 class Plan(NamedTuple):
@@ -141,7 +143,7 @@ class Pieces:
     def __init__(self, xp: Backend, x: Array, points: Any) -> None:
         self.xp, self.x = xp, x
         self.parts: list[Array] | None = None
-        if xp.is_differentiated(x):
+        if opt(xp).is_differentiated(x):
             points = sorted(set(int(p) for p in points) | {0, int(x.shape[2])})
             self.parts = xp.split(x, np.diff(points).tolist(), 2)
             self.at = {p: i for i, p in enumerate(points)}
@@ -158,7 +160,7 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     ``key`` (None when ``rate`` is 0)."""
     if not rate:
         return None
-    return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
+    return lambda w, index=None: xp.dropout(w, rate, opt(xp).fold_key(key, index))
 
 
 _GROUPED: dict[tuple, list[tuple[np.ndarray, int, int, bool]]] = {}  # (recent plans)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask import EMPTY
 from ..mask.intervals import key_range
 from ..mask.rules import guard_unused
@@ -67,7 +69,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             block_q = min(block_q, block_k)
     drop = dropout_fn(xp, call.dropout, call.key)
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
-    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    scan = opt(xp).sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
     q_cuts = Pieces(xp, q, range(0, num_q, block_q))
     k_cuts, v_cuts = (Pieces(xp, x, [*range(start, stop, block_k), stop]) for x in (k, v))
@@ -155,4 +157,4 @@ def scan_keys(
         skip = None if seen is None else seen(k0, k0 + block_k)
         return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop, seen=skip)
 
-    return xp.scan(block, state, xs)
+    return opt(xp).scan(block, state, xs)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask import EMPTY, PARTIAL
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
@@ -50,30 +52,30 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
 
     def row(q0: Array) -> tuple[Array, ...]:
         """The rows ``[q0, q0 + bq)``, recomputed one at a time backward."""
-        qs = xp.read_slice(qs_all, q0, bq, 2)
+        qs = opt(xp).read_slice(qs_all, q0, bq, 2)
 
         def col(state: Any, y: list[Array]) -> Any:
             k0, hide = y
             sub = mask.block_at(q0, k0, bq, bk)
             block_drop = None if drop is None else (lambda p: drop(p, q0 * num_k + k0))
             # (cut outside the cond: what it keeps for the backward pass is one block)
-            kb, vb = xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
+            kb, vb = opt(xp).read_slice(k, k0, bk, 2), opt(xp).read_slice(v, k0, bk, 2)
             seen = sub.seen(xp, sub.whole(), device)
             hide = hide if overlap else None
             return online.step(
                 xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide, guard=True
             )
 
-        state = xp.scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
+        state = opt(xp).scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
         return tuple(online.rows(call, state, ()))
 
     def rows(done: tuple[Array, ...], x: list[Array]) -> tuple[Array, ...]:
-        parts = xp.checkpoint(row, x[0])
-        return tuple(xp.write_slice(d, p, x[0], 2) for d, p in zip(done, parts))
+        parts = opt(xp).checkpoint(row, x[0])
+        return tuple(opt(xp).write_slice(d, p, x[0], 2) for d, p in zip(done, parts))
 
     widths = (dv, 1) if call.lse else (dv,)
     done = tuple(xp.zeros((batch, heads, num_q, n), work, device) for n in widths)
-    done = xp.scan(rows, done, [xp.asarray(q_starts, "int32", device)])
+    done = opt(xp).scan(rows, done, [xp.asarray(q_starts, "int32", device)])
     return online.result(call, [list(done)])
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask.rules import guard_unused, masked_softmax
 from ..numerics import compute_dtype, in_dtype, scaled, weighted
 from . import online
@@ -85,13 +87,15 @@ def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
     if call.lse:
         return with_lse(call, k, v)
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
-    guard = xp.may_differentiate(q) or (xp.masks_by_adding and mask.per_batch_lens is not None)
+    guard = opt(xp).may_differentiate(q) or (
+        opt(xp).masks_by_adding and mask.per_batch_lens is not None
+    )
     k, v = guard_unused(xp, mask, k, v, guard_keys=guard)
     w4 = weights4(xp, q, k, mask, call.scale, guard, before_product=True, rounded=False)
     drop = dropout_fn(xp, call.dropout, call.key)
     dtype = xp.dtype_name(q)
     out = weighted(xp, w4 if drop is None else drop(w4), v, dtype)
-    return out, lambda: xp.nan_rows(flat(in_dtype(xp, w4, dtype)))
+    return out, lambda: opt(xp).nan_rows(flat(in_dtype(xp, w4, dtype)))
 
 
 def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Fused, opt, supports
 
 from ..mask.rules import kernel_inputs, unguarded_holds, zero_empty_rows
 from ..numerics import readable
@@ -55,7 +55,7 @@ def trusting(xp: Backend, *arrays: Array) -> bool:
     """Whether to run kernels without the NaN guards first (then one host
     check of the output): the host reads the arrays (``readable``), and the
     kernel does not keep NaN by itself."""
-    return not xp.fused_keeps_nan and readable(xp, *arrays)
+    return not opt(xp).fused_keeps_nan and readable(xp, *arrays)
 
 
 def takes(call: Call) -> bool:
@@ -64,7 +64,7 @@ def takes(call: Call) -> bool:
     return (
         supports(xp, Fused)
         and call.mask.score_mod is None
-        and (not call.dropout or xp.fused_dropout)
+        and (not call.dropout or opt(xp).fused_dropout)
     )
 
 
@@ -74,7 +74,7 @@ def plan(call: Call) -> Plan | None:
     xp, mask = call.xp, call.mask
     if call.lse or not (call.asks("fused") and takes(call)):
         return None
-    share = CAUSAL_SHARE if mask.top_left_causal and xp.fused_causal else 1.0
+    share = CAUSAL_SHARE if mask.top_left_causal and opt(xp).fused_causal else 1.0
     return Plan(share * call.scores + call.call_cost)
 
 

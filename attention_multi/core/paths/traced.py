@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
@@ -25,7 +27,7 @@ SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks ski
 def plan(call: Call) -> Plan | None:
     """Traced intervals, a framework that branches at run time, no dropout."""
     xp, mask = call.xp, call.mask
-    if not call.asks("tiled") or call.dropout or not xp.runtime_cond:
+    if not call.asks("tiled") or call.dropout or not opt(xp).runtime_cond:
         return None
     if mask.intervals is None or mask.known_on_host():
         return None
@@ -56,7 +58,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
-    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    scan = opt(xp).sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
     parts = []
     for b in range(batch):
