@@ -1,6 +1,6 @@
 """Jitted JAX gradients through the block loops (``jax.jit(jax.grad(...))``,
 the way JAX trains) against the float64 oracle's gradient formulas: the full
-blocks of keys run as one ``lax.scan`` (``Backend.sequential_scan``), lengths
+blocks of keys run as one ``lax.scan`` (``Blocks.sequential_scan``), lengths
 known or traced. Peak memory is measured by the bench (``bench --memory``);
 here, what the compiled gradient holds."""
 

@@ -475,7 +475,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
 def test_tiles_weigh_the_mask_of_elements_that_see_different_keys():
     """Two elements that see 400 and 300 keys: one call over 400 keys saves a
     call, but the shorter one's tile is then masked (a pass over its scores):
-    with that pass counted (``Backend.masked_score_cost``), they stay apart;
+    with that pass counted (``Costs.masked_score_cost``), they stay apart;
     elements that see the same keys share a call unmasked."""
     from attention_multi.core.paths.call import grouped
 
@@ -509,7 +509,7 @@ def blas_threads():
 def test_numpy_runs_many_small_products_in_one_blas_thread(blas_threads, form):
     """NumPy's tiles and block-sparse path make many small products, for
     which OpenBLAS's own threads cost more than they gain (idle or busy):
-    they run in one BLAS thread (``Backend.in_fewer_threads``), a
+    they run in one BLAS thread (``Threads.in_fewer_threads``), a
     ``score_mod`` sees it, and the count comes back after; answers the oracle's."""
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((4, 256, 16)).astype(np.float32) for _ in range(3))

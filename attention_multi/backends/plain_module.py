@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class PlainModule:
-    _backend: Any  # set on the native subclasses by Backend.native_class
+    _backend: Any  # set on the native subclasses by the core (modules.base.native_class)
     _param_names: list[str]
     _buffer_names: list[str]
     _child_names: list[str]

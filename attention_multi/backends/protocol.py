@@ -160,7 +160,7 @@ class NativeModule(Protocol):
     """The native-module contract: what a backend's ``module_base`` provides.
 
     Every module (``attention_multi.modules.Module``) is an instance of a
-    subclass of its public class and of ``module_base`` (``Backend.native_class``),
+    subclass of its public class and of ``module_base`` (``modules.base.native_class``),
     and calls these members; the mechanism itself is written once, in the
     public class. The base may in turn read ``_backend``, ``_device`` (the
     native device), ``_dtype`` (a dtype name) and ``forward`` from the public

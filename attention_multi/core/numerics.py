@@ -85,7 +85,7 @@ def fill(xp: Backend, dtype: str, device: Any) -> Array:
 
 def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
     """``fill_value`` for ``where`` beside the compute dtype: a Python float
-    where ``Backend.weak_scalars`` (torch's ``where`` is faster so), else ``fill``."""
+    where ``Dtypes.weak_scalars`` (torch's ``where`` is faster so), else ``fill``."""
     return fill_value(dtype) if opt(xp).weak_scalars else fill(xp, dtype, device)
 
 

@@ -4,7 +4,7 @@ Small calls with lengths or nothing take the straight line (``straight_line``,
 decided before any ``Mask`` is built). Else ``attend``: the full path at once
 for at most ``SMALL_SCORES`` scores or weights read now, within the budget;
 otherwise the cheapest plan of ``paths.REGISTRY`` runs (scores computed plus
-``Backend.call_cost()`` per kernel call), a kernel that declines handing the
+``Costs.call_cost()`` per kernel call), a kernel that declines handing the
 call to the next. A path asked for by name is tried alone first.
 """
 
@@ -32,7 +32,7 @@ SMALL_SCORES = 1 << 15
 """``"auto"`` takes the full path at once for calls with at most this many
 (batch * heads * Q * K) scores: planning and dispatching to a kernel would
 cost more host time than they save (d2l's examples are far below it). With
-lengths or no mask, on a CPU, up to ``Backend.small_scores`` over at most
+lengths or no mask, on a CPU, up to ``Costs.small_scores`` over at most
 ``SMALL_KEYS`` keys."""
 SMALL_KEYS = 256
 
@@ -198,7 +198,7 @@ def _plan(call: Call, order: int, module: Any) -> tuple[float, int, Any, Any] | 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:
     """The weights of this call as a function of its inputs as they are now
-    (``Backend.keep``; private ones as they are)."""
+    (``Copies.keep``; private ones as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
     kept = (lambda: (q, k)) if call.private else opt(xp).keep(q, k)

@@ -347,7 +347,7 @@ class AdditiveAttention(_Attention):
     def _scores(self, q: Array, k: Array) -> Array:
         """(b, nq, nk) scores, over blocks of queries within the memory
         budget; under autodiff each block's features are recomputed in the
-        backward pass (``Backend.checkpoint``) instead of kept."""
+        backward pass (``Autodiff.checkpoint``) instead of kept."""
         xp, h = self._backend, self.num_hiddens
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         itemsize = work_itemsize(xp, q)
@@ -373,7 +373,7 @@ class DotProductAttention(_Attention):
     How it is computed (keywords, also module attributes):
 
     - ``path="auto"``: the full path for small calls (at most
-      ``SMALL_SCORES`` scores, on a CPU ``Backend.small_scores``); else the
+      ``SMALL_SCORES`` scores, on a CPU ``Costs.small_scores``); else the
       backend's fused kernel when dropout is inactive (eval mode or
       ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)

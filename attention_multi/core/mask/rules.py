@@ -115,7 +115,7 @@ def kernel_inputs(
     rows_see_keys: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
     """``(keys, values, finish)`` for a kernel: unused key and value rows zeroed,
-    ``finish(out)`` zeroes empty rows. Without ``Backend.fused_keeps_nan`` the
+    ``finish(out)`` zeroes empty rows. Without ``Fused.fused_keeps_nan`` the
     NaN rules are kept around it on the device (a query row's NaN comes back;
     under a per-query mask, rows that may see a NaN key are NaN).
     ``queries_finite``, ``keys_finite``: checked finite by the caller;
@@ -197,9 +197,9 @@ def masked_softmax(
     float32 for half precision, in the dtype of ``scores``; masked weights and
     empty rows are exactly 0. What the caller knows makes it cheaper, never
     different: ``empty_rows=False``, every row sees a key; ``hidden_finite``,
-    no hidden score is NaN (``Backend.masks_by_adding``); ``before_product``
-    (``Backend.softmax_before_product``); ``lens``, the lengths ``visible``
-    came from (``Backend.below_lengths``; ``visible`` may then be a function
+    no hidden score is NaN (``Masking.masks_by_adding``); ``before_product``
+    (``Masking.softmax_before_product``); ``lens``, the lengths ``visible``
+    came from (``Masking.below_lengths``; ``visible`` may then be a function
     that makes it); ``dtype``, ``device``: of ``scores``."""
     dtype = dtype or xp.dtype_name(scores)
     work = compute_dtype(dtype)

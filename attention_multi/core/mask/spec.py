@@ -76,7 +76,7 @@ def is_int(*xs: Any) -> bool:
 
 
 # (batch x Q x K) of a mask made on the host at most: larger, the framework's
-# threads are faster (the least: ``Backend.host_mask_min_size``)
+# threads are faster (the least: ``Masking.host_mask_min_size``)
 HOST_MASK_MAX = 1 << 22
 
 
@@ -133,7 +133,7 @@ class Form:
         raise NotImplementedError
 
     def snapshot(self, xp: Backend) -> Form:
-        """This form over copies of its arrays (``Backend.snapshot``)."""
+        """This form over copies of its arrays (``Copies.snapshot``)."""
         return self
 
 
@@ -181,7 +181,7 @@ def _and(xp: Backend, parts: Iterable[Array | None]) -> Array | None:
 class Mask:
     """Which keys each query may see, for (batch, heads, Q, K) attention:
     ``forms`` in the keyword list's order; ``host`` False while host code is
-    traced (``Backend.host_code_traced``: nothing decided on the host); ``xp``
+    traced (``Tracing.host_code_traced``: nothing decided on the host); ``xp``
     the backend. Nothing writes into a Mask: a block is a new one (``region``)."""
 
     __slots__ = (

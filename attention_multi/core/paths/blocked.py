@@ -2,7 +2,7 @@
 ``score_mod``, ``segment_ids``): per block of queries, over the blocks of keys
 that are not empty (``mask.host_table``; full ones without a mask), through
 ``fused.kernel`` over its runs of keys side by side, or one online-softmax step
-per run. While traced, each block is a ``Backend.cond`` on a device-side test.
+per run. While traced, each block is a ``Blocks.cond`` on a device-side test.
 A framework that compiles each new shape runs ``fixed_blocks``.
 """
 

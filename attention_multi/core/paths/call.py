@@ -89,7 +89,7 @@ class Call:
 
 def fewer_threads(call: Call) -> bool:
     """Whether a path of many small calls runs them in fewer threads of the
-    CPU pool (``Backend.in_fewer_threads``), forward and backward: where a call
+    CPU pool (``Threads.in_fewer_threads``), forward and backward: where a call
     waits now (a busy machine), so that they wait for fewer descheduled
     threads. (2 cores beside one busy process: the tiles' training step in
     one thread 0.45x SDPA's against 1.1x in two; the packed forward 562 ms
@@ -118,7 +118,7 @@ def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
 
 
 class Plan(NamedTuple):
-    """``cost`` in scores (a kernel call: ``Backend.call_cost()``) and the
+    """``cost`` in scores (a kernel call: ``Costs.call_cost()``) and the
     path's own ``detail`` for its ``run``."""
 
     cost: float
@@ -135,7 +135,7 @@ def expand_kv(xp: Backend, keys: Array, values: Array, heads: int) -> tuple[Arra
 
 class Pieces:
     """``x`` (batch, heads, n, d) cut along ``n`` at ``points`` by
-    ``Backend.split`` where autodiff records it (``Backend.is_differentiated``):
+    ``Backend.split`` where autodiff records it (``Autodiff.is_differentiated``):
     a slice's gradient is a buffer as large as ``x`` per slice, the pieces' are
     joined once. ``take(a, b)``: ``x[:, :, a:b]`` for points ``a``, ``b``
     (pieces side by side where it spans several)."""

@@ -138,7 +138,7 @@ def scan_keys(
     seen: Callable[[Any, Any], Array] | None = None,
 ) -> Any:
     """``state`` merged with the ``count`` blocks ``first, ...`` of ``grid``
-    (``key_blocks``) in one ``Backend.scan``, for the queries ``qs`` whose Mask
+    (``key_blocks``) in one ``Blocks.scan``, for the queries ``qs`` whose Mask
     over every key is ``rows`` (an interval mask: ``Mask.keys_from`` at a traced
     start); dropout draws from ``index`` plus the block's first key, and
     ``seen(k0, k1)`` skips a block at run time."""

@@ -1,8 +1,8 @@
-"""The block-sparse path in blocks of one shape (``Backend.compiles_per_shape``):
+"""The block-sparse path in blocks of one shape (``Tracing.compiles_per_shape``):
 what is compiled for one block serves every block and length. The last block
 of each axis ends at the end, overlapping the one before (its queries computed
 again, its keys counted before hidden: ``online.step``'s ``hidden``).
-``scanned`` (traced, ``Backend.sequential_scan``): scans over blocks of queries
+``scanned`` (traced, ``Blocks.sequential_scan``): scans over blocks of queries
 and of keys, each step skipped at run time. ``compiled`` (host): one call of one
 compiled kernel per block of keys that is not empty.
 """

@@ -1,7 +1,7 @@
 """The online-softmax step, written once: the state ``(row max, row sum,
 accumulator)`` of a block of queries over a block of keys, merged into a
-running state, recomputed in the backward pass (``Backend.checkpoint``),
-skipped at run time when not seen (``Backend.cond``); it also gives each row's
+running state, recomputed in the backward pass (``Autodiff.checkpoint``),
+skipped at run time when not seen (``Blocks.cond``); it also gives each row's
 log-sum-exp, and attention sinks are one more term of the row sum."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def _visible(
     xp: Backend, line: Line, lens: Array, least: int | None, device: Any
 ) -> tuple[Any, Any]:
     """``lengths_visible``'s pair ((None, None): every key seen), made when
-    asked on ``Backend.masks_by_lengths``."""
+    asked on ``Masking.masks_by_lengths``."""
     num_k = line.num_keys
     if least is not None and least >= num_k:
         return None, None

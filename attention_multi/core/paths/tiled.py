@@ -1,6 +1,6 @@
 """The tiled path: tiles of batch elements and a block of queries over only the
 keys they see (never the padding), each through the backend's kernel or the
-softmax-product here, on ``Backend.parallel_map``; the intervals on the host."""
+softmax-product here, on ``Threads.parallel_map``; the intervals on the host."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def plan(call: Call) -> Plan | None:
 
 def tile_cost(call: Call) -> float:
     """What a tile costs beyond its scores: through the framework's kernel, a
-    call (waits included) and its host work (``Backend.tile_host_cost``; on an
+    call (waits included) and its host work (``Costs.tile_host_cost``; on an
     accelerator ``ACCELERATOR_TILE_CALLS`` launches); else the full path's calls;
     each call at ``many_calls_cost``."""
     xp = call.xp
@@ -171,7 +171,7 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
 
 
 def run(call: Call, plan: Plan) -> tuple[Array, None]:
-    """The groups on ``Backend.parallel_map``, back in batch order; unguarded
+    """The groups on ``Threads.parallel_map``, back in batch order; unguarded
     first where one check of the output allows (``fused.trusting``); in
     fewer threads where ``fewer_threads``."""
     return in_fewer_threads(call, lambda c: _run(c, plan)), None

@@ -1,5 +1,5 @@
 """Tiles while the mask's intervals are traced (``jax.jit`` with lengths as
-arguments): per batch element, blocks of keys that ``Backend.cond`` skips at
+arguments): per batch element, blocks of keys that ``Blocks.cond`` skips at
 run time when no query of that element may see them (static shapes, so it
 compiles once). Blocks are recomputed in the backward pass."""
 
