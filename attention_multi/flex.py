@@ -53,7 +53,7 @@ from .core.mask.captures import captured, native_captures
 from .core.mask.functions import block_mask as _block_mask
 from .core.mask.functions import checked_mask, checked_scores, index_grid, is_causal
 from .core.mask.spec import FULL, PARTIAL
-from .functional import dot_product_attention
+from .functional import attention
 from .types import Array
 
 __all__ = [
@@ -153,12 +153,10 @@ def flex_attention(
         forms["mask_mod"] = blocks
     if score_mod is not None:
         forms["score_mod"] = score_mod
-    got = dot_product_attention(
-        query, key, value, scale=scale, sinks=sinks, return_lse=want_lse, **forms
-    )
+    done = attention(query, key, value, scale=scale, sinks=sinks, lse=want_lse, **forms)
+    out, lse = done.output, done.lse
     if return_aux is None:
-        return got
-    out, lse = got if want_lse else (got, None)
+        return (out, lse) if want_lse else out
     top = _max_scores(query, key, scale, forms) if want_max else None
     return out, AuxOutput(lse=lse, max_scores=top)
 

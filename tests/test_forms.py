@@ -97,7 +97,7 @@ def _run(backend, q, k, v, form, path, bias=None):
     m = make_mask(
         backend, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=backend.dtype_name(q), **form
     )
-    out, _, taken = attend(backend, q, k, v, m, path=path, chunk_size=3)
+    out, _, _, taken = attend(backend, q, k, v, m, path=path, chunk_size=3)
     return out, taken
 
 

@@ -41,7 +41,7 @@ def _check(form, traced, path, chunk_size):
         if lens is not None:  # a constant inside the jitted function, or an argument
             lens_arg = lens_arg if traced else jnp.asarray(lens, jnp.int32)
         mask = make_mask(B, BATCH, HEADS, NQ, NK, valid_lens=lens_arg, **rest)
-        out, _, _ = attend(B, q, k, v, mask, path=path, chunk_size=chunk_size)
+        out, _, _, _ = attend(B, q, k, v, mask, path=path, chunk_size=chunk_size)
         return (out * jnp.asarray(g, jnp.float32)).sum()
 
     arrays = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]

@@ -337,7 +337,7 @@ def test_attend_function_4d_layout(backend):
     flat = [x.reshape(6, 5, 4) for x in (q, k, v)]
     ref, _ = oracle.dot_product_attention(*flat, np.repeat(lens, 3, axis=0))
     for path in PATHS:
-        out, _, taken = _attend(
+        out, _, _, taken = _attend(
             backend,
             *(backend.asarray(x, "float32") for x in (q, k, v)),
             backend.asarray(lens, "int32"),
@@ -409,7 +409,7 @@ def test_size_dependent_kernel_variants(backend, mask):
                 q, k, v, None if lens is None else np.repeat(lens4, BATCH, axis=0)
             )
         for path in ("fused", "tiled"):
-            out, _, taken = _attend(
+            out, _, _, taken = _attend(
                 backend,
                 *args,
                 None if lens is None else backend.asarray(lens4 if shape4 else lens, "int32"),
@@ -446,7 +446,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
     """``tiled.bound`` lets the chooser skip planning the tiles where another
     plan costs less: it must be at most the tiles' cost, whatever the mask."""
     from attention_multi.core.paths import tiled
-    from attention_multi.core.paths.call import Call
+    from attention_multi.core.paths.call import Call, Options
 
     xp = am.get_backend("numpy")
     rng = np.random.default_rng(7)
@@ -466,7 +466,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
         mask = make_mask(xp, batch, heads, nq, nk, **forms)
         budget = int(rng.choice([0, 1 << 12, 1 << 16])) or None
         chunk = int(rng.choice([0, 16, 64])) or None
-        call = Call(xp, q, k, k, mask, 0.5, budget=budget, chunk_size=chunk)
+        call = Call(xp, q, k, k, mask, 0.5, Options(budget=budget, chunk_size=chunk))
         plan = tiled.plan(call)
         if plan is not None:
             assert tiled.bound(call) <= plan.cost * (1 + 1e-12), forms
@@ -525,7 +525,39 @@ def test_numpy_runs_many_small_products_in_one_blas_thread(blas_threads, form):
 
     m = am.DotProductAttention(0.0, backend="numpy", path="tiled")
     out = m(q, k, v, score_mod=same, **kw)
-    assert m.last_path == "tiled" and seen == {1}, seen
+    assert m.last_path == "blocked" and seen == {1}, seen
     assert blas_threads.get_global() == threads
     want, _ = oracle.attention(*(x[:, None] for x in (q, k, v)), **kw)
     np.testing.assert_allclose(out, want[:, 0], rtol=2e-5, atol=2e-5)
+
+
+def test_every_path_has_its_own_name_and_one_result(backend):
+    """One enumeration (``Path``): each planned path its own ``NAME``, which
+    ``last_path`` reports; ``path="tiled"`` still asks for the tile family,
+    ``"blocked"`` for the blocks alone. The functions and the modules route
+    through ``select.compute`` and get one ``Result`` (output, weights, lse,
+    path); ``attention`` gives it by name, ``dot_product_attention`` the output."""
+    from attention_multi.core import paths
+
+    names = [p.NAME for p in paths.REGISTRY]
+    assert len(set(names)) == len(names) and set(names) | {am.Path.EMPTY} == set(am.Path)
+    assert {p.family for p in am.Path} == {"full", "fused", "tiled", "chunked", "empty"}
+    rng = np.random.default_rng(0)
+    B, T = 2, 96
+    q, k, v = (
+        backend.asarray(np.asarray(rng.standard_normal((B, T, 8))), "float32") for _ in range(3)
+    )
+    ids = np.repeat(np.arange(3), 32)[None].repeat(B, 0)
+    want, _ = oracle.attention(*(backend.to_numpy(x)[:, None] for x in (q, k, v)), segment_ids=ids)
+    for path in ("tiled", "blocked"):
+        m = _module(am.DotProductAttention, backend, path, 0.0)
+        out = m(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"))
+        assert m.last_path.family == "tiled" and (path == "tiled" or m.last_path == "blocked")
+        np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=2e-5, atol=2e-5)
+    done = am.attention(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"), lse=True)
+    assert isinstance(done, am.Result) and done.weights is None and done.path in am.Path
+    assert tuple(done.lse.shape) == (B, T)
+    np.testing.assert_allclose(backend.to_numpy(done.output), want[:, 0], rtol=2e-5, atol=2e-5)
+    plain = am.dot_product_attention(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"))
+    np.testing.assert_allclose(backend.to_numpy(plain), want[:, 0], rtol=2e-5, atol=2e-5)
+    assert am.attention(q, k, v).lse is None  # (asked for by lse=True only)

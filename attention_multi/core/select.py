@@ -15,17 +15,18 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from attention_multi.backends.capabilities import opt
 
+from ..types import Path
 from . import paths
 from .checks import check_choice, check_positive_int
 from .mask import no_forms
 from .numerics import DEFAULT_MEMORY_BUDGET, default_scale, work_itemsize, zeros_for_empty
 from .paths import PATHS, full, online, small
-from .paths.call import AUTODIFF_HELD, Call, Weights
+from .paths.call import AUTODIFF_HELD, DEFAULTS, Call, Options, Result, Weights
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
-    from ..types import Array, TakenPath
+    from ..types import Array
     from .mask import Mask
 
 SMALL_SCORES = 1 << 15
@@ -109,7 +110,7 @@ def attend(
     weights: Weights = "later",
     private: bool = False,
     lse: bool = False,
-) -> tuple[Array, Any, TakenPath]:
+) -> Result:
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
@@ -118,12 +119,12 @@ def attend(
     ``"auto"``, or a path's name (tried first; ``"auto"`` chooses when it
     cannot run). ``weights``: ``"now"`` (read: the full path is worth it),
     ``"later"`` (a function of copies of the inputs; ``private``: of the
-    inputs as they are), ``"never"``. ``lse``: each row's log-sum-exp
-    (batch, heads, Q, 1) in the compute dtype (``-inf``: no key) in place of
-    the weights.
+    inputs as they are), ``"never"``. ``lse``: compute each row's
+    log-sum-exp too (the result's ``lse``; only paths that give it run).
 
-    Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K)
-    before dropout, a function computing them, or None; path taken)``. An
+    Returns a ``Result``: output (batch, heads, Q, dv); weights (batch *
+    heads, Q, K) before dropout, a function computing them, or None (with
+    ``lse``: None); lse (batch, heads, Q, 1) or None; the ``Path`` taken. An
     empty axis calls no kernel: path ``"empty"``, zeros. d = 0 gives scores
     of 0: uniform weights over the visible keys.
     """
@@ -142,28 +143,27 @@ def attend(
             rows = zeros_for_empty(xp, (batch, heads, num_q, 1), queries)
             if batch * heads * num_q:  # (no key: -inf; no kernel sees a zero-size array)
                 rows = rows + online.minus_inf(xp, xp.dtype_name(rows), xp.device_of(rows))
-            return out, rows, "empty"
-        return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
-    options = (path, memory_budget, chunk_size, weights, private, lse)
-    call = Call(xp, queries, keys, values, mask, scale, dropout, key, *options)
+            return Result(out, None, rows, Path.EMPTY)
+        weights_empty = zeros_for_empty(xp, (batch * heads, num_q, num_k), queries)
+        return Result(out, weights_empty, None, Path.EMPTY)
+    options = Options(dropout, key, path, memory_budget, chunk_size, weights, private, lse)
+    call = Call(xp, queries, keys, values, mask, scale, options)
     plain = mask.unmasked or mask.only_lens
     if (
         path == "auto"
         and full.fits(call)
         and (weights == "now" or is_small(xp, call.scores, num_k, queries, plain))
     ):
-        ran = full.run(call)
-        return ran[0], ran[-1], "full"
+        return full.run(call)._replace(path=Path.FULL)
     done = _cheapest(call) or _cheapest(call.auto())
     assert done is not None  # (the full or chunked path always has a plan under "auto")
-    out, kept, taken = done
-    if kept is None and weights != "never" and not lse:
-        kept = _kept_weights(call)
-    return out, kept, taken
+    if done.weights is None and weights != "never" and not lse:
+        done = done._replace(weights=_kept_weights(call))
+    return done
 
 
-def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
-    """The cheapest plan that runs: ``(output, weights or None, its NAME)``. A
+def _cheapest(call: Call) -> Result | None:
+    """The ``Result`` of the cheapest plan that runs, its ``path`` set. A
     path with a ``bound`` (a lower bound of its cost, cheaper than its plan)
     is planned only once no cheaper plan is left to run."""
     plans: list[tuple[float, int, Any, Any]] = []
@@ -186,8 +186,8 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
         plans.remove(best)
         _, _, module, plan = best
         done = module.run(call, plan)
-        if done is not None:  # (the log-sum-exp in place of the weights, when asked for)
-            return done[0], done[2] if call.lse else done[1], module.NAME
+        if done is not None:
+            return done._replace(path=module.NAME)
     return None
 
 
@@ -209,3 +209,53 @@ def _kept_weights(call: Call) -> Callable[[], Array]:
         return full.weights(xp, q, k, mask, call.scale)
 
     return read
+
+
+def compute(
+    xp: Backend,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Any,
+    mask: Callable[[], Mask] | None,
+    line: small.Line | None,
+    *,
+    scale: float | None = None,
+    options: Options = DEFAULTS,
+) -> Result:
+    """One call, for the functions and the modules alike: on the straight
+    line ``line`` (``straight_line``'s, or a module's kept one) where there is
+    one, else the call's ``Mask`` (``mask()``) on the path ``attend`` picks.
+    ``queries`` (batch, heads, Q, d) (the straight line takes (batch, Q, d)
+    too), ``scale`` default 1/sqrt(d). A ``Result``, its ``path`` set."""
+    if line is not None:
+        out, weights = small.attention(
+            xp,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            line.scale if scale is None else scale,
+            options.dropout,
+            options.key,
+            line,
+        )
+        return Result(out, weights, None, Path.FULL)
+    assert mask is not None
+    dropout, key, path, budget, chunk_size, weights, private, lse = options
+    return attend(
+        xp,
+        queries,
+        keys,
+        values,
+        mask(),
+        scale=scale,
+        dropout=dropout,
+        key=key,
+        path=path,
+        memory_budget=budget,
+        chunk_size=chunk_size,
+        weights=weights,
+        private=private,
+        lse=lse,
+    )

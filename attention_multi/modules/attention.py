@@ -12,7 +12,6 @@ from attention_multi.backends.capabilities import opt
 
 from ..core import (
     DEFAULT_MEMORY_BUDGET,
-    attend,
     check_path_options,
     checked_forms,
     make_mask,
@@ -34,6 +33,8 @@ from ..core.checks import (
 from ..core.mask.rules import guard_unused
 from ..core.numerics import work_itemsize
 from ..core.paths import small
+from ..core.paths.call import Options
+from ..core.select import compute
 from ..types import Array, AttentionPath, ModuleOptions, TakenPath
 from .base import Linear, Module
 from .cache import KVCache
@@ -483,20 +484,13 @@ class DotProductAttention(_Attention):
     ) -> Array:
         """The full path of a small call with lengths or nothing (``core/small.py``)."""
         self.__dict__.pop("_attention_read", None)
-        out, weights = small.attention(
-            self._backend,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            line.scale,
-            self.dropout if self.training else 0.0,
-            key,
-            line,
+        options = Options(self.dropout if self.training else 0.0, key)
+        done = compute(
+            self._backend, queries, keys, values, valid_lens, None, line, options=options
         )
-        self._keep_attention(weights)
-        self.__dict__["_attention_path"] = "full"
-        return out
+        self._keep_attention(done.weights)
+        self.__dict__["_attention_path"] = done.path
+        return done.output
 
     def _attend(
         self,
@@ -510,23 +504,21 @@ class DotProductAttention(_Attention):
         """Attention on checked (batch, heads, n, d) inputs and a normalized
         mask; ``private``: queries and keys that only this call holds."""
         read = self.__dict__.pop("_attention_read", False)  # the last call's weights
-        out, kept, taken = attend(
-            self._backend,
-            queries,
-            keys,
-            values,
-            mask,
-            dropout=self.dropout if self.training else 0.0,
-            key=key,
-            path=self.path,
-            memory_budget=self.memory_budget,
-            chunk_size=self.chunk_size,
-            weights="now" if read else "later",
-            private=private,
+        options = Options(
+            self.dropout if self.training else 0.0,
+            key,
+            self.path,
+            self.memory_budget,
+            self.chunk_size,
+            "now" if read else "later",
+            private,
         )
-        self._keep_attention(kept)
-        self.__dict__["_attention_path"] = taken
-        return out
+        done = compute(
+            self._backend, queries, keys, values, None, lambda: mask, None, options=options
+        )
+        self._keep_attention(done.weights)
+        self.__dict__["_attention_path"] = done.path
+        return done.output
 
 
 def _heads(xp: Backend, x: Array, h: int) -> Array:

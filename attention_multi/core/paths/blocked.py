@@ -14,20 +14,21 @@ import numpy as np
 
 from attention_multi.backends.capabilities import Fused, opt, supports
 
+from ...types import Path
 from ..mask import EMPTY, FULL, PARTIAL, Mask, computed_fraction, host_table
 from ..mask.arrays import arrays
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
 from . import fixed_blocks, fused, online
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped, in_fewer_threads
+from .call import Call, Pieces, Plan, Result, dropout_fn, expand_kv, grouped, in_fewer_threads
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.BLOCKED
 DEFAULT_BLOCK = 128
 KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
@@ -60,10 +61,10 @@ def plan(call: Call) -> Plan | None:
     are skipped at run time), or asked for by name. The cost: the non-empty
     blocks' scores and a kernel call per block of queries (traced: a share)."""
     xp, mask = call.xp, call.mask
-    if not call.asks("tiled") or not any(mask.form(n) for n in PROGRAMMABLE):
+    if not call.asks(NAME) or not any(mask.form(n) for n in PROGRAMMABLE):
         return None
     traced = not mask.known_on_host()
-    if call.path != "tiled":
+    if not call.named(NAME):
         if call.keyed_dropout:  # (jit and eager must draw alike)
             return None
         if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and opt(xp).runtime_cond):
@@ -103,14 +104,14 @@ def _spans(
     return spans
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced); in
     fewer threads where ``fewer_threads``."""
     return in_fewer_threads(call, lambda c: _run(c, plan))
 
 
-def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def _run(call: Call, plan: Plan) -> Result:
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     block_q, block_k, table = plan.detail

@@ -9,6 +9,7 @@ import numpy as np
 
 from attention_multi.backends.capabilities import opt
 
+from ...types import Path
 from ..numerics import DEFAULT_MEMORY_BUDGET, compute_dtype, work_itemsize
 
 if TYPE_CHECKING:
@@ -30,10 +31,26 @@ jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 BUSY_CALLS = 32
 
 
+class Options(NamedTuple):
+    """How a call is computed, beside its arrays, mask and scale (the
+    keywords of ``select.attend``)."""
+
+    dropout: float = 0.0  # the weights' dropout rate
+    key: Any = None  # the PRNG key of dropout (JAX)
+    path: str = "auto"  # ``"auto"`` or a ``Path`` (``"tiled"``: its family)
+    budget: int | None = None  # bytes of score-sized intermediates (``memory_budget``)
+    chunk_size: int | None = None  # queries and keys per block of the block paths
+    weights: Weights = "later"  # when the caller reads the weights
+    private: bool = False  # queries and keys only this call holds (kept as they are)
+    lse: bool = False  # the result's ``lse`` computed (a path that gives none declines)
+
+
+DEFAULTS = Options()
+
+
 class Call:
-    """The arguments of ``select.attend`` (``budget``: its ``memory_budget``,
-    bytes of score-sized intermediates) and what every plan reads of them;
-    with ``lse`` a path's ``run`` returns the log-sum-exp third."""
+    """One call: its arrays, ``Mask``, scale and ``Options``, and what every
+    plan reads of them (each option is an attribute: ``call.path``...)."""
 
     def __init__(
         self,
@@ -43,20 +60,13 @@ class Call:
         values: Array,
         mask: Mask,
         scale: float,
-        dropout: float = 0.0,
-        key: Any = None,
-        path: str = "auto",
-        budget: int | None = None,
-        chunk_size: int | None = None,
-        weights: Weights = "later",
-        private: bool = False,
-        lse: bool = False,
+        options: Options = DEFAULTS,
     ) -> None:
         self.xp, self.mask, self.scale = xp, mask, scale
         self.queries, self.keys, self.values = queries, keys, values
-        self.dropout, self.key, self.path = dropout, key, path
+        self.dropout, self.key, self.path, budget, self.chunk_size = options[:5]
+        self.weights, self.private, self.lse = options[5:]
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
-        self.chunk_size, self.weights, self.private, self.lse = chunk_size, weights, private, lse
         self.batch, self.heads, self.num_queries = queries.shape[:3]
         self.num_keys = keys.shape[2]
         self.dtype, self.device = xp.dtype_name(queries), xp.device_of(queries)
@@ -65,7 +75,7 @@ class Call:
         self.itemsize = work_itemsize(xp, queries)
         self.held = AUTODIFF_HELD if opt(xp).is_differentiated(queries) else 1
         self.scores_bytes = self.scores * self.itemsize * self.held
-        self.keyed_dropout = bool(dropout) and key is not None
+        self.keyed_dropout = bool(self.dropout) and self.key is not None
         self.call_cost = opt(xp).call_cost(self.device)  # (in scores: one more framework call, now)
         self.compiled_call_cost = opt(xp).compiled_call_cost(self.device)  # (a branch under jit)
 
@@ -82,9 +92,14 @@ class Call:
         call.__dict__.update(self.__dict__, **fields)
         return call
 
-    def asks(self, *paths: str) -> bool:
-        """Whether the caller asked for one of ``paths`` (or ``"auto"``)."""
-        return self.path == "auto" or self.path in paths
+    def asks(self, path: Path) -> bool:
+        """Whether the caller asked for ``path`` (by its name or its family's,
+        ``"tiled"``) or for ``"auto"``."""
+        return self.path == "auto" or self.named(path)
+
+    def named(self, path: Path) -> bool:
+        """Whether the caller asked for ``path`` by its name or its family's."""
+        return self.path == path or self.path == path.family
 
 
 def fewer_threads(call: Call) -> bool:
@@ -115,6 +130,20 @@ def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
         return run(call)
     q, k, v = call.queries, call.keys, call.values
     return opt(call.xp).in_fewer_threads(lambda *qkv: run(call.on(*qkv)), q, k, v)
+
+
+class Result(NamedTuple):
+    """What a call gives, on any path: ``output`` (batch, heads, Q, dv) in
+    the call's dtype; ``weights`` (batch * heads, Q, K) before dropout, a
+    function computing them, or None; ``lse``, each row's log-sum-exp
+    (batch, heads, Q, 1) in the compute dtype (``-inf``: no key), where the
+    call asked for it (``Options.lse``), else None; ``path``, the ``Path``
+    that ran (the chooser sets it)."""
+
+    output: Array
+    weights: Any = None
+    lse: Array | None = None
+    path: Path | None = None
 
 
 class Plan(NamedTuple):

@@ -11,13 +11,14 @@ import numpy as np
 
 from attention_multi.backends.capabilities import opt
 
+from ...types import Path
 from ..mask import EMPTY
 from ..mask.intervals import key_range
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv
+from .call import Call, Pieces, Plan, Result, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ...types import Array
     from ..mask import Mask
 
-NAME = "chunked"
+NAME = Path.CHUNKED
 DEFAULT_BLOCK_KEYS = 1024
 DIAGONAL_BLOCK = 256  # blocks under causal or window masks
 PASSES = 3
@@ -47,7 +48,7 @@ def plan(call: Call) -> Plan | None:
     return None
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Blocks of ``chunk_size`` queries and keys, or up to 1024 keys and the
     queries that fill a sixteenth of the budget (square blocks of up to 256
     under causal or window masks: those past the diagonal are skipped)."""

@@ -20,7 +20,7 @@ from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, dropout_fn, expand_kv
+from .call import Call, Result, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from ...types import Array
@@ -34,7 +34,7 @@ def starts(n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     return start.astype(np.int32), (first - start).astype(np.int32)
 
 
-def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
+def scanned(call: Call, block_q: int, block_k: int) -> Result:
     """Traced: scans over the blocks of queries and of keys; ``(output, None)``,
     or ``(output, None, log-sum-exp)`` with ``call.lse``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
@@ -79,7 +79,7 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
     return online.result(call, [list(done)])
 
 
-def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Any, ...]:
+def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> Result:
     """The blocks of keys not empty in ``table`` (host states), each one call of
     the compiled kernel (a ``score_mod`` or dropout: the step). As ``scanned``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device

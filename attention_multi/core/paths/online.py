@@ -17,6 +17,7 @@ from ..mask import Mask
 from ..mask.arrays import arrays
 from ..mask.rules import guard_block
 from ..numerics import empty_rows, fill, fill_against, fill_value, in_dtype, normalize, scalar
+from .call import Result
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -195,12 +196,12 @@ def joined(xp: Backend, parts: list[Array], axis: int = 2) -> Array:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
 
 
-def result(call: Call, parts: list[list[Array]], axis: int = 2) -> tuple[Any, ...]:
-    """``(output, None)``, with ``call.lse`` ``(output, None, log-sum-exp)``, of
-    ``parts`` (each ``rows``'s) joined along ``axis``; the output in the call's dtype."""
+def result(call: Call, parts: list[list[Array]], axis: int = 2) -> Result:
+    """The ``Result`` of ``parts`` (each ``rows``'s) joined along ``axis``: the
+    output in the call's dtype, no weights, with ``call.lse`` the log-sum-exp."""
     xp = call.xp
     out = in_dtype(xp, joined(xp, [p[0] for p in parts], axis), call.dtype)
-    return (out, None, joined(xp, [p[1] for p in parts], axis)) if call.lse else (out, None)
+    return Result(out, None, joined(xp, [p[1] for p in parts], axis) if call.lse else None)
 
 
 def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from attention_multi.backends.capabilities import Fused, opt, supports
 
+from ...types import Path
 from ..mask.intervals import element_ranges, host_bounds
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
@@ -19,6 +20,7 @@ from .call import (
     Call,
     Pieces,
     Plan,
+    Result,
     dropout_fn,
     expand_kv,
     grouped,
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.TILED
 DEFAULT_BLOCK_QUERIES = 512
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls counted): cost / this
@@ -105,8 +107,8 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
     or ``lse``, nor, unless named, where each new shape compiles."""
-    xp, named = call.xp, call.path == "tiled"
-    if not call.asks("tiled") or call.keyed_dropout or call.lse:
+    xp, named = call.xp, call.named(NAME)
+    if not call.asks(NAME) or call.keyed_dropout or call.lse:
         return None
     if not named and opt(xp).compiles_per_shape:
         return None
@@ -170,11 +172,11 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
     return np.argsort(order) if (order != np.arange(len(order))).any() else None
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None]:
+def run(call: Call, plan: Plan) -> Result:
     """The groups on ``Threads.parallel_map``, back in batch order; unguarded
     first where one check of the output allows (``fused.trusting``); in
     fewer threads where ``fewer_threads``."""
-    return in_fewer_threads(call, lambda c: _run(c, plan)), None
+    return Result(in_fewer_threads(call, lambda c: _run(c, plan)))
 
 
 def _run(call: Call, plan: Plan) -> Array:

@@ -9,17 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 from attention_multi.backends.capabilities import opt
 
+from ...types import Path
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, Plan, expand_kv
+from .call import Call, Plan, Result, expand_kv
 from .chunked import key_blocks, scan_keys
 
 if TYPE_CHECKING:
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.TRACED
 DEFAULT_BLOCK_KEYS = 64
 SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
@@ -27,7 +28,7 @@ SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks ski
 def plan(call: Call) -> Plan | None:
     """Traced intervals, a framework that branches at run time, no dropout."""
     xp, mask = call.xp, call.mask
-    if not call.asks("tiled") or call.dropout or not opt(xp).runtime_cond:
+    if not call.asks(NAME) or call.dropout or not opt(xp).runtime_cond:
         return None
     if mask.intervals is None or mask.known_on_host():
         return None
@@ -45,7 +46,7 @@ def _block_keys(call: Call) -> int:
     return max(1, min(call.num_keys, block_k))
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Per batch element, its blocks of keys (at most 16 within the budget, or
     ``chunk_size``), each skipped when no query of the element sees it."""
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
