@@ -154,7 +154,7 @@ def dot_product_attention(
             lse=True,
             **forms,
         )
-        return done.output, done.lse  # type: ignore[return-value]
+        return done.output, done.lse
     return attention(
         queries,
         keys,
@@ -216,9 +216,10 @@ def attention(
     out, lse_rows = done.output, done.lse
     if sinks is not None:
         out, lse_rows = add_sinks(xp, out, lse_rows, sinks)
-    if lse:
-        lse_rows = lse_rows.reshape((batch, heads, num_q) if ndim == 4 else (batch, num_q))
-    return Result(out if ndim == 4 else out[:, 0], None, lse_rows if lse else None, done.path)
+    if lse_rows is not None:
+        shape = (batch, heads, num_q) if ndim == 4 else (batch, num_q)
+        lse_rows = lse_rows.reshape(shape) if lse else None
+    return Result(out if ndim == 4 else out[:, 0], None, lse_rows, done.path)
 
 
 def _checked(
