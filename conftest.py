@@ -38,6 +38,7 @@ import tempfile
 import pytest
 
 from attention_multi import backends
+from attention_multi.backends.capabilities import opt
 
 # Idle OpenMP threads sleep instead of spinning (read when torch loads, later):
 # the suite's workers share the cores (in CI, two stacks of two workers on two),
@@ -231,7 +232,7 @@ def load_backend(name):
         if name in REQUIRED:
             pytest.fail(f"required backend {name!r} is unavailable: {exc}", pytrace=False)
         pytest.skip(f"backend {name!r} is not installed: {exc}")
-    B.enable_float64()  # float64 rows need it (JAX); explicit dtypes keep float32
+    opt(B).enable_float64()  # float64 rows need it (JAX); explicit dtypes keep float32
     return B
 
 

@@ -15,7 +15,9 @@ from .core.mask import (
     segments_from_cu_seqlens,
     segments_from_lengths,
 )
+from .core.paths.call import Result
 from .functional import (
+    attention,
     dot_product_attention,
     masked_softmax,
     nadaraya_watson,
@@ -40,7 +42,7 @@ from .modules import (
 )
 from .params import get_params, set_params
 from .plotting import show_heatmaps
-from .types import Array, BackendLike, DeviceLike
+from .types import Array, BackendLike, DeviceLike, Path
 
 __version__ = "0.1.0"
 
@@ -53,8 +55,11 @@ __all__ = [
     "Module",
     "MultiHeadAttention",
     "NWKernelRegression",
+    "Path",
     "PositionalEncoding",
+    "Result",
     "asarray",
+    "attention",
     "available_backends",
     "block_mask",
     "dot_product_attention",

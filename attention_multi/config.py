@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import attention_multi.backends as backends
-from attention_multi.backends import Backend
+from attention_multi.backends import Backend, devices
 from attention_multi.backends.types import DeviceKind
 
 BACKEND_ENV = "ATTENTION_MULTI_BACKEND"
@@ -93,8 +93,8 @@ def native_device(backend: Backend, name: Any = None) -> Any:
     ``None`` reads ATTENTION_MULTI_DEVICE. A native device object passes through."""
     if name is None:
         with _named_env_device() as name:
-            return backend.native_device(name)
-    return backend.native_device(name)
+            return devices.native_device(backend, name)
+    return devices.native_device(backend, name)
 
 
 @contextlib.contextmanager

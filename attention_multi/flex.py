@@ -45,6 +45,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from attention_multi import backends
+from attention_multi.backends.capabilities import opt
 
 from .config import chosen_backend, get_backend, native_device
 from .core.mask.blocks import BlockMask, bound, noop_mask
@@ -52,7 +53,7 @@ from .core.mask.captures import captured, native_captures
 from .core.mask.functions import block_mask as _block_mask
 from .core.mask.functions import checked_mask, checked_scores, index_grid, is_causal
 from .core.mask.spec import FULL, PARTIAL
-from .functional import dot_product_attention
+from .functional import attention
 from .types import Array
 
 __all__ = [
@@ -152,12 +153,10 @@ def flex_attention(
         forms["mask_mod"] = blocks
     if score_mod is not None:
         forms["score_mod"] = score_mod
-    got = dot_product_attention(
-        query, key, value, scale=scale, sinks=sinks, return_lse=want_lse, **forms
-    )
+    done = attention(query, key, value, scale=scale, sinks=sinks, lse=want_lse, **forms)
+    out, lse = done.output, done.lse
     if return_aux is None:
-        return got
-    out, lse = got if want_lse else (got, None)
+        return (out, lse) if want_lse else out
     top = _max_scores(query, key, scale, forms) if want_max else None
     return out, AuxOutput(lse=lse, max_scores=top)
 
@@ -195,7 +194,7 @@ def as_block_mask(block_mask: Any) -> BlockMask | Callable[..., Array] | None:
             f"block_mask must be a BlockMask of create_block_mask (ours or torch's), "
             f"got {type(block_mask).__name__}"
         )
-    if backends.load("torch").is_tracing():  # (its tables are not on the host now)
+    if opt(backends.load("torch")).is_tracing():  # (its tables are not on the host now)
         return _traced_tables(block_mask)
     ours = _CONVERTED.get(block_mask)
     if ours is None:
@@ -315,7 +314,7 @@ def _create_block_mask(
     backend: Any,
 ) -> BlockMask:
     xp = _backend_for(mask_mod, backend, device)
-    if xp.host_code_traced():  # (torch.compile: no host states; every block is partial)
+    if opt(xp).host_code_traced():  # (torch.compile: no host states; every block is partial)
         shape = (1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN)
         bq, bk = BLOCK_SIZE if isinstance(BLOCK_SIZE, (tuple, list)) else (BLOCK_SIZE,) * 2
         states = np.full(shape[:2] + (-(-Q_LEN // bq), -(-KV_LEN // bk)), PARTIAL, np.int8)

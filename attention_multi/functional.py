@@ -3,12 +3,20 @@ backend (the backend comes from the arrays)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .backends.capabilities import Distributed, supports
-from .core import attend, checked_forms, default_scale, make_mask, straight_line, zeros_for_empty
+from .core import (
+    checked_forms,
+    compute,
+    default_scale,
+    make_mask,
+    straight_line,
+    zeros_for_empty,
+)
 from .core import masked_softmax as _masked_softmax
 from .core.checks import (
     backend_of,
@@ -23,7 +31,7 @@ from .core.checks import (
     valid_lens_checked,
 )
 from .core.mask.segments import pair_on_device
-from .core.paths import small
+from .core.paths.call import Options, Result
 from .core.paths.online import add_sinks
 from .types import Array
 
@@ -81,7 +89,7 @@ def dot_product_attention(
     sinks: Array | None = None,
     return_lse: bool = False,
     **forms: Unpack[MaskForms],
-) -> Array | tuple[Array, Array]:
+) -> Array:
     """Scaled dot-product attention, functional, on any backend.
 
     ``queries`` (batch, Q, d) or (batch, heads, Q, d); ``keys``/``values``
@@ -120,18 +128,73 @@ def dot_product_attention(
       key of that score and a zero value were always visible; the output is
       ``out * sigmoid(lse - sink)``. A row with no allowed key stays zero.
       Differentiable (its gradient reaches ``sinks``).
-    - ``return_lse=True``: returns ``(output, lse)``, ``lse`` (batch, [heads,]
-      Q) the natural log of each row's softmax denominator: ``log(sum(exp(s)))``
-      over the allowed keys of the scaled scores ``s`` after ``bias`` and
-      ``score_mod`` (and ``+ exp(sink)`` with ``sinks``), in float32 for half
-      precision; ``-inf`` for a row with no allowed key (the sink with
-      ``sinks``). Differentiable; a framework's fused kernel does not give
-      it, so another path computes such calls.
+    - ``return_lse=True`` (deprecated: ``attention(..., lse=True)`` gives
+      the log-sum-exp in a named result): ``(output, lse)``, with a
+      ``DeprecationWarning``.
+
+    ``attention`` is the same call with a named result (output,
+    log-sum-exp, the path taken).
     """
+    if check_bool("return_lse", return_lse):
+        warnings.warn(
+            "dot_product_attention(return_lse=True) is deprecated: "
+            "attention(..., lse=True) returns the output and .lse by name",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        done = attention(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            scale=scale,
+            dropout=dropout,
+            key=key,
+            sinks=sinks,
+            lse=True,
+            **forms,
+        )
+        return done.output, done.lse
+    return attention(
+        queries,
+        keys,
+        values,
+        valid_lens,
+        scale=scale,
+        dropout=dropout,
+        key=key,
+        sinks=sinks,
+        **forms,
+    ).output
+
+
+def attention(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Array | None = None,
+    *,
+    scale: float | None = None,
+    dropout: float = 0.0,
+    key: Any = None,
+    sinks: Array | None = None,
+    lse: bool = False,
+    **forms: Unpack[MaskForms],
+) -> Result:
+    """``dot_product_attention``'s call (the same arguments; see it), with a
+    named result, a ``Result``: ``output`` in the layout of ``queries``;
+    ``weights`` None; ``lse`` where ``lse=True`` (else None): (batch,
+    [heads,] Q), the natural log of each row's softmax denominator,
+    ``log(sum(exp(s)))`` over the allowed keys of the scaled scores ``s``
+    after ``bias`` and ``score_mod`` (and ``+ exp(sink)`` with ``sinks``), in
+    float32 for half precision, ``-inf`` for a row with no allowed key (the
+    sink with ``sinks``), differentiable (a framework's fused kernel does not
+    give it, so another path computes such calls); ``path``, the ``Path``
+    taken."""
     checked_forms("dot_product_attention", forms)
     xp, q, k, v, ndim = _checked_inputs(queries, keys, values)
     batch, heads, num_q, _ = q.shape
-    return_lse = check_bool("return_lse", return_lse)
+    lse = check_bool("lse", lse)
     if sinks is not None:
         check_array(xp, "sinks", sinks, 1, "(heads,)")
         check_float(xp, "sinks", sinks)
@@ -139,20 +202,24 @@ def dot_product_attention(
             raise ValueError(
                 f"sinks must have shape ({heads},) (one per head), got {tuple(sinks.shape)}"
             )
-    if sinks is not None or return_lse:
-        return _with_lse(
-            xp, q, k, v, valid_lens, scale, dropout, key, sinks, return_lse, ndim, forms
-        )
-    line = straight_line(xp, "auto", q, k, v, valid_lens, forms)
+    rows = lse or sinks is not None  # (the straight line gives no log-sum-exp)
+    line = None if rows else straight_line(xp, "auto", q, k, v, valid_lens, forms)
     if line is not None:
-        dropout = check_dropout("dropout", dropout)
-        scale = check_scale(scale)
-        scale = default_scale(q.shape[-1]) if scale is None else scale
-        out, _ = small.attention(xp, q, k, v, valid_lens, scale, dropout, key, line)
-        return out if ndim == 4 else out[:, 0]
-    m, dropout, scale = _checked(xp, q, k, valid_lens, dropout, scale, ndim, forms)
-    out, _, _ = attend(xp, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never")
-    return out if ndim == 4 else out[:, 0]
+        options = Options(check_dropout("dropout", dropout), key, weights="never")
+        done = compute(
+            xp, q, k, v, valid_lens, None, line, scale=check_scale(scale), options=options
+        )
+    else:
+        m, dropout, scale = _checked(xp, q, k, valid_lens, dropout, scale, ndim, forms)
+        options = Options(dropout, key, weights="never", lse=rows)
+        done = compute(xp, q, k, v, valid_lens, lambda: m, None, scale=scale, options=options)
+    out, lse_rows = done.output, done.lse
+    if sinks is not None:
+        out, lse_rows = add_sinks(xp, out, lse_rows, sinks)
+    if lse_rows is not None:
+        shape = (batch, heads, num_q) if ndim == 4 else (batch, num_q)
+        lse_rows = lse_rows.reshape(shape) if lse else None
+    return Result(out if ndim == 4 else out[:, 0], None, lse_rows, done.path)
 
 
 def _checked(
@@ -180,35 +247,6 @@ def _checked(
         **forms,
     )
     return m, check_dropout("dropout", dropout), check_scale(scale)
-
-
-def _with_lse(
-    xp: Backend,
-    q: Array,
-    k: Array,
-    v: Array,
-    valid_lens: Any,
-    scale: Any,
-    dropout: Any,
-    key: Any,
-    sinks: Array | None,
-    return_lse: bool,
-    ndim: int,
-    forms: Any,
-) -> Array | tuple[Array, Array]:
-    """``dot_product_attention`` with ``sinks`` or ``return_lse`` (4-D views)."""
-    batch, heads, num_q, _ = q.shape
-    m, dropout, scale = _checked(xp, q, k, valid_lens, dropout, scale, ndim, forms)
-    out, lse, _ = attend(
-        xp, q, k, v, m, scale=scale, dropout=dropout, key=key, weights="never", lse=True
-    )
-    if sinks is not None:
-        out, lse = add_sinks(xp, out, lse, sinks)
-    if ndim == 3:
-        out = out[:, 0]
-    if not return_lse:
-        return out
-    return out, lse.reshape((batch, heads, num_q) if ndim == 4 else (batch, num_q))
 
 
 def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:

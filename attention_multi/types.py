@@ -6,6 +6,7 @@ MXNet array); names, options and choices are exact ``Literal`` types.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal, TypedDict, Union
 
 from attention_multi.backends import Backend
@@ -20,17 +21,39 @@ __all__ = [
     "DeviceLike",
     "FloatDType",
     "ModuleOptions",
+    "Path",
     "Shape",
     "TakenPath",
     "Window",
 ]
 
-AttentionPath = Literal["auto", "fused", "tiled", "chunked", "full"]
-"""The ``path=`` of ``DotProductAttention``, ``MultiHeadAttention`` and ``attend``."""
 
-TakenPath = Literal["fused", "tiled", "chunked", "full", "empty"]
-"""What ``module.last_path`` reports after a call (``"empty"``: an axis was
-empty and no kernel ran)."""
+class Path(StrEnum):
+    """Every path, each by its own name: what ``module.last_path`` reports
+    (a ``str``: ``m.last_path == "tiled"`` reads as before) and what
+    ``path=`` asks for. ``"tiled"`` asks for the three tile paths (``family``)."""
+
+    FULL = "full"  # the scores materialized (small calls: the straight line)
+    FUSED = "fused"  # the framework's own kernel
+    TILED = "tiled"  # groups of batch elements, each one kernel call over the keys it sees
+    BLOCKED = "blocked"  # blocks of queries and keys, the empty ones skipped
+    TRACED = "traced"  # under a trace: blocks of keys skipped at run time
+    CHUNKED = "chunked"  # the online softmax over blocks, within the memory budget
+    EMPTY = "empty"  # an axis was empty: no kernel ran
+
+    @property
+    def family(self) -> str:
+        """What ``path=`` names it by as well: ``"tiled"`` for the tile paths."""
+        return "tiled" if self in (Path.BLOCKED, Path.TRACED) else self.value
+
+
+AttentionPath = Literal["auto", "fused", "tiled", "blocked", "traced", "chunked", "full"]
+"""The ``path=`` of ``DotProductAttention``, ``MultiHeadAttention`` and ``attend``:
+``"auto"`` or a ``Path`` (``"tiled"``: any of the tile paths)."""
+
+TakenPath = Literal["fused", "tiled", "blocked", "traced", "chunked", "full", "empty"]
+"""What ``module.last_path`` reports after a call: a ``Path`` (``"empty"``: an
+axis was empty and no kernel ran)."""
 
 BackendLike = Union[str, Backend, None]
 """``backend=``: a name (``"torch"``, alias ``"pytorch"``), a ``Backend``, or

@@ -2,11 +2,13 @@
 
 import numpy as np
 
+from attention_multi.backends.capabilities import Autodiff, supports
+
 
 def gradients(backend, module, inputs, loss_weights, lens):
     """``{name: numpy gradient}`` of ``sum(module(*inputs, lens) * loss_weights)``
     w.r.t. every parameter (d2l names) and each input ("input0", ...)."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         raise ValueError(f"{backend.name} has no autodiff")
     R = backend.asarray(loss_weights, backend.dtype_name(inputs[0]))
 

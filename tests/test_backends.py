@@ -9,7 +9,9 @@ import pytest
 
 import attention_multi as am
 from attention_multi import backends
+from attention_multi.backends.capabilities import Autodiff, opt, supports, value_and_grad
 from attention_multi.backends.protocol import Backend, NativeModule
+from attention_multi.modules.base import native_class
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,7 +55,7 @@ def test_its_row_of_the_table_agrees_with_its_class(backend):
     (spec,) = [s for s in backends.BACKENDS if s.name == backend.name]
     assert type(backend).__name__ == spec.class_name
     assert type(backend).__module__ == f"attention_multi.backends.{spec.module}"
-    assert backend.autodiff == spec.autodiff
+    assert supports(backend, Autodiff) == spec.autodiff
     if not spec.cuda:
         with pytest.raises(ValueError, match="not available"):
             backend.device("cuda")
@@ -97,17 +99,32 @@ def test_every_list_of_frameworks_is_the_tables():
 
 
 def test_the_required_protocol_is_small_and_capabilities_are_declared(backend):
-    """At most 25 required members, which every backend has; the fused kernel
-    and the distributed exchange are capabilities a backend has or lacks
-    (NumPy: neither, no member of either)."""
-    from attention_multi.backends.capabilities import Distributed, Fused, supports
+    """At most 25 required members, which every backend has; every other
+    member is in one small declared capability, which a backend has or lacks:
+    the NumPy backend writes only ``Threads`` and has no member of any other
+    (the core reads them through ``opt``, its generic defaults)."""
+    from attention_multi.backends import capabilities as caps
+    from attention_multi.backends.defaults import Generic
     from attention_multi.backends.required import REQUIRED, Required
 
     assert len(REQUIRED) <= 25 and isinstance(backend, Required)
-    assert supports(backend, Fused) == (backend.name != "numpy")
-    assert supports(backend, Distributed) == (backend.name in ("torch", "jax"))
+    assert supports(backend, caps.Fused) == (backend.name != "numpy")
+    assert supports(backend, caps.Distributed) == (backend.name in ("torch", "jax"))
+    groups = {cap: caps.members(cap) for cap in caps.CAPABILITIES}
+    named = [n for ms in groups.values() for n in ms]
+    assert len(named) == len(set(named)) and not set(named) & set(REQUIRED)
+    assert all(1 <= len(ms) <= 10 for ms in groups.values()), groups
+    # every generic default is a member of one group (none undeclared)
+    defaults = {n for n in vars(Generic) if not n.startswith("_")}
+    assert defaults <= set(named), defaults - set(named)
+    full = opt(backend)
+    no_default = ("fused_attention", "ring_exchange", "gradients")  # (the capability itself)
+    assert all(hasattr(full, n) for n in named if n not in no_default)
     if backend.name == "numpy":
-        assert not hasattr(backend, "fused_attention") and not hasattr(backend, "ring_exchange")
+        own = {cap.__name__ for cap in caps.CAPABILITIES if supports(backend, cap)}
+        assert own == {"Threads"}
+        assert [n for n in named if hasattr(backend, n)] == list(caps.members(caps.Threads))
+        assert full.read_slice(np.arange(6), 2, 3, 0).tolist() == [2, 3, 4]  # (the default)
     source = REPO / "attention_multi" / "backends" / "numpy.py"
     assert len(source.read_text().splitlines()) <= 150
 
@@ -117,7 +134,7 @@ def test_asarray_to_numpy_round_trip(backend, dtype):
     a = put(backend, x, dtype)
     assert backend.is_array(a) and not backend.is_array(x.tolist())
     assert backend.dtype_name(a) == dtype
-    assert backend.is_concrete(a)
+    assert opt(backend).is_concrete(a)
     np.testing.assert_array_equal(backend.to_numpy(a).astype(np.float64), x)
 
 
@@ -202,7 +219,7 @@ def test_below_lengths_is_the_lengths_where(backend, dtype, ndim, lens_form):
                 keep = j < row_lens.reshape((batch,) + (1,) * (ndim - 3) + (-1, 1))
             else:  # (batch, [heads,] K, d): key row j below the longest length
                 keep = (j < used_len[:, None]).reshape((batch,) + (1,) * (ndim - 3) + (n, 1))
-            got = backend.below_lengths(
+            got = opt(backend).below_lengths(
                 put(backend, x, dtype), put(backend, keep), lens_in, value, axis
             )
             want = np.where(keep, rounded(x, dtype), value)
@@ -247,7 +264,7 @@ def test_uniform_uses_the_requested_range_and_dtype(backend, dtype):
 
 
 def _dropout(backend, x, p):
-    return backend.dropout(x, p, key=backend.dropout_key(0))
+    return backend.dropout(x, p, key=opt(backend).dropout_key(0))
 
 
 def test_dropout_zeroes_about_p_and_rescales(backend, dtype):
@@ -259,7 +276,7 @@ def test_dropout_zeroes_about_p_and_rescales(backend, dtype):
 
 def test_dropout_key_is_only_for_jax(backend):
     x = put(backend, np.ones(4), "float32")
-    if backend.dropout_key(0) is not None:
+    if opt(backend).dropout_key(0) is not None:
         with pytest.raises(ValueError, match="PRNG key"):
             backend.dropout(x, 0.5)
     else:
@@ -278,11 +295,11 @@ def test_value_and_grad_or_a_clear_error(backend):
     def loss_fn(m):
         return backend.sum(m(q, kv, kv), axis=0)
 
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         with pytest.raises(NotImplementedError, match="torch, jax or mxnet"):
-            backend.value_and_grad(net, loss_fn)
+            value_and_grad(backend, net, loss_fn)
         return
-    loss, grads = backend.value_and_grad(net, loss_fn)
+    loss, grads = value_and_grad(backend, net, loss_fn)
 
     # d/dw of sum_n softmax(-((q_n - k)w)^2/2) . v_n, by central differences
     def f(w):
@@ -333,8 +350,8 @@ def test_module_base_provides_the_native_module_contract(backend):
 def test_native_class_is_cached_and_native(backend):
     import attention_multi as am
 
-    cls = backend.native_class(am.DotProductAttention)
-    assert cls is backend.native_class(am.DotProductAttention)
+    cls = native_class(backend, am.DotProductAttention)
+    assert cls is native_class(backend, am.DotProductAttention)
     assert issubclass(cls, am.DotProductAttention) and issubclass(cls, backend.module_base)
 
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import attention_multi as am
+from attention_multi.backends.capabilities import opt
 
 # (issue 63) checks the core makes: every row on NumPy, a smoke on each other backend
 pytestmark = pytest.mark.core
@@ -187,7 +188,7 @@ def test_module_backend_vs_input_backend(backend):
 def test_dtype_mismatch_with_parameters(backend):
     mha = am.MultiHeadAttention(4, 4, 4, 8, 2, 0.0, backend=backend)
     other = "float64" if "float64" in backend.float_dtypes else "float16"
-    backend.enable_float64()
+    opt(backend).enable_float64()
     x = arr(backend, 2, 3, 4, dtype=other)
     with pytest.raises(
         TypeError,

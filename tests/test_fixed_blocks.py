@@ -123,13 +123,13 @@ def test_jitted_blocks_at_traced_offsets(name):
 
     def out(q, k, v, arrays):
         mask = make_mask(B, BATCH, HEADS, nq, nk, **arrays, **fixed)
-        got, _, taken = attend(B, q, k, v, mask, path="tiled", chunk_size=4)
-        assert taken == "tiled"
+        got, _, _, taken = attend(B, q, k, v, mask, path="tiled", chunk_size=4)
+        assert taken.family == "tiled"  # (the tiles, or the blocks with a programmable form)
         return got
 
     def with_lse(q, k, v, arrays):
         mask = make_mask(B, BATCH, HEADS, nq, nk, **arrays, **fixed)
-        got, lse, _ = attend(B, q, k, v, mask, path="tiled", chunk_size=4, lse=True)
+        got, _, lse, _ = attend(B, q, k, v, mask, path="tiled", chunk_size=4, lse=True)
         return got, lse
 
     jarrays = {n: _each(jnp.asarray, x) for n, x in arrays.items()}
@@ -161,7 +161,7 @@ def test_eager_kernel_is_reused_by_a_new_length():
     shape: a call at a new length (blocks of 128, the last overlapping)
     compiles no kernel again, and each answer is the oracle's."""
     from attention_multi.core.paths import blocked, online
-    from attention_multi.core.paths.call import Call
+    from attention_multi.core.paths.call import Call, Options
 
     B = am.get_backend("jax")
     sizes = []
@@ -169,8 +169,8 @@ def test_eager_kernel_is_reused_by_a_new_length():
         q, k, v = _inputs(T, T, seed=T)
         ids = _packed(T, seed=T)
         mask = make_mask(B, BATCH, HEADS, T, T, segment_ids=jnp.asarray(ids), causal=True)
-        call = Call(B, *(jnp.asarray(x) for x in (q, k, v)), mask, D**-0.5, path="tiled")
-        got, _ = blocked.run(call, blocked.plan(call))
+        call = Call(B, *(jnp.asarray(x) for x in (q, k, v)), mask, D**-0.5, Options(path="tiled"))
+        got = blocked.run(call, blocked.plan(call)).output
         want, _ = oracle.attention(q, k, v, segment_ids=ids, causal=True)
         np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
         sizes.append(online.compiled_step(B, "float32")._cache_size())
@@ -224,8 +224,8 @@ def test_first_eager_call_compiles_few_programs(form):
     B = am.get_backend("jax")
     mask = make_mask(B, BATCH, HEADS, T, T, **forms)
     args = [jnp.asarray(x) for x in (q, k, v)]
-    (got, _, taken), count = _compilations(lambda: attend(B, *args, mask, path="tiled"))
-    assert taken == "tiled"
+    (got, _, _, taken), count = _compilations(lambda: attend(B, *args, mask, path="tiled"))
+    assert taken == "blocked"
     want, _ = oracle.attention(q, k, v, **same)
     np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
     assert count <= 34, count
@@ -255,7 +255,7 @@ def test_eager_chunked_steps_are_one_compiled_call():
         for form, same in forms:
             mask = make_mask(B, BATCH, HEADS, T, T, **form)
             args = (jnp.asarray(x) for x in (q, k, v))
-            got, _, taken = attend(B, *args, mask, path="chunked", chunk_size=64)
+            got, _, _, taken = attend(B, *args, mask, path="chunked", chunk_size=64)
             assert taken == "chunked"
             want, _ = oracle.attention(q, k, v, **same)
             np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)

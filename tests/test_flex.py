@@ -10,6 +10,7 @@ import pytest
 import attention_multi as am
 from attention_multi import flex
 from attention_multi import reference as oracle
+from attention_multi.backends.capabilities import Autodiff, opt, supports
 from attention_multi.core import attend, make_mask
 from attention_multi.core.paths.online import add_sinks
 
@@ -116,7 +117,7 @@ def test_lse_and_sinks_every_path(backend, path):
     ):
         ref = ref or {"mask_mod": _near, "valid_lens": lens}
         m = make_mask(backend, B_, H, 7, T, dtype=dtype, **forms)
-        out, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=3, lse=True)
+        out, _, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=3, lse=True)
         qn, kn, vn = _np(backend, q, k, v)
         want, _, want_lse = oracle.attention(qn, kn, vn, return_lse=True, **ref)
         assert tuple(lse.shape) == (B_, H, 7, 1)
@@ -134,7 +135,7 @@ def test_sinks_and_lse_gradients(backend, grid_paths):
     """Gradients of ``sum(out * R) + sum(lse * S)`` with sinks, to the
     queries, keys, values and sinks, on every path, against central
     differences of the float64 oracle; a row that sees no key gives finite ones."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
     tol = 1e-6 if dtype == "float64" else 3e-4
@@ -159,7 +160,7 @@ def test_sinks_and_lse_gradients(backend, grid_paths):
 
         def f(module, q, k, v, sinks, path=path):
             m = make_mask(backend, B_, H, 5, 6, valid_lens=backend.asarray(lens), causal=True)
-            out, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=2, lse=True)
+            out, _, lse, _ = attend(backend, q, k, v, m, path=path, chunk_size=2, lse=True)
             out, lse = add_sinks(backend, out, lse, sinks)
             total = backend.sum((out * Rb).reshape((-1,)), 0)
             return total + backend.sum((lse[..., 0] * Sb).reshape((-1,)), 0)
@@ -173,22 +174,27 @@ def test_sinks_and_lse_gradients(backend, grid_paths):
 
 
 def test_sinks_and_lse_through_the_api(backend):
-    """``dot_product_attention(sinks=, return_lse=)``, 3-D and 4-D, and a
+    """``attention(sinks=, lse=True)``, 3-D and 4-D, and a
     wrong-shaped ``sinks`` named in the error."""
     q, k, v = _inputs(backend, kv=H)
     sinks = backend.asarray(SINKS, "float32")
-    out, lse = am.dot_product_attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    out, _, lse, _ = am.attention(q, k, v, causal=True, sinks=sinks, lse=True)
     want, _, want_lse = oracle.attention(
         *_np(backend, q, k, v), causal=True, sinks=SINKS, return_lse=True
     )
     np.testing.assert_allclose(backend.to_numpy(out), want, rtol=3e-5, atol=3e-5)
     np.testing.assert_allclose(backend.to_numpy(lse), want_lse, rtol=3e-5, atol=3e-5)
-    out, lse = am.dot_product_attention(q[:, 0], k[:, 0], v[:, 0], return_lse=True)
+    out, _, lse, _ = am.attention(q[:, 0], k[:, 0], v[:, 0], lse=True)
     want, _, want_lse = oracle.attention(
         *_np(backend, q[:, :1], k[:, :1], v[:, :1]), return_lse=True
     )
     assert tuple(lse.shape) == (B_, T)
     np.testing.assert_allclose(backend.to_numpy(lse), want_lse[:, 0], rtol=3e-5, atol=3e-5)
+    # (the earlier spelling: a tuple, with a DeprecationWarning naming the new one)
+    with pytest.warns(DeprecationWarning, match=r"attention\(\.\.\., lse=True\)"):
+        old_out, old_lse = am.dot_product_attention(q[:, 0], k[:, 0], v[:, 0], return_lse=True)
+    np.testing.assert_array_equal(backend.to_numpy(old_lse), backend.to_numpy(lse))
+    np.testing.assert_array_equal(backend.to_numpy(old_out), backend.to_numpy(out))
     with pytest.raises(ValueError, match=r"sinks must have shape \(4,\)"):
         am.dot_product_attention(q, k, v, sinks=sinks[:2])
 
@@ -206,11 +212,13 @@ def test_lse_traced_paths_jax():
 
     @jax.jit
     def by_lengths(q, k, v, lens):
-        return am.dot_product_attention(q, k, v, lens, causal=True, return_lse=True)
+        done = am.attention(q, k, v, lens, causal=True, lse=True)
+        return done.output, done.lse  # (arrays out of jit; the path is the host's)
 
     @jax.jit
     def by_segments(q, k, v, ids):
-        return am.dot_product_attention(q, k, v, segment_ids=ids, causal=True, return_lse=True)
+        done = am.attention(q, k, v, segment_ids=ids, causal=True, lse=True)
+        return done.output, done.lse
 
     qn, kn, vn = _np(B, q, k, v)
     for fn, arg, ref in (
@@ -229,7 +237,7 @@ def test_gradients_to_what_score_mod_captures(backend, what):
     by a ``score_mod`` and passed as an input of the differentiated
     function, gets its gradient on every path: equal to central differences
     of the float64 oracle, and the same bits on a second run."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
     tol = 1e-6 if dtype == "float64" else 3e-4
@@ -262,7 +270,7 @@ def test_gradients_to_what_score_mod_captures(backend, what):
             else:
                 mod = lambda s, b, h, qi, ki: s + param[h] * (ki - qi)  # noqa: E731
             m = make_mask(backend, B_, H, 6, 6, dtype=dtype, causal=True, score_mod=mod)
-            out, _, _ = attend(backend, q, k, v, m, path=path, chunk_size=2)
+            out, _, _, _ = attend(backend, q, k, v, m, path=path, chunk_size=2)
             return backend.sum((out * Rb).reshape((-1,)), 0)
 
         runs = [
@@ -331,7 +339,7 @@ def test_causal_block_mask_takes_the_causal_kernel(backend):
     causal_path = m.last_path
     for fn, same in ((_causal, _causal), (almost, almost_np)):
         out = m(q, k, v, mask_mod=blocks[fn])
-        if backend.fused_causal:  # (elsewhere causal=True runs the block-sparse path too)
+        if opt(backend).fused_causal:  # (elsewhere causal=True runs the block-sparse path too)
             assert (m.last_path == causal_path) == (fn is _causal), m.last_path
         want, _ = oracle.attention(*(x[:, None] for x in _np(backend, q, k, v)), mask_mod=same)
         np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=3e-5, atol=3e-5)

@@ -10,7 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Autodiff, Fused, supports
 from attention_multi.core import attend, make_mask
 
 BATCH, HEADS, D = 2, 4, 4
@@ -97,7 +97,7 @@ def _run(backend, q, k, v, form, path, bias=None):
     m = make_mask(
         backend, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=backend.dtype_name(q), **form
     )
-    out, _, taken = attend(backend, q, k, v, m, path=path, chunk_size=3)
+    out, _, _, taken = attend(backend, q, k, v, m, path=path, chunk_size=3)
     return out, taken
 
 
@@ -141,7 +141,7 @@ def test_forms_every_path(backend, case, dtype, grid_paths):
 @pytest.mark.grid
 @pytest.mark.parametrize("case", ["causal_more_queries", "bias", "gqa_all"])
 def test_forms_gradients(backend, case, grid_paths):
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     dtype = "float64" if "float64" in backend.float_dtypes else "float32"
     kv, nq, nk, form = _case(case)

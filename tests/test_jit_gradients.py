@@ -1,6 +1,6 @@
 """Jitted JAX gradients through the block loops (``jax.jit(jax.grad(...))``,
 the way JAX trains) against the float64 oracle's gradient formulas: the full
-blocks of keys run as one ``lax.scan`` (``Backend.sequential_scan``), lengths
+blocks of keys run as one ``lax.scan`` (``Blocks.sequential_scan``), lengths
 known or traced. Peak memory is measured by the bench (``bench --memory``);
 here, what the compiled gradient holds."""
 
@@ -41,7 +41,7 @@ def _check(form, traced, path, chunk_size):
         if lens is not None:  # a constant inside the jitted function, or an argument
             lens_arg = lens_arg if traced else jnp.asarray(lens, jnp.int32)
         mask = make_mask(B, BATCH, HEADS, NQ, NK, valid_lens=lens_arg, **rest)
-        out, _, _ = attend(B, q, k, v, mask, path=path, chunk_size=chunk_size)
+        out, _, _, _ = attend(B, q, k, v, mask, path=path, chunk_size=chunk_size)
         return (out * jnp.asarray(g, jnp.float32)).sum()
 
     arrays = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]

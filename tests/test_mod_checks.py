@@ -234,6 +234,6 @@ def test_compiled_training_on_the_block_sparse_path(form):
         out.sum().backward()
         results.append((out.detach(), x.grad.clone()))
         x.grad = None
-    assert mha.last_path == "tiled"
+    assert mha.last_path == "blocked"
     for got, want in zip(*results):
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=3e-6)

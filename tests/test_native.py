@@ -13,6 +13,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
+from attention_multi.backends.capabilities import opt
 from conftest import load_backend
 
 P_DROP = 0.3
@@ -39,7 +40,7 @@ def f64(B, x):
 
 def drop_key(B, seed=0):
     """Dropout keyword for a training-mode call: JAX needs a PRNG key."""
-    key = B.dropout_key(seed)
+    key = opt(B).dropout_key(seed)
     return {} if key is None else {"key": key}
 
 

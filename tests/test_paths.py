@@ -10,7 +10,7 @@ import pytest
 
 import attention_multi as am
 from attention_multi import reference as oracle
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Autodiff, Fused, opt, supports, value_and_grad
 from attention_multi.core import DEFAULT_MEMORY_BUDGET, attend, make_mask
 
 PATHS = ("fused", "tiled", "chunked", "full")
@@ -56,7 +56,7 @@ def _expected_path(backend, path, dv=D, d=D, mask=None):
     (a tile would cost a kernel call), or the tiles when no query sees a key
     (they call no kernel then)."""
     if path == "fused" and (not supports(backend, Fused) or (backend.name == "jax" and dv != d)):
-        return "tiled" if mask == "zeros" and not backend.compiles_per_shape else "full"
+        return "tiled" if mask == "zeros" and not opt(backend).compiles_per_shape else "full"
     return path  # (jax.nn.dot_product_attention needs dv == d)
 
 
@@ -131,7 +131,7 @@ def test_nan_in_masked_keys_and_values_does_not_leak(backend, path, mask):
     out = backend.to_numpy(m(*args, backend.asarray(lens)))
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, ref, **TOL)
-    if backend.autodiff:  # nor into the gradients
+    if supports(backend, Autodiff):  # nor into the gradients
 
         def loss_fn(module, *xs):
             y = module(*xs, backend.asarray(lens))
@@ -167,7 +167,7 @@ def test_float16_large_scores_do_not_overflow(backend, path):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_float64(backend, path):
-    backend.enable_float64()
+    opt(backend).enable_float64()
     q, k, v = _inputs(5)
     lens = MASKS["2d"]
     ref, _ = oracle.dot_product_attention(q, k, v, lens)
@@ -222,7 +222,7 @@ def test_auto_path_choice(backend):
     short = np.array([20, 1, 30])
     want, _ = oracle.dot_product_attention(*big, short)
     got = m(qb, kb, vb, backend.asarray(short))
-    assert m.last_path == ("fused" if backend.compiles_per_shape else "tiled")
+    assert m.last_path == ("fused" if opt(backend).compiles_per_shape else "tiled")
     np.testing.assert_allclose(backend.to_numpy(got), want, **TOL)
     # neither the scores (3*5*7*4 bytes) nor a per-query mask (3*5*7) fit
     m.memory_budget = 16
@@ -235,7 +235,7 @@ def test_auto_path_choice(backend):
     # where there is one), but not with a PRNG key: a jitted call must draw
     # what an eager one draws; the weights are those before dropout
     m = am.DotProductAttention(0.5, backend=backend).train()  # (MXNet: outside record())
-    key = backend.dropout_key(0)
+    key = opt(backend).dropout_key(0)
     m(qb, kb, vb, backend.asarray(short), **({} if key is None else {"key": key}))
     assert m.last_path == ("full" if key is not None else "tiled")
     np.testing.assert_allclose(
@@ -265,7 +265,7 @@ def test_default_budget_and_option_checks():
 def test_dropout_on_every_path(backend, path):
     """Dropout in training mode: per-block (or the kernel's own) masks, the
     right mean, zeros for rows with no key, and the pre-dropout weights."""
-    key = backend.dropout_key(0)
+    key = opt(backend).dropout_key(0)
     backend.seed(0)
     q, k, v = _inputs(8, nk=16)
     lens = np.array([10, 16, 0])
@@ -273,13 +273,14 @@ def test_dropout_on_every_path(backend, path):
     m = am.DotProductAttention(0.5, backend=backend, path=path, chunk_size=8).train()
     outs = []
     for i in range(40):
-        kw = {} if key is None else {"key": backend.fold_key(key, i)}
+        kw = {} if key is None else {"key": opt(backend).fold_key(key, i)}
         outs.append(backend.to_numpy(m(*args, **kw)))
     # (no kernel with dropout, or keyed dropout, which no tile takes: "auto"'s
     # choice at this size, the full path)
     assert m.last_path == (
         "full"
-        if (path == "fused" and not backend.fused_dropout) or (path == "tiled" and key is not None)
+        if (path == "fused" and not opt(backend).fused_dropout)
+        or (path == "tiled" and key is not None)
         else path
     )
     assert all(np.isfinite(o).all() and (o[2] == 0).all() for o in outs)
@@ -338,7 +339,7 @@ def test_attend_function_4d_layout(backend):
     flat = [x.reshape(6, 5, 4) for x in (q, k, v)]
     ref, _ = oracle.dot_product_attention(*flat, np.repeat(lens, 3, axis=0))
     for path in PATHS:
-        out, _, taken = _attend(
+        out, _, _, taken = _attend(
             backend,
             *(backend.asarray(x, "float32") for x in (q, k, v)),
             backend.asarray(lens, "int32"),
@@ -351,7 +352,7 @@ def test_attend_function_4d_layout(backend):
 def test_gradients_agree_across_paths(backend):
     """Training through each path (dropout 0, so fused is allowed in training
     mode) gives the gradients of the full path."""
-    if not backend.autodiff:
+    if not supports(backend, Autodiff):
         pytest.skip(f"the {backend.name} backend has no autodiff")
     q, k, v = (backend.asarray(x, "float32") for x in _inputs(12, d=6, dv=6))
     lens = backend.asarray(MASKS["2d"])
@@ -359,7 +360,7 @@ def test_gradients_agree_across_paths(backend):
     grads = {}
     # (JAX: jitted, where eager autodiff through the block loops would take
     # seconds; the tiled path under jit is checked in test_under_jax_jit)
-    paths = ("full", "fused", "chunked") if backend.compiles_per_shape else PATHS
+    paths = ("full", "fused", "chunked") if opt(backend).compiles_per_shape else PATHS
     for path in paths:
         m = am.MultiHeadAttention(
             6, 6, 6, 8, 2, 0.0, bias=True, backend=backend, path=path, chunk_size=3
@@ -372,14 +373,14 @@ def test_gradients_agree_across_paths(backend):
             out = module(q, k, v, lens)
             return backend.sum((out * out).reshape((-1,)), 0)
 
-        if backend.compiles_per_shape:  # jitted: eager autodiff compiles op by op
+        if opt(backend).compiles_per_shape:  # jitted: eager autodiff compiles op by op
             import jax
 
             g = jax.jit(jax.grad(loss_fn))(m).named_arrays()
         else:
-            g = backend.value_and_grad(m, loss_fn)[1]
+            g = value_and_grad(backend, m, loss_fn)[1]
         grads[path] = {n: backend.to_numpy(x) for n, x in g.items()}
-        if not backend.compiles_per_shape:  # (jitted, the call ran on a traced copy)
+        if not opt(backend).compiles_per_shape:  # (jitted, the call ran on a traced copy)
             assert m.last_path == path
     for path in paths[1:]:
         for name, g in grads["full"].items():
@@ -410,7 +411,7 @@ def test_size_dependent_kernel_variants(backend, mask):
                 q, k, v, None if lens is None else np.repeat(lens4, BATCH, axis=0)
             )
         for path in ("fused", "tiled"):
-            out, _, taken = _attend(
+            out, _, _, taken = _attend(
                 backend,
                 *args,
                 None if lens is None else backend.asarray(lens4 if shape4 else lens, "int32"),
@@ -447,7 +448,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
     """``tiled.bound`` lets the chooser skip planning the tiles where another
     plan costs less: it must be at most the tiles' cost, whatever the mask."""
     from attention_multi.core.paths import tiled
-    from attention_multi.core.paths.call import Call
+    from attention_multi.core.paths.call import Call, Options
 
     xp = am.get_backend("numpy")
     rng = np.random.default_rng(7)
@@ -467,7 +468,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
         mask = make_mask(xp, batch, heads, nq, nk, **forms)
         budget = int(rng.choice([0, 1 << 12, 1 << 16])) or None
         chunk = int(rng.choice([0, 16, 64])) or None
-        call = Call(xp, q, k, k, mask, 0.5, budget=budget, chunk_size=chunk)
+        call = Call(xp, q, k, k, mask, 0.5, Options(budget=budget, chunk_size=chunk))
         plan = tiled.plan(call)
         if plan is not None:
             assert tiled.bound(call) <= plan.cost * (1 + 1e-12), forms
@@ -476,7 +477,7 @@ def test_the_tiles_bound_never_exceeds_their_plan():
 def test_tiles_weigh_the_mask_of_elements_that_see_different_keys():
     """Two elements that see 400 and 300 keys: one call over 400 keys saves a
     call, but the shorter one's tile is then masked (a pass over its scores):
-    with that pass counted (``Backend.masked_score_cost``), they stay apart;
+    with that pass counted (``Costs.masked_score_cost``), they stay apart;
     elements that see the same keys share a call unmasked."""
     from attention_multi.core.paths.call import grouped
 
@@ -510,7 +511,7 @@ def blas_threads():
 def test_numpy_runs_many_small_products_in_one_blas_thread(blas_threads, form):
     """NumPy's tiles and block-sparse path make many small products, for
     which OpenBLAS's own threads cost more than they gain (idle or busy):
-    they run in one BLAS thread (``Backend.in_fewer_threads``), a
+    they run in one BLAS thread (``Threads.in_fewer_threads``), a
     ``score_mod`` sees it, and the count comes back after; answers the oracle's."""
     rng = np.random.default_rng(5)
     q, k, v = (rng.standard_normal((4, 256, 16)).astype(np.float32) for _ in range(3))
@@ -526,7 +527,39 @@ def test_numpy_runs_many_small_products_in_one_blas_thread(blas_threads, form):
 
     m = am.DotProductAttention(0.0, backend="numpy", path="tiled")
     out = m(q, k, v, score_mod=same, **kw)
-    assert m.last_path == "tiled" and seen == {1}, seen
+    assert m.last_path == "blocked" and seen == {1}, seen
     assert blas_threads.get_global() == threads
     want, _ = oracle.attention(*(x[:, None] for x in (q, k, v)), **kw)
     np.testing.assert_allclose(out, want[:, 0], rtol=2e-5, atol=2e-5)
+
+
+def test_every_path_has_its_own_name_and_one_result(backend):
+    """One enumeration (``Path``): each planned path its own ``NAME``, which
+    ``last_path`` reports; ``path="tiled"`` still asks for the tile family,
+    ``"blocked"`` for the blocks alone. The functions and the modules route
+    through ``select.compute`` and get one ``Result`` (output, weights, lse,
+    path); ``attention`` gives it by name, ``dot_product_attention`` the output."""
+    from attention_multi.core import paths
+
+    names = [p.NAME for p in paths.REGISTRY]
+    assert len(set(names)) == len(names) and set(names) | {am.Path.EMPTY} == set(am.Path)
+    assert {p.family for p in am.Path} == {"full", "fused", "tiled", "chunked", "empty"}
+    rng = np.random.default_rng(0)
+    B, T = 2, 96
+    q, k, v = (
+        backend.asarray(np.asarray(rng.standard_normal((B, T, 8))), "float32") for _ in range(3)
+    )
+    ids = np.repeat(np.arange(3), 32)[None].repeat(B, 0)
+    want, _ = oracle.attention(*(backend.to_numpy(x)[:, None] for x in (q, k, v)), segment_ids=ids)
+    for path in ("tiled", "blocked"):
+        m = _module(am.DotProductAttention, backend, path, 0.0)
+        out = m(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"))
+        assert m.last_path.family == "tiled" and (path == "tiled" or m.last_path == "blocked")
+        np.testing.assert_allclose(backend.to_numpy(out), want[:, 0], rtol=2e-5, atol=2e-5)
+    done = am.attention(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"), lse=True)
+    assert isinstance(done, am.Result) and done.weights is None and done.path in am.Path
+    assert tuple(done.lse.shape) == (B, T)
+    np.testing.assert_allclose(backend.to_numpy(done.output), want[:, 0], rtol=2e-5, atol=2e-5)
+    plain = am.dot_product_attention(q, k, v, segment_ids=backend.asarray(np.asarray(ids), "int32"))
+    np.testing.assert_allclose(backend.to_numpy(plain), want[:, 0], rtol=2e-5, atol=2e-5)
+    assert am.attention(q, k, v).lse is None  # (asked for by lse=True only)

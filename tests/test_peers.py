@@ -34,7 +34,7 @@ def _every_path(name, q, k, v, want, tol, **forms):
         Bk, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dtype=Bk.dtype_name(q), **forms
     )
     for path in ("full", "chunked", "tiled"):
-        out, _, taken = attend(Bk, q, k, v, m, path=path, chunk_size=3)
+        out, _, _, taken = attend(Bk, q, k, v, m, path=path, chunk_size=3)
         assert taken == path
         _report(f"{name} [{path} path]", out, want, tol)
 

@@ -90,7 +90,7 @@ def test_torch_keeps_its_inputs_and_refuses_a_read_after_a_write(path):
 
 @pytest.mark.parametrize("name", ["numpy", "torch"])
 def test_read_weights_are_computed_in_the_same_pass(name):
-    """Past the small calls (``Backend.small_scores``), "auto" takes another
+    """Past the small calls (``Costs.small_scores``), "auto" takes another
     path; once the weights of a call are read, the next call takes the full
     path (which keeps them), and a call whose weights nobody read lets the
     one after it go back."""

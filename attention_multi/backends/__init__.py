@@ -12,7 +12,9 @@ import importlib.util
 import sys
 from typing import Any, Callable
 
-from .devices import parse_device
+from . import capabilities, devices
+from .capabilities import Autodiff, opt, supports
+from .devices import native_device, parse_device
 from .protocol import Backend
 from .table import (
     ALIASES,
@@ -52,6 +54,12 @@ for _spec in BACKENDS:  # (made now: a trace cannot make them)
 
 __all__ = [
     "ALIASES",
+    "Autodiff",
+    "capabilities",
+    "devices",
+    "opt",
+    "native_device",
+    "supports",
     "BACKENDS",
     "BACKEND_NAMES",
     "Backend",
@@ -133,7 +141,7 @@ def backend_of_array(x: Any) -> Backend:
 def near_miss(x: Any) -> str:
     """How to make an array of ``x`` (after "; ") where a loaded backend knows, else ""."""
     for backend in _loaded.values():
-        hint = backend.near_miss(x)
+        hint = opt(backend).near_miss(x)
         if hint:
             return f"; {hint}"
     return ""

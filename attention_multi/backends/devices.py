@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from .types import DeviceKind
 
@@ -16,3 +17,11 @@ def parse_device(name: object) -> tuple[DeviceKind, int]:
         raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or gpu")
     kind: DeviceKind = "cpu" if match.group(1) == "cpu" else "cuda"
     return kind, int(match.group(2) or 0)
+
+
+def native_device(backend: Any, device: Any) -> Any:
+    """The framework's device for a name (``"cuda:0"``); a native device
+    object passes through. ValueError if it is absent."""
+    if device is not None and not isinstance(device, str):
+        return device
+    return backend.device(*parse_device("cpu" if device is None else device))

@@ -52,7 +52,6 @@ class JaxBackend(NumpyLike):
     xp = jnp
     array_type = jax.Array
     module_base = jax_module.JaxModule
-    autodiff = True
     fused_keeps_nan = True  # (jax.nn.dot_product_attention masks by select)
     runtime_cond = True
     compiles_per_shape = True
@@ -61,7 +60,7 @@ class JaxBackend(NumpyLike):
     host_masks = True  # (eager, each operation compiles at a new shape)
     host_mask_min_size = 0
 
-    def _register_class(self, cls):
+    def register_class(self, cls):
         jax_module.register(cls)
 
     # Products at the inputs' precision: a GPU's default for float32 is TF32

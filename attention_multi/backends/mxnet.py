@@ -92,7 +92,6 @@ class MXNetBackend(NumpyLike):
 
     module_base = GluonModule
     float_dtypes = ("float16", "float32", "float64")
-    autodiff = True
     dense_index_grids = True  # MXNet 1.9.1: | and & on broadcast booleans fail
     mixed_int_ops = False  # MXNet 1.9.1: int32 <= int64 fails ("Type inconsistent")
     kernel_call_cost = 32768  # (each operator call goes through MXNet's engine)

@@ -3,6 +3,8 @@
 import mxnet as mx
 from mxnet import autograd, gluon, npx
 
+from .devices import native_device
+
 # The init objects of a bare ``initialize()``: Gluon's own default arguments.
 _BARE_INITS = (
     gluon.Block.initialize.__defaults__[0],
@@ -170,5 +172,5 @@ class GluonModule(gluon.Block):
         return self.train(False)
 
     def to_device(self, device):
-        self.collect_params().reset_ctx(self._backend.native_device(device))
+        self.collect_params().reset_ctx(native_device(self._backend, device))
         return self

@@ -1,4 +1,6 @@
-"""NumPy backend: CPU only, plain-object modules, no autodiff."""
+"""NumPy backend: CPU only, plain-object modules, no autodiff. The required
+part (``NumpyArrays``) and one capability, ``Threads``; every other optional
+member is the core's generic default."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Callable, TypeVar
 import numpy as np
 
 from . import numpy_threads
-from .numpy_like import NumpyLike, np_dtype
+from .numpy_like import NumpyArrays, np_dtype
 from .plain_module import PlainModule
 from .types import Array, DType
 
@@ -20,7 +22,7 @@ R = TypeVar("R")
 _QUIET = [np.getbufsize(), 0, None] if np.lib.NumpyVersion(np.__version__) < "2.0.0" else None
 
 
-class NumpyBackend(NumpyLike):
+class NumpyBackend(NumpyArrays):
     name = "numpy"
     xp = np
     array_type = (np.ndarray, np.generic)

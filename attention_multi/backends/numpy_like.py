@@ -1,6 +1,11 @@
 """One implementation of the protocol for every framework with a NumPy-like
 namespace (``numpy``, ``jax.numpy``, ``mxnet.numpy``, and ``torch``, which
-takes NumPy's keywords): a subclass sets ``xp`` and overrides its quirks."""
+takes NumPy's keywords): a subclass sets ``xp`` and overrides its quirks.
+
+``NumpyArrays`` is the required part alone (the NumPy backend's base);
+``NumpyLike`` adds every optional capability's generic default
+(``defaults.Generic``) as a mixin, for backends that override a few of them
+and call ``super()``."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .defaults import Generic
 from .protocol import Backend
 from .types import Array, DType, Shape
 
@@ -45,12 +51,13 @@ def np_dtype(name: DType) -> np.dtype:
 _DTYPE_NAMES: dict[Any, str] = {}
 
 
-class NumpyLike(Backend):
+class NumpyArrays(Backend):
+    """The required members and the array math, from ``xp``."""
+
     xp: Any = None  # the framework's NumPy-like namespace
     array_type: Any = ()  # what ``is_array`` accepts (a type or a tuple of types)
 
     def __init__(self) -> None:
-        super().__init__()
         # NumPy's functions of the same names, unless a subclass defines them.
         for name in SAME_SPELLING:
             if not hasattr(type(self), name):
@@ -153,3 +160,7 @@ class NumpyLike(Backend):
         keep = self.asarray(np.random.random_sample(tuple(x.shape)) >= p, device=self.device_of(x))
         scale = 1.0 / (1 - p) if p < 1 else 0.0  # p = 1: every element dropped
         return self.where(keep, x * scale, self.zeros((), self.dtype_name(x), self.device_of(x)))
+
+
+class NumpyLike(NumpyArrays, Generic):
+    """``NumpyArrays`` with the generic default of every optional member."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from .devices import native_device
 from .types import Array
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class PlainModule:
-    _backend: Any  # set on the native subclasses by Backend.native_class
+    _backend: Any  # set on the native subclasses by the core (modules.base.native_class)
     _param_names: list[str]
     _buffer_names: list[str]
     _child_names: list[str]
@@ -89,7 +90,7 @@ class PlainModule:
 
     def to_device(self, device: Any) -> Self:
         """Move parameters and buffers to ``device`` (a name such as 'cuda:0')."""
-        dev = self._backend.native_device(device)
+        dev = native_device(self._backend, device)
         for n in self._param_names + self._buffer_names:
             object.__setattr__(self, n, self._backend.to_device(getattr(self, n), dev))
         for c in self._child_names:

@@ -23,13 +23,14 @@ from .types import Array, DeviceKind, DType, Shape
 
 @runtime_checkable
 class Required(Protocol):
-    """What every backend implements (``protocol.Backend`` and
-    ``numpy_like.NumpyLike`` give the defaults a NumPy-like framework needs)."""
+    """What every backend implements (``numpy_like.NumpyArrays`` gives the
+    defaults a NumPy-like framework needs; ``protocol.Backend`` declares them)."""
 
     # -- the framework -------------------------------------------------------
     name: str  # canonical name, a row of table.BACKENDS
     xp: Any  # its NumPy-like namespace: the math with NumPy's names
     module_base: Any  # the class that makes a module native (``NativeModule``)
+    float_dtypes: tuple[str, ...]  # the float dtypes it computes in
 
     # -- arrays in and out, dtype ----------------------------------------------
     def is_array(self, x: Any) -> bool: ...

@@ -27,7 +27,7 @@ class BackendSpec:
     framework: str  # the framework's import name
     extra: str | None  # pip extra that installs the framework
     aliases: tuple[str, ...] = ()  # other accepted names
-    autodiff: bool = True  # the class's ``autodiff`` (tests check they agree)
+    autodiff: bool = True  # ``supports(backend, Autodiff)`` (tests check they agree)
     cuda: bool = True  # whether it can run on CUDA devices
     # the top-level packages whose functions and modules mean this framework
     # (``framework_of``); empty for NumPy, whose functions every framework takes

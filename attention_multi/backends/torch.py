@@ -172,7 +172,6 @@ class TorchBackend(NumpyLike):
     xp = torch
     array_type = torch.Tensor
     module_base = TorchModule
-    autodiff = True
     fused_dropout = True
     fused_causal = True  # (SDPA's is_causal kernels skip blocks above the diagonal)
     kernel_call_cost = 8192
@@ -310,7 +309,7 @@ class TorchBackend(NumpyLike):
     def snapshot(self, x):
         return x.clone()
 
-    def snapshots(self, *arrays):
+    def _copies(self, *arrays):
         """One copy for arrays of one dtype and device (a call each costs a
         parallel region, which waits for descheduled threads on a busy CPU)."""
         if len({(x.dtype, x.device) for x in arrays}) != 1:
@@ -325,11 +324,11 @@ class TorchBackend(NumpyLike):
         write raises, as autograd does for what it saved. Tensors made under
         ``inference_mode`` count no writes: copied."""
         if self.is_tracing() or not all(self.is_concrete(x) for x in arrays):
-            return super().keep(*arrays)
+            return self._kept_copies(*arrays)
         try:
             versions = [x._version for x in arrays]
         except RuntimeError:  # (inference tensors)
-            return super().keep(*arrays)
+            return self._kept_copies(*arrays)
 
         def read():
             if any(x._version != v for x, v in zip(arrays, versions)):
@@ -341,6 +340,10 @@ class TorchBackend(NumpyLike):
             return arrays
 
         return read
+
+    def _kept_copies(self, *arrays):
+        kept = self._copies(*arrays)
+        return lambda: kept
 
     def can_keep(self, x):
         return not x.is_inference()

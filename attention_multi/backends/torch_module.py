@@ -2,6 +2,8 @@
 
 import torch
 
+from .devices import native_device
+
 
 class TorchModule(torch.nn.Module):
     """Parameters are registered ``nn.Parameter`` objects; ``state_dict``,
@@ -68,4 +70,4 @@ class TorchModule(torch.nn.Module):
             self.get_parameter(dotted_name).copy_(value)
 
     def to_device(self, device):
-        return self.to(self._backend.native_device(device))
+        return self.to(native_device(self._backend, device))

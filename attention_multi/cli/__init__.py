@@ -30,7 +30,7 @@ def _info(args):
             continue
         devices = ["cpu"]
         try:
-            B.native_device("cuda")
+            backends.devices.native_device(B, "cuda")
             devices.append("cuda")
         except ValueError:
             pass

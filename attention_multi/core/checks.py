@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import attention_multi.backends as backends
+from attention_multi.backends.capabilities import opt
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -123,7 +124,7 @@ def valid_lens_checked(
     if kind not in "iuf":
         raise TypeError(f"{name} must have an integer or float dtype, got {dtype}")
     known = None
-    if backend.is_concrete(valid_lens):
+    if opt(backend).is_concrete(valid_lens):
         values = backend.to_numpy(valid_lens)
         _check_lens_values(name, values, kind)
         if values.size and values.max() > limit:  # would wrap, or round past it, in int32
@@ -167,7 +168,7 @@ def _well_formed_lens(
 ) -> tuple[np.ndarray, int] | None:
     """``(host values, least)`` of concrete lengths that need no conversion
     (``lens_kind``), all whole numbers in [0, limit]; else None (full checks)."""
-    if not (backend.is_array(lens) and backend.is_concrete(lens)):
+    if not (backend.is_array(lens) and opt(backend).is_concrete(lens)):
         return None
     kind = lens_kind(backend, lens, batch, queries)
     if kind is None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
 from attention_multi.backends.protocol import HALF_DTYPES
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ _CONSTANTS_MAX = 64
 
 def constant(xp: Backend, what: tuple[Any, ...], device: Any, make: Callable[[], Array]) -> Array:
     """``make()``, kept for the next calls outside traces (made once)."""
-    if xp.is_tracing():
+    if opt(xp).is_tracing():
         return make()
     cache_key = (xp.name, what, device)
     value = _CONSTANTS.get(cache_key)
@@ -84,8 +85,8 @@ def fill(xp: Backend, dtype: str, device: Any) -> Array:
 
 def fill_against(xp: Backend, dtype: str, device: Any) -> Array | float:
     """``fill_value`` for ``where`` beside the compute dtype: a Python float
-    where ``Backend.weak_scalars`` (torch's ``where`` is faster so), else ``fill``."""
-    return fill_value(dtype) if xp.weak_scalars else fill(xp, dtype, device)
+    where ``Dtypes.weak_scalars`` (torch's ``where`` is faster so), else ``fill``."""
+    return fill_value(dtype) if opt(xp).weak_scalars else fill(xp, dtype, device)
 
 
 def zero(xp: Backend, dtype: str, device: Any) -> Array:
@@ -141,7 +142,9 @@ def weighted(xp: Backend, weights: Array, values: Array, dtype: str) -> Array:
 def readable(xp: Backend, *arrays: Array) -> bool:
     """Whether the host may read what ``arrays`` hold: eager, and not on an
     accelerator (a read waits there for every kernel queued before it)."""
-    return all(xp.is_concrete(x) and not xp.on_accelerator(xp.device_of(x)) for x in arrays)
+    return all(
+        opt(xp).is_concrete(x) and not opt(xp).on_accelerator(xp.device_of(x)) for x in arrays
+    )
 
 
 def all_finite(xp: Backend, *arrays: Array) -> bool:
@@ -150,7 +153,7 @@ def all_finite(xp: Backend, *arrays: Array) -> bool:
     or when a sum overflows)."""
     if not readable(xp, *arrays):
         return False
-    return all(np.isfinite(xp.host_sum(x)) for x in arrays)
+    return all(np.isfinite(opt(xp).host_sum(x)) for x in arrays)
 
 
 def normalize(xp: Backend, acc: Array, total: Array) -> Array:

@@ -4,7 +4,7 @@ Small calls with lengths or nothing take the straight line (``straight_line``,
 decided before any ``Mask`` is built). Else ``attend``: the full path at once
 for at most ``SMALL_SCORES`` scores or weights read now, within the budget;
 otherwise the cheapest plan of ``paths.REGISTRY`` runs (scores computed plus
-``Backend.call_cost()`` per kernel call), a kernel that declines handing the
+``Costs.call_cost()`` per kernel call), a kernel that declines handing the
 call to the next. A path asked for by name is tried alone first.
 """
 
@@ -13,24 +13,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable
 
+from attention_multi.backends.capabilities import opt
+
+from ..types import Path
 from . import paths
 from .checks import check_choice, check_positive_int
 from .mask import no_forms
 from .numerics import DEFAULT_MEMORY_BUDGET, default_scale, work_itemsize, zeros_for_empty
 from .paths import PATHS, full, online, small
-from .paths.call import AUTODIFF_HELD, Call, Weights
+from .paths.call import AUTODIFF_HELD, DEFAULTS, Call, Options, Result, Weights
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
-    from ..types import Array, TakenPath
+    from ..types import Array
     from .mask import Mask
 
 SMALL_SCORES = 1 << 15
 """``"auto"`` takes the full path at once for calls with at most this many
 (batch * heads * Q * K) scores: planning and dispatching to a kernel would
 cost more host time than they save (d2l's examples are far below it). With
-lengths or no mask, on a CPU, up to ``Backend.small_scores`` over at most
+lengths or no mask, on a CPU, up to ``Costs.small_scores`` over at most
 ``SMALL_KEYS`` keys."""
 SMALL_KEYS = 256
 
@@ -40,9 +43,9 @@ def is_small(xp: Backend, scores: int, num_keys: int, queries: Array, plain: boo
     lengths or nothing."""
     if scores <= SMALL_SCORES:
         return True
-    if not plain or scores > xp.small_scores or num_keys > SMALL_KEYS:
+    if not plain or scores > opt(xp).small_scores or num_keys > SMALL_KEYS:
         return False
-    return not xp.on_accelerator(xp.device_of(queries))
+    return not opt(xp).on_accelerator(xp.device_of(queries))
 
 
 def check_path_options(
@@ -82,7 +85,7 @@ def straight_line(
         return None
     if path == "auto":
         budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-        held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
+        held = AUTODIFF_HELD if opt(xp).is_differentiated(queries) else 1
         if scores * work_itemsize(xp, queries) * held > budget:
             return None
         if not weights_read and not is_small(xp, scores, ks[-2], queries, True):
@@ -107,7 +110,7 @@ def attend(
     weights: Weights = "later",
     private: bool = False,
     lse: bool = False,
-) -> tuple[Array, Any, TakenPath]:
+) -> Result:
     """Scaled dot-product attention on checked arrays, on the path it picks.
 
     ``queries`` (batch, heads, Q, d); ``keys``, ``values`` (batch, kv_heads,
@@ -116,12 +119,12 @@ def attend(
     ``"auto"``, or a path's name (tried first; ``"auto"`` chooses when it
     cannot run). ``weights``: ``"now"`` (read: the full path is worth it),
     ``"later"`` (a function of copies of the inputs; ``private``: of the
-    inputs as they are), ``"never"``. ``lse``: each row's log-sum-exp
-    (batch, heads, Q, 1) in the compute dtype (``-inf``: no key) in place of
-    the weights.
+    inputs as they are), ``"never"``. ``lse``: compute each row's
+    log-sum-exp too (the result's ``lse``; only paths that give it run).
 
-    Returns ``(output (batch, heads, Q, dv), weights (batch * heads, Q, K)
-    before dropout, a function computing them, or None; path taken)``. An
+    Returns a ``Result``: output (batch, heads, Q, dv); weights (batch *
+    heads, Q, K) before dropout, a function computing them, or None (with
+    ``lse``: None); lse (batch, heads, Q, 1) or None; the ``Path`` taken. An
     empty axis calls no kernel: path ``"empty"``, zeros. d = 0 gives scores
     of 0: uniform weights over the visible keys.
     """
@@ -140,28 +143,27 @@ def attend(
             rows = zeros_for_empty(xp, (batch, heads, num_q, 1), queries)
             if batch * heads * num_q:  # (no key: -inf; no kernel sees a zero-size array)
                 rows = rows + online.minus_inf(xp, xp.dtype_name(rows), xp.device_of(rows))
-            return out, rows, "empty"
-        return out, zeros_for_empty(xp, (batch * heads, num_q, num_k), queries), "empty"
-    options = (path, memory_budget, chunk_size, weights, private, lse)
-    call = Call(xp, queries, keys, values, mask, scale, dropout, key, *options)
+            return Result(out, None, rows, Path.EMPTY)
+        weights_empty = zeros_for_empty(xp, (batch * heads, num_q, num_k), queries)
+        return Result(out, weights_empty, None, Path.EMPTY)
+    options = Options(dropout, key, path, memory_budget, chunk_size, weights, private, lse)
+    call = Call(xp, queries, keys, values, mask, scale, options)
     plain = mask.unmasked or mask.only_lens
     if (
         path == "auto"
         and full.fits(call)
         and (weights == "now" or is_small(xp, call.scores, num_k, queries, plain))
     ):
-        ran = full.run(call)
-        return ran[0], ran[-1], "full"
+        return full.run(call)._replace(path=Path.FULL)
     done = _cheapest(call) or _cheapest(call.auto())
     assert done is not None  # (the full or chunked path always has a plan under "auto")
-    out, kept, taken = done
-    if kept is None and weights != "never" and not lse:
-        kept = _kept_weights(call)
-    return out, kept, taken
+    if done.weights is None and weights != "never" and not lse:
+        done = done._replace(weights=_kept_weights(call))
+    return done
 
 
-def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
-    """The cheapest plan that runs: ``(output, weights or None, its NAME)``. A
+def _cheapest(call: Call) -> Result | None:
+    """The ``Result`` of the cheapest plan that runs, its ``path`` set. A
     path with a ``bound`` (a lower bound of its cost, cheaper than its plan)
     is planned only once no cheaper plan is left to run."""
     plans: list[tuple[float, int, Any, Any]] = []
@@ -184,8 +186,8 @@ def _cheapest(call: Call) -> tuple[Array, Any, TakenPath] | None:
         plans.remove(best)
         _, _, module, plan = best
         done = module.run(call, plan)
-        if done is not None:  # (the log-sum-exp in place of the weights, when asked for)
-            return done[0], done[2] if call.lse else done[1], module.NAME
+        if done is not None:
+            return done._replace(path=module.NAME)
     return None
 
 
@@ -196,10 +198,10 @@ def _plan(call: Call, order: int, module: Any) -> tuple[float, int, Any, Any] | 
 
 def _kept_weights(call: Call) -> Callable[[], Array]:
     """The weights of this call as a function of its inputs as they are now
-    (``Backend.keep``; private ones as they are)."""
+    (``Copies.keep``; private ones as they are)."""
     xp = call.xp
     q, k = call.queries, call.keys
-    kept = (lambda: (q, k)) if call.private else xp.keep(q, k)
+    kept = (lambda: (q, k)) if call.private else opt(xp).keep(q, k)
     mask = call.mask.snapshot(xp)
 
     def read() -> Array:
@@ -207,3 +209,53 @@ def _kept_weights(call: Call) -> Callable[[], Array]:
         return full.weights(xp, q, k, mask, call.scale)
 
     return read
+
+
+def compute(
+    xp: Backend,
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Any,
+    mask: Callable[[], Mask] | None,
+    line: small.Line | None,
+    *,
+    scale: float | None = None,
+    options: Options = DEFAULTS,
+) -> Result:
+    """One call, for the functions and the modules alike: on the straight
+    line ``line`` (``straight_line``'s, or a module's kept one) where there is
+    one, else the call's ``Mask`` (``mask()``) on the path ``attend`` picks.
+    ``queries`` (batch, heads, Q, d) (the straight line takes (batch, Q, d)
+    too), ``scale`` default 1/sqrt(d). A ``Result``, its ``path`` set."""
+    if line is not None:
+        out, weights = small.attention(
+            xp,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            line.scale if scale is None else scale,
+            options.dropout,
+            options.key,
+            line,
+        )
+        return Result(out, weights, None, Path.FULL)
+    assert mask is not None
+    dropout, key, path, budget, chunk_size, weights, private, lse = options
+    return attend(
+        xp,
+        queries,
+        keys,
+        values,
+        mask(),
+        scale=scale,
+        dropout=dropout,
+        key=key,
+        path=path,
+        memory_budget=budget,
+        chunk_size=chunk_size,
+        weights=weights,
+        private=private,
+        lse=lse,
+    )

@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..core import (
     DEFAULT_MEMORY_BUDGET,
-    attend,
     check_path_options,
     checked_forms,
     make_mask,
@@ -32,6 +33,8 @@ from ..core.checks import (
 from ..core.mask.rules import guard_unused
 from ..core.numerics import work_itemsize
 from ..core.paths import small
+from ..core.paths.call import Options
+from ..core.select import compute
 from ..types import Array, AttentionPath, ModuleOptions, TakenPath
 from .base import Linear, Module
 from .cache import KVCache
@@ -179,7 +182,7 @@ class _Attention(Module):
         """The straight line (``core/paths/small.py``) kept from an earlier call
         with this call's signature (``small.signature``), which passed the
         same input checks: they are not repeated. None otherwise."""
-        if not no_forms(forms) or self._backend.is_tracing():
+        if not no_forms(forms) or opt(self._backend).is_tracing():
             return None
         kept = self.__dict__.get("_attention_line")
         if kept is None or kept[1] != small.signature(queries, keys, values, valid_lens):
@@ -191,7 +194,7 @@ class _Attention(Module):
     ) -> None:
         """Keep ``line``, the straight line of a call with these inputs,
         checked, for the next calls with their signature (outside traces)."""
-        if line is None or not line.reusable or self._backend.is_tracing():
+        if line is None or not line.reusable or opt(self._backend).is_tracing():
             return
         sig = small.signature(queries, keys, values, valid_lens)
         if sig is not None:
@@ -345,7 +348,7 @@ class AdditiveAttention(_Attention):
     def _scores(self, q: Array, k: Array) -> Array:
         """(b, nq, nk) scores, over blocks of queries within the memory
         budget; under autodiff each block's features are recomputed in the
-        backward pass (``Backend.checkpoint``) instead of kept."""
+        backward pass (``Autodiff.checkpoint``) instead of kept."""
         xp, h = self._backend, self.num_hiddens
         b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
         itemsize = work_itemsize(xp, q)
@@ -359,7 +362,9 @@ class AdditiveAttention(_Attention):
             features = xp.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
             return self.w_v(features).reshape((b, qb.shape[1], nk))
 
-        chunks = [xp.checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)]
+        chunks = [
+            opt(xp).checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)
+        ]
         return chunks[0] if len(chunks) == 1 else xp.concatenate(chunks, axis=1)
 
 
@@ -369,7 +374,7 @@ class DotProductAttention(_Attention):
     How it is computed (keywords, also module attributes):
 
     - ``path="auto"``: the full path for small calls (at most
-      ``SMALL_SCORES`` scores, on a CPU ``Backend.small_scores``); else the
+      ``SMALL_SCORES`` scores, on a CPU ``Costs.small_scores``); else the
       backend's fused kernel when dropout is inactive (eval mode or
       ``dropout=0``) and it fits in ``memory_budget``; else the
       chunked online-softmax path when the float32 (batch, queries, keys)
@@ -479,20 +484,13 @@ class DotProductAttention(_Attention):
     ) -> Array:
         """The full path of a small call with lengths or nothing (``core/small.py``)."""
         self.__dict__.pop("_attention_read", None)
-        out, weights = small.attention(
-            self._backend,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            line.scale,
-            self.dropout if self.training else 0.0,
-            key,
-            line,
+        options = Options(self.dropout if self.training else 0.0, key)
+        done = compute(
+            self._backend, queries, keys, values, valid_lens, None, line, options=options
         )
-        self._keep_attention(weights)
-        self.__dict__["_attention_path"] = "full"
-        return out
+        self._keep_attention(done.weights)
+        self.__dict__["_attention_path"] = done.path
+        return done.output
 
     def _attend(
         self,
@@ -506,23 +504,21 @@ class DotProductAttention(_Attention):
         """Attention on checked (batch, heads, n, d) inputs and a normalized
         mask; ``private``: queries and keys that only this call holds."""
         read = self.__dict__.pop("_attention_read", False)  # the last call's weights
-        out, kept, taken = attend(
-            self._backend,
-            queries,
-            keys,
-            values,
-            mask,
-            dropout=self.dropout if self.training else 0.0,
-            key=key,
-            path=self.path,
-            memory_budget=self.memory_budget,
-            chunk_size=self.chunk_size,
-            weights="now" if read else "later",
-            private=private,
+        options = Options(
+            self.dropout if self.training else 0.0,
+            key,
+            self.path,
+            self.memory_budget,
+            self.chunk_size,
+            "now" if read else "later",
+            private,
         )
-        self._keep_attention(kept)
-        self.__dict__["_attention_path"] = taken
-        return out
+        done = compute(
+            self._backend, queries, keys, values, None, lambda: mask, None, options=options
+        )
+        self._keep_attention(done.weights)
+        self.__dict__["_attention_path"] = done.path
+        return done.output
 
 
 def _heads(xp: Backend, x: Array, h: int) -> Array:
@@ -691,8 +687,8 @@ class MultiHeadAttention(_Attention):
         num_keys, offset = keys.shape[1], None
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
-            k = xp.write_slice(cache.keys, k, start, 2)
-            v = xp.write_slice(cache.values, v, start, 2)
+            k = opt(xp).write_slice(cache.keys, k, start, 2)
+            v = opt(xp).write_slice(cache.values, v, start, 2)
             end = start + keys.shape[1]  # an int, or traced (jax.jit)
             num_keys, offset = cache.max_len, end - queries.shape[1]
             forms = {**forms, "causal": True}
@@ -729,7 +725,7 @@ class MultiHeadAttention(_Attention):
             int(max_len),
             self.num_hiddens // self.num_heads,
         )
-        xp.register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
+        opt(xp).register_tree(KVCache, KVCache._flatten, KVCache._unflatten)
         return KVCache(
             xp.zeros(shape, dtype, device),
             xp.zeros(shape, dtype, device),
@@ -772,7 +768,7 @@ class MultiHeadAttention(_Attention):
         dtype, want = xp.dtype_name(cache.keys), xp.dtype_name(queries)
         if dtype != want:
             raise TypeError(f"cache has dtype {dtype} but the queries have {want}")
-        if not xp.is_concrete(cache.length):
+        if not opt(xp).is_concrete(cache.length):
             return cache.length
         start = int(xp.to_numpy(cache.length))
         if start + keys.shape[1] > shape[2]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..backends.capabilities import opt
 from ..config import get_backend, native_device
 from ..core.checks import check_bool, check_positive_int
 from ..types import Array, BackendLike, DeviceLike, FloatDType, ModuleOptions
@@ -62,12 +63,12 @@ class Module(_Native):
     - ``attention_weights`` (attention modules): the weights of the last call.
     """
 
-    _backend: Any = None  # set on the native subclasses by Backend.native_class
+    _backend: Any = None  # set on the native subclasses by native_class
     training: bool
 
     def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
-            cls = get_backend(backend).native_class(cls)
+            cls = native_class(get_backend(backend), cls)
         return object.__new__(cls)
 
     def _start(
@@ -131,7 +132,7 @@ class Module(_Native):
         kept = self.__dict__.get("_attention_kept")
         self.__dict__["_attention_read"] = True
         if isinstance(kept, _Traced):
-            if not self._backend.is_tracing():
+            if not opt(self._backend).is_tracing():
                 raise RuntimeError(
                     f"{type(self).__name__}.attention_weights: the last call ran under a "
                     f"trace (jax.jit, jax.grad, ...) that has ended, and its weights with "
@@ -145,14 +146,14 @@ class Module(_Native):
         return kept
 
     def _keep_attention(self, weights_or_thunk: Any) -> None:
-        backend = self._backend
+        backend = opt(self._backend)
         if backend.traced_values_end and backend.is_tracing():
             weights_or_thunk = _Traced(weights_or_thunk)
         self.__dict__["_attention_kept"] = weights_or_thunk
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The native class is made at run time; pickle rebuilds it by name.
-        public_class = type(self).__bases__[0]  # see Backend.native_class
+        public_class = type(self).__bases__[0]  # see native_class
         return (_rebuild, (public_class, self._backend.name), self.__getstate__())
 
     def __getstate__(self) -> dict[str, Any]:
@@ -175,7 +176,7 @@ class _Traced(NamedTuple):
 
 def _rebuild(public_class: type, backend_name: str) -> Any:
     """Unpickling: an empty instance of ``public_class``'s native class."""
-    return object.__new__(get_backend(backend_name).native_class(public_class))
+    return object.__new__(native_class(get_backend(backend_name), public_class))
 
 
 class Linear(Module):
@@ -231,7 +232,7 @@ class Linear(Module):
     def _size_from(self, x: Array) -> None:
         """Create the parameters of a lazily sized layer for input ``x``."""
         xp = self._backend
-        if xp.is_tracing() or not xp.is_concrete(x):
+        if opt(xp).is_tracing() or not opt(xp).is_concrete(x):
             raise TypeError(
                 f"this {type(self).__name__}'s input size is not known yet and it is "
                 f"called under a trace ({xp.name}: jit, grad, vmap or compile), where "
@@ -269,3 +270,27 @@ class Linear(Module):
                 f"({self.out_features}, in_features)"
             )
         self._create(shape[1], self.__dict__.get("_device"))
+
+
+_NATIVE: dict[tuple[Any, type], type] = {}
+
+
+def native_class(backend: Backend, public_class: type) -> type:
+    """The subclass of ``public_class`` that is native to ``backend`` (its
+    ``module_base``), made once."""
+    cls = _NATIVE.get((backend, public_class))
+    if cls is None:
+        if backend.module_base is None:
+            raise NotImplementedError(f"the {backend.name} backend sets no module_base")
+        cls = type(
+            public_class.__name__,
+            (public_class, backend.module_base),
+            {
+                "_backend": backend,
+                "__module__": public_class.__module__,
+                "__qualname__": public_class.__qualname__,
+            },
+        )
+        opt(backend).register_class(cls)
+        _NATIVE[(backend, public_class)] = cls
+    return cls

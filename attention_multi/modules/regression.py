@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..backends.capabilities import value_and_grad
 from ..core import masked_softmax, zeros_for_empty
 from ..core.checks import check_array
 from ..types import Array, ModuleOptions
@@ -69,7 +70,7 @@ def train_kernel_regression(
 
     losses = []
     for _ in range(epochs):
-        loss, grads = xp.value_and_grad(net, loss_fn)
+        loss, grads = value_and_grad(xp, net, loss_fn)
         params = net.named_arrays()
         for name, grad in grads.items():
             net._assign_param(name, params[name] - lr * grad)

@@ -11,7 +11,7 @@ the entry point, load it with ``pytest -p attention_multi.testing.plugin``.
 ``--am-backends=torch,jax`` chooses the backends; by default every installed
 one runs, and one that is installed but cannot be imported skips with the
 reason (a backend named in ``--am-backends`` fails instead). JAX computes in
-float32 unless ``backend.enable_float64()`` is called.
+float32 unless ``opt(backend).enable_float64()`` is called.
 
 Your own ``backend`` fixture (e.g. in conftest.py), or a test that
 parametrizes ``backend`` itself, takes precedence: this plugin then

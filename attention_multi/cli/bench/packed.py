@@ -265,7 +265,7 @@ def _jax_first_call_row(p, length=300):
     xp = am.get_backend("jax")
     start = time.perf_counter()
     mask = make_mask(xp, B, H, length, length, segment_ids=jnp.asarray(ids), causal=True)
-    out, _, taken = attend(xp, q, k, v, mask)
+    out, _, _, taken = attend(xp, q, k, v, mask)
     out.block_until_ready()
     a = time.perf_counter() - start
     dense = jnp.asarray(_dense(ids)[:, None])

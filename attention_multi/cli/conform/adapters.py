@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ...testing import frameworks
 from ...testing.conformance import (
     FORMS,
@@ -508,7 +510,7 @@ class Ours(Function):
             import attention_multi as am
 
             B = am.get_backend(self.framework)
-            B.enable_float64()
+            opt(B).enable_float64()
 
             def attention(q, k, v, *, causal=None, **forms):
                 dtype = B.dtype_name(q)

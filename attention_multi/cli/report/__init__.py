@@ -139,7 +139,7 @@ def main(args):
 
     lines += ["## Figures", ""]
     if pairs:
-        trainer = next((p for p in pairs if p[0].autodiff), None)
+        trainer = next((p for p in pairs if backends.supports(p[0], backends.Autodiff)), None)
         try:
             lines += figures(out, *pairs[0], inputs, trainer)
         except WriteError:  # --out itself fails: exit EXIT_CANNOT_WRITE

@@ -11,6 +11,7 @@ import numpy as np
 
 import attention_multi as am
 from attention_multi import backends
+from attention_multi.backends.capabilities import opt
 
 from .cases import CASES, DTYPES, compare
 
@@ -57,7 +58,7 @@ def backend_state(name):
 def device_state(B, device):
     """(native device or None, note)."""
     try:
-        return B.native_device(device), ""
+        return backends.devices.native_device(B, device), ""
     except ValueError as exc:
         return None, f"{device} not available ({exc})"
 
@@ -74,7 +75,7 @@ def versions():
 
 def run_cells(B, device, inputs, refs, plant):
     """{(mechanism, dtype): (error or None, passed, message)} for one backend/device."""
-    B.enable_float64()  # explicit float32 stays float32
+    opt(B).enable_float64()  # explicit float32 stays float32
     cells = {}
     for dtype in DTYPES:
         if dtype not in B.float_dtypes:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from .spec import Form, Mask, Region, _sliced, _taken
 
 if TYPE_CHECKING:
@@ -42,7 +44,10 @@ class Arrays(Form):
 
     def snapshot(self, xp: Backend) -> Form:
         return Arrays(
-            *(None if x is None else xp.snapshot(x) for x in (self.mask, self.bias, self.allowed))
+            *(
+                None if x is None else opt(xp).snapshot(x)
+                for x in (self.mask, self.bias, self.allowed)
+            )
         )
 
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from .spec import EMPTY, FULL, PARTIAL, Mask, least_state
 
 if TYPE_CHECKING:
@@ -151,7 +153,7 @@ class BlockMask:
             found = host_tables(self.states, self.shape, self.BLOCK_SIZE)
             return tuple(xp.asarray(x, device=device) for x in found)
 
-        if xp.is_tracing():  # (nothing kept: a trace's arrays end with it)
+        if opt(xp).is_tracing():  # (nothing kept: a trace's arrays end with it)
             return make()
         key = ("tables", xp.name, str(device))
         if key not in self.memo:

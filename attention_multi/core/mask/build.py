@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, TypedDict
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..checks import check_mask_array, check_window, valid_lens_checked
 from ..numerics import compute_dtype
 from .arrays import arrays
@@ -79,7 +81,7 @@ def _function(where: Where, name: str, fn: Any) -> tuple[Any, tuple[Any, Any, An
     bases: ``q_idx`` from ``query_base``)."""
     if not callable(fn):
         raise TypeError(f"{name} must be a function, got {type(fn).__name__}")
-    if not where.xp.host_code_traced():
+    if not opt(where.xp).host_code_traced():
         fn = native_captures(where.xp, name, fn, where.device)
     return fn, (0, where.query_base, 0)
 
@@ -183,7 +185,7 @@ def _offset(xp: Backend, offset: Any, num_queries: int, num_keys: int) -> tuple[
         return num_keys - num_queries, num_keys - num_queries, False
     if not xp.is_array(offset):
         return int(offset), int(offset), True
-    return offset, int(xp.to_numpy(offset)) if xp.is_concrete(offset) else None, True
+    return offset, int(xp.to_numpy(offset)) if opt(xp).is_concrete(offset) else None, True
 
 
 def make_mask(
@@ -224,4 +226,4 @@ def make_mask(
     order = dict.fromkeys(k.build for k in KEYWORDS.values())  # (the families, the list's order)
     forms = (build(where, **families[build]) for build in order if build in families)
     forms_set = tuple(f for f in forms if f is not None)
-    return Mask(batch, heads, num_queries, num_keys, forms_set, not xp.host_code_traced(), xp)
+    return Mask(batch, heads, num_queries, num_keys, forms_set, not opt(xp).host_code_traced(), xp)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..numerics import readable
 from .blocks import BlockMask
 
@@ -60,7 +62,7 @@ def native_captures(xp: Backend, name: str, fn: Any, device: Any) -> Any:
 
     def native(var: str, x: Any, depth: int) -> Any:
         if isinstance(x, np.ndarray):
-            narrow = x.dtype == np.int64 and not xp.mixed_int_ops and x.size
+            narrow = x.dtype == np.int64 and not opt(xp).mixed_int_ops and x.size
             if narrow and -(2**31) <= x.min() and x.max() < 2**31:  # (beside int32 indices)
                 x = x.astype(np.int32)
             try:
@@ -210,7 +212,7 @@ def remembered(
     if value is None:
         value = make()
         size = math.prod(value.shape)
-        if mark is not None and kept[2][0] + size <= MOST_KEPT and xp.can_keep(value):
+        if mark is not None and kept[2][0] + size <= MOST_KEPT and opt(xp).can_keep(value):
             kept[1][key] = value
             kept[2][0] += size
     return value

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from .blocks import BlockMask
 from .captures import fingerprint, native_captures, remembered
 from .spec import EMPTY, FULL, PARTIAL, Form, Mask, Region, is_int, least_state, state_of
@@ -41,7 +43,7 @@ def index_grid(xp: Backend, shape: Shape, bases: Bases, device: Any) -> tuple[Ar
         positions(xp, n, base, host, device, axis)
         for axis, (n, base) in enumerate(zip(shape, (bases[0], 0, bases[1], bases[2])))
     )
-    if xp.dense_index_grids:  # (boolean operators there do not broadcast)
+    if opt(xp).dense_index_grids:  # (boolean operators there do not broadcast)
         return tuple(xp.broadcast_to(x, shape) for x in (b, h, q, kv))
     return b, h, q, kv
 
@@ -49,7 +51,7 @@ def index_grid(xp: Backend, shape: Shape, bases: Bases, device: Any) -> tuple[Ar
 def on_host(xp: Backend, *bases: Any) -> bool:
     """Whether to make positions on the host: where each new shape costs a
     compilation (eager JAX: no iota, reshape and add to compile per grid)."""
-    return xp.compiles_per_shape and is_int(*bases) and not xp.is_tracing()
+    return opt(xp).compiles_per_shape and is_int(*bases) and not opt(xp).is_tracing()
 
 
 def positions(
@@ -151,7 +153,7 @@ def _evaluated(
 ) -> Array:
     """``answer(fn(*args))`` on index arrays broadcasting to ``shape``; a
     function that fails on them or answers with a wrong shape (one written
-    for scalar indices) is mapped over the grid's elements by ``xp.vmap``
+    for scalar indices) is mapped over the grid's elements by ``opt(xp).vmap``
     (FlexAttention's definition: the function of one element). Where the
     host code is traced (torch.compile), a failing framework call ends the
     trace rather than raising, so the function is mapped there from the
@@ -159,7 +161,7 @@ def _evaluated(
     one on the arrays), with a note saying which function, on which shapes;
     one whose answer on the arrays has a wrong shape, a ValueError."""
     first: BaseException | None = None
-    if not xp.host_code_traced():
+    if not opt(xp).host_code_traced():
         try:
             return answer(fn(*args))
         except TypeError as exc:
@@ -172,7 +174,7 @@ def _evaluated(
     def one(*element: Any) -> Any:  # (a function: vmap names it, a BlockMask's repr is long)
         return fn(*element)
 
-    mapped = xp.vmap(one)
+    mapped = opt(xp).vmap(one)
     grids = [tuple(a.shape) for a in args if hasattr(a, "shape")]  # (no str.join: dynamo)
     said = f"{name} failed on arguments of shapes {grids} (broadcasting to {shape})"
     if mapped is None:
@@ -269,7 +271,7 @@ class MaskMod(Form):
             return checked_mask(xp, self.mask_mod, grid, device)
 
         bm = self.block_mask
-        if bm is None or not is_int(*self.bases) or xp.is_tracing():
+        if bm is None or not is_int(*self.bases) or opt(xp).is_tracing():
             return make()
         if "mark" not in self.call:  # (what the function captures: read once a call)
             self.call["mark"] = fingerprint(xp, bm.memo["fn"])  # (as given: NumPy's too)
@@ -289,7 +291,7 @@ class MaskMod(Form):
         if xp is None:
             return PARTIAL
         v = self._on(xp, mask, r, self.device)
-        if not xp.is_concrete(v):
+        if not opt(xp).is_concrete(v):
             return PARTIAL
         v = xp.to_numpy(v)
         return EMPTY if not v.any() else FULL if v.all() else PARTIAL
@@ -365,7 +367,7 @@ def evaluate(
     kv = positions(xp, width, bases[2], host, dev, 3, num_keys)
     b, h = positions(xp, batch, bases[0], host, dev, 0), positions(xp, heads, 0, host, dev, 1)
     per_row = batch * heads * bq * width
-    per_group = min(nqb, max(1, min(int(_CALLS * xp.call_cost(dev)), _MOST) // per_row))
+    per_group = min(nqb, max(1, min(int(_CALLS * opt(xp).call_cost(dev)), _MOST) // per_row))
     per_group = -(-nqb // -(-nqb // per_group))  # (as many groups, the fewest rows past Q)
 
     def group(i: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -374,13 +376,13 @@ def evaluate(
         Positions past Q are the last query again, which its block holds;
         where each new shape compiles, every group has one shape (the
         function's operations compile once), else the last may be shorter."""
-        rows = per_group if xp.compiles_per_shape else min(per_group, nqb - i)
+        rows = per_group if opt(xp).compiles_per_shape else min(per_group, nqb - i)
         q = positions(xp, rows * bq, bases[1] + i * bq, host, dev, 2, num_queries - i * bq)
         grid = (b, h, q, kv)
-        if xp.dense_index_grids:  # (boolean operators there do not broadcast)
+        if opt(xp).dense_index_grids:  # (boolean operators there do not broadcast)
             grid = tuple(xp.broadcast_to(x, (batch, heads, rows * bq, width)) for x in grid)
         v = checked_mask(xp, mask_mod, grid, dev)
-        if not xp.is_concrete(v):
+        if not opt(xp).is_concrete(v):
             return None
         v = xp.astype(v, "uint8")  # (torch reduces bytes ~7x faster than booleans)
         at = (v.shape[0], v.shape[1], rows, width)

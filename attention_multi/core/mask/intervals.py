@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Union
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..numerics import positions
 from .spec import Form, Mask, Region, _sliced, _taken, state_of
 
@@ -150,7 +152,7 @@ class Intervals(Form):
         if lens is None:
             return self
         if known is None:
-            return replace(self, valid_lens=xp.snapshot(lens))
+            return replace(self, valid_lens=opt(xp).snapshot(lens))
         copy = xp.asarray(known.astype(np.int32), device=xp.device_of(lens))  # (no framework read)
         return replace(self, valid_lens=copy)
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..numerics import all_finite, compute_dtype, fill, fill_against, fill_value, size, zero
 from .functions import USED_KEYS
 from .intervals import keys_all_used, rows_nonempty
@@ -83,9 +85,9 @@ def guard_unused(
     """Zero key and value rows (batch, heads, K, d) that no query may see (no
     NaN leaks from them); ``guard_keys=False``: the values only (for a caller
     that masks the scores by ``where``, no gradient through the keys)."""
-    big = size(keys) + size(values) >= xp.finite_check_min
+    big = size(keys) + size(values) >= opt(xp).finite_check_min
     # (where each new shape compiles, a sum is cheaper than the mask's operations)
-    check = big or (xp.compiles_per_shape and mask.kept(USED_KEYS) is None)
+    check = big or (opt(xp).compiles_per_shape and mask.kept(USED_KEYS) is None)
     if mask.restricted and check and all_finite(xp, keys, values):  # (no dense mask to build)
         return keys, values
     used = used_keys(xp, mask, xp.device_of(keys))
@@ -113,7 +115,7 @@ def kernel_inputs(
     rows_see_keys: bool = False,
 ) -> tuple[Array, Array, Callable[[Array], Array]]:
     """``(keys, values, finish)`` for a kernel: unused key and value rows zeroed,
-    ``finish(out)`` zeroes empty rows. Without ``Backend.fused_keeps_nan`` the
+    ``finish(out)`` zeroes empty rows. Without ``Fused.fused_keeps_nan`` the
     NaN rules are kept around it on the device (a query row's NaN comes back;
     under a per-query mask, rows that may see a NaN key are NaN).
     ``queries_finite``, ``keys_finite``: checked finite by the caller;
@@ -124,11 +126,11 @@ def kernel_inputs(
     def empty(out: Array) -> Array:
         return out if rows_see_keys else zero_empty_rows(xp, mask, out)
 
-    if xp.fused_keeps_nan:
+    if opt(xp).fused_keeps_nan:
         return keys, values, empty
     seen = None
     # (a kernel that skips the hidden half of top-left causal itself never reads it)
-    if mask.per_query and not keys_finite and not (mask.top_left_causal and xp.fused_causal):
+    if mask.per_query and not keys_finite and not (mask.top_left_causal and opt(xp).fused_causal):
         seen = _sees_nan_keys(xp, mask, queries, keys)
         if seen is not None:
             keys = xp.where(xp.any(keys != keys, -1, keepdims=True), 0.0, keys)
@@ -151,7 +153,7 @@ def unguarded_holds(xp: Backend, queries: Array, keys: Array, values: Array, out
     keys and values too (a hidden NaN would reach the gradients)."""
     if not all_finite(xp, out, queries):
         return False
-    differentiated = any(xp.may_differentiate(x) for x in (queries, keys, values))
+    differentiated = any(opt(xp).may_differentiate(x) for x in (queries, keys, values))
     return not differentiated or all_finite(xp, keys, values)
 
 
@@ -195,31 +197,31 @@ def masked_softmax(
     float32 for half precision, in the dtype of ``scores``; masked weights and
     empty rows are exactly 0. What the caller knows makes it cheaper, never
     different: ``empty_rows=False``, every row sees a key; ``hidden_finite``,
-    no hidden score is NaN (``Backend.masks_by_adding``); ``before_product``
-    (``Backend.softmax_before_product``); ``lens``, the lengths ``visible``
-    came from (``Backend.below_lengths``; ``visible`` may then be a function
+    no hidden score is NaN (``Masking.masks_by_adding``); ``before_product``
+    (``Masking.softmax_before_product``); ``lens``, the lengths ``visible``
+    came from (``Masking.below_lengths``; ``visible`` may then be a function
     that makes it); ``dtype``, ``device``: of ``scores``."""
     dtype = dtype or xp.dtype_name(scores)
     work = compute_dtype(dtype)
     x = xp.astype(scores, work) if work != dtype else scores
-    softmax = xp.softmax_before_product if before_product else xp.softmax
+    softmax = opt(xp).softmax_before_product if before_product else xp.softmax
     if visible is None:
         weights = softmax(x, -1)
     else:
         if device is None:
             device = xp.device_of(x)
-        by_lengths = lens is not None and xp.masks_by_lengths
+        by_lengths = lens is not None and opt(xp).masks_by_lengths
         if not by_lengths and callable(visible):
             visible = visible()
         if by_lengths:
-            x = xp.below_lengths(x, visible, lens, fill_value(work), -1)
-        elif hidden_finite and xp.masks_by_adding and size(visible) * 8 <= size(x):
+            x = opt(xp).below_lengths(x, visible, lens, fill_value(work), -1)
+        elif hidden_finite and opt(xp).masks_by_adding and size(visible) * 8 <= size(x):
             x = x + xp.where(visible, zero(xp, work, device), fill(xp, work, device))
         else:
             x = xp.where(visible, x, fill_against(xp, work, device))
         weights = softmax(x, -1)
         if empty_rows and by_lengths:
-            weights = xp.below_lengths(weights, visible, lens, 0.0, -1)
+            weights = opt(xp).below_lengths(weights, visible, lens, 0.0, -1)
         elif empty_rows:
             weights = xp.where(visible, weights, 0.0)
     return weights if work == dtype else xp.astype(weights, dtype)

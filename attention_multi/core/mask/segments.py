@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from .spec import Form, Mask, Region, Where, _cut, _taken, is_int, least_state, state_of
 
 if TYPE_CHECKING:
@@ -107,7 +109,10 @@ class Segments(Form):
 
     def snapshot(self, xp: Backend) -> Form:
         return Segments(
-            xp.snapshot(self.query_ids), xp.snapshot(self.key_ids), self.known_ids, self.key_start
+            opt(xp).snapshot(self.query_ids),
+            opt(xp).snapshot(self.key_ids),
+            self.known_ids,
+            self.key_start,
         )
 
 
@@ -235,7 +240,7 @@ def make_segments(where: Where, segment_ids: Any = None) -> Segments:
                 )
         out.append(x)
     given = [x for x in out if x is not None]
-    if all(not xp.is_array(x) or xp.is_concrete(x) for x in given):  # known values
+    if all(not xp.is_array(x) or opt(xp).is_concrete(x) for x in given):  # known values
         hosts = [x if isinstance(x, np.ndarray) else xp.to_numpy(x) for x in given]
         fits = _fits(hosts)
         ids = iter(_as_int32(hosts))
@@ -248,7 +253,7 @@ def make_segments(where: Where, segment_ids: Any = None) -> Segments:
             qs = ks[:, offset : offset + num_queries]
         else:
             qs = xp.take(ks, xp.arange(num_queries, device) + offset, 1)
-    concrete = xp.is_concrete(qs) and xp.is_concrete(ks)
+    concrete = opt(xp).is_concrete(qs) and opt(xp).is_concrete(ks)
     known = tuple(xp.to_numpy(x).astype(np.int64) for x in (qs, ks)) if concrete else None
     return Segments(qs, ks, known)
 

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, NamedTuple
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
@@ -74,7 +76,7 @@ def is_int(*xs: Any) -> bool:
 
 
 # (batch x Q x K) of a mask made on the host at most: larger, the framework's
-# threads are faster (the least: ``Backend.host_mask_min_size``)
+# threads are faster (the least: ``Masking.host_mask_min_size``)
 HOST_MASK_MAX = 1 << 22
 
 
@@ -131,7 +133,7 @@ class Form:
         raise NotImplementedError
 
     def snapshot(self, xp: Backend) -> Form:
-        """This form over copies of its arrays (``Backend.snapshot``)."""
+        """This form over copies of its arrays (``Copies.snapshot``)."""
         return self
 
 
@@ -151,7 +153,7 @@ def _cut(xp: Backend | None, x: Any, axis: int, start: Any, stop: Any, size: int
         index[axis] = slice(start, stop)
         return x[tuple(index)]
     assert xp is not None and size is not None, "a traced start needs a backend and a size"
-    return xp.read_slice(x, start, size, axis)
+    return opt(xp).read_slice(x, start, size, axis)
 
 
 def _sliced(x: Any, r: Region, keys: bool = True, xp: Backend | None = None) -> Any:
@@ -179,7 +181,7 @@ def _and(xp: Backend, parts: Iterable[Array | None]) -> Array | None:
 class Mask:
     """Which keys each query may see, for (batch, heads, Q, K) attention:
     ``forms`` in the keyword list's order; ``host`` False while host code is
-    traced (``Backend.host_code_traced``: nothing decided on the host); ``xp``
+    traced (``Tracing.host_code_traced``: nothing decided on the host); ``xp``
     the backend. Nothing writes into a Mask: a block is a new one (``region``)."""
 
     __slots__ = (
@@ -321,13 +323,13 @@ class Mask:
         """``(made, boolean)``: the forms' AND made with NumPy and handed over
         once, where the backend takes host masks on this device (no framework
         call, so no parallel region) and every form renders on the host."""
-        if not xp.host_masks or not self.known_on_host() or xp.is_tracing():
+        if not opt(xp).host_masks or not self.known_on_host() or opt(xp).is_tracing():
             return False, None
         size = self.batch * self.num_queries * self.num_keys
         if (
-            xp.on_accelerator(device)
+            opt(xp).on_accelerator(device)
             or not self.per_query
-            or not xp.host_mask_min_size <= size <= HOST_MASK_MAX
+            or not opt(xp).host_mask_min_size <= size <= HOST_MASK_MAX
         ):
             return False, None
         parts = [form.host_visible(self) for form in self.forms]

@@ -2,7 +2,7 @@
 ``score_mod``, ``segment_ids``): per block of queries, over the blocks of keys
 that are not empty (``mask.host_table``; full ones without a mask), through
 ``fused.kernel`` over its runs of keys side by side, or one online-softmax step
-per run. While traced, each block is a ``Backend.cond`` on a device-side test.
+per run. While traced, each block is a ``Blocks.cond`` on a device-side test.
 A framework that compiles each new shape runs ``fixed_blocks``.
 """
 
@@ -12,22 +12,23 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Fused, opt, supports
 
+from ...types import Path
 from ..mask import EMPTY, FULL, PARTIAL, Mask, computed_fraction, host_table
 from ..mask.arrays import arrays
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import all_finite, in_dtype, scaled
 from . import fixed_blocks, fused, online
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv, grouped, in_fewer_threads
+from .call import Call, Pieces, Plan, Result, dropout_fn, expand_kv, grouped, in_fewer_threads
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
 
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.BLOCKED
 DEFAULT_BLOCK = 128
 KEY_BLOCK = 32  # (host: runs of non-empty key blocks are computed as one)
 TRACED_BLOCK = 256  # fewer blocks: each is a cond in the compiled program
@@ -52,7 +53,7 @@ def pick_block(mask: Mask, traced: bool, fixed: bool = False) -> tuple[int, int]
 
 def _fixed(xp: Backend, traced: bool) -> bool:
     """Whether the blocks have one shape (``fixed_blocks``)."""
-    return xp.sequential_scan if traced else xp.compiles_per_shape
+    return opt(xp).sequential_scan if traced else opt(xp).compiles_per_shape
 
 
 def plan(call: Call) -> Plan | None:
@@ -60,13 +61,13 @@ def plan(call: Call) -> Plan | None:
     are skipped at run time), or asked for by name. The cost: the non-empty
     blocks' scores and a kernel call per block of queries (traced: a share)."""
     xp, mask = call.xp, call.mask
-    if not call.asks("tiled") or not any(mask.form(n) for n in PROGRAMMABLE):
+    if not call.asks(NAME) or not any(mask.form(n) for n in PROGRAMMABLE):
         return None
     traced = not mask.known_on_host()
-    if call.path != "tiled":
+    if not call.named(NAME):
         if call.keyed_dropout:  # (jit and eager must draw alike)
             return None
-        if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and xp.runtime_cond):
+        if mask.num_queries * mask.num_keys < MIN_SCORES and not (traced and opt(xp).runtime_cond):
             return None
     fixed, size = _fixed(xp, traced), call.chunk_size
     block_q, block_k = (size, size) if size else pick_block(mask, traced, fixed)
@@ -103,14 +104,14 @@ def _spans(
     return spans
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Attention over the non-empty blocks; ``plan.detail``: the block size
     (queries, keys) and the host table of states (None while traced); in
     fewer threads where ``fewer_threads``."""
     return in_fewer_threads(call, lambda c: _run(c, plan))
 
 
-def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def _run(call: Call, plan: Plan) -> Result:
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
     batch, heads, num_q, num_k = call.batch, call.heads, call.num_queries, call.num_keys
     block_q, block_k, table = plan.detail
@@ -164,7 +165,7 @@ def _run(call: Call, plan: Plan) -> tuple[Any, ...]:
                 r = Region(b0, b1, q0, q1, k0, k1)
                 index = (b0 * num_q + q0) * num_k + k0
                 block_drop = None if drop is None else (lambda p, i=index: drop(p, i))
-                seen = mask.seen(xp, r, device) if traced and xp.runtime_cond else None
+                seen = mask.seen(xp, r, device) if traced and opt(xp).runtime_cond else None
                 ks, vs = cuts.keys(b0, b1, [(k0, k1, st)])
                 sub = mask.region(r, PARTIAL if traced else st)
                 state = online.step(xp, state, qs, ks, vs, sub, work, block_drop, seen=seen)
@@ -219,7 +220,7 @@ class _Cuts:
     ) -> None:
         self.xp, self.arrays = xp, arrays
         self.pieces: dict[int, tuple[Pieces, ...]] | None = None
-        if not any(xp.is_differentiated(x) for x in arrays):
+        if not any(opt(xp).is_differentiated(x) for x in arrays):
             return
         sizes = [b1 - b0 for b0, b1 in groups]
         per_group = [xp.split(x, sizes, 0) if len(groups) > 1 else [x] for x in arrays]

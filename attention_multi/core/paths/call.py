@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, TypeVar
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
+from ...types import Path
 from ..numerics import DEFAULT_MEMORY_BUDGET, compute_dtype, work_itemsize
 
 if TYPE_CHECKING:
@@ -28,10 +31,26 @@ jitted gradient: 4.05): a call under autodiff counts its scores this often."""
 BUSY_CALLS = 32
 
 
+class Options(NamedTuple):
+    """How a call is computed, beside its arrays, mask and scale (the
+    keywords of ``select.attend``)."""
+
+    dropout: float = 0.0  # the weights' dropout rate
+    key: Any = None  # the PRNG key of dropout (JAX)
+    path: str = "auto"  # ``"auto"`` or a ``Path`` (``"tiled"``: its family)
+    budget: int | None = None  # bytes of score-sized intermediates (``memory_budget``)
+    chunk_size: int | None = None  # queries and keys per block of the block paths
+    weights: Weights = "later"  # when the caller reads the weights
+    private: bool = False  # queries and keys only this call holds (kept as they are)
+    lse: bool = False  # the result's ``lse`` computed (a path that gives none declines)
+
+
+DEFAULTS = Options()
+
+
 class Call:
-    """The arguments of ``select.attend`` (``budget``: its ``memory_budget``,
-    bytes of score-sized intermediates) and what every plan reads of them;
-    with ``lse`` a path's ``run`` returns the log-sum-exp third."""
+    """One call: its arrays, ``Mask``, scale and ``Options``, and what every
+    plan reads of them (each option is an attribute: ``call.path``...)."""
 
     def __init__(
         self,
@@ -41,31 +60,24 @@ class Call:
         values: Array,
         mask: Mask,
         scale: float,
-        dropout: float = 0.0,
-        key: Any = None,
-        path: str = "auto",
-        budget: int | None = None,
-        chunk_size: int | None = None,
-        weights: Weights = "later",
-        private: bool = False,
-        lse: bool = False,
+        options: Options = DEFAULTS,
     ) -> None:
         self.xp, self.mask, self.scale = xp, mask, scale
         self.queries, self.keys, self.values = queries, keys, values
-        self.dropout, self.key, self.path = dropout, key, path
+        self.dropout, self.key, self.path, budget, self.chunk_size = options[:5]
+        self.weights, self.private, self.lse = options[5:]
         self.budget = DEFAULT_MEMORY_BUDGET if budget is None else budget
-        self.chunk_size, self.weights, self.private, self.lse = chunk_size, weights, private, lse
         self.batch, self.heads, self.num_queries = queries.shape[:3]
         self.num_keys = keys.shape[2]
         self.dtype, self.device = xp.dtype_name(queries), xp.device_of(queries)
         self.work = compute_dtype(self.dtype)
         self.scores = self.batch * self.heads * self.num_queries * self.num_keys
         self.itemsize = work_itemsize(xp, queries)
-        self.held = AUTODIFF_HELD if xp.is_differentiated(queries) else 1
+        self.held = AUTODIFF_HELD if opt(xp).is_differentiated(queries) else 1
         self.scores_bytes = self.scores * self.itemsize * self.held
-        self.keyed_dropout = bool(dropout) and key is not None
-        self.call_cost = xp.call_cost(self.device)  # (in scores: one more framework call, now)
-        self.compiled_call_cost = xp.compiled_call_cost(self.device)  # (a branch under jit)
+        self.keyed_dropout = bool(self.dropout) and self.key is not None
+        self.call_cost = opt(xp).call_cost(self.device)  # (in scores: one more framework call, now)
+        self.compiled_call_cost = opt(xp).compiled_call_cost(self.device)  # (a branch under jit)
 
     def auto(self) -> Call:
         """This call with the path chosen by ``"auto"``."""
@@ -80,23 +92,28 @@ class Call:
         call.__dict__.update(self.__dict__, **fields)
         return call
 
-    def asks(self, *paths: str) -> bool:
-        """Whether the caller asked for one of ``paths`` (or ``"auto"``)."""
-        return self.path == "auto" or self.path in paths
+    def asks(self, path: Path) -> bool:
+        """Whether the caller asked for ``path`` (by its name or its family's,
+        ``"tiled"``) or for ``"auto"``."""
+        return self.path == "auto" or self.named(path)
+
+    def named(self, path: Path) -> bool:
+        """Whether the caller asked for ``path`` by its name or its family's."""
+        return self.path == path or self.path == path.family
 
 
 def fewer_threads(call: Call) -> bool:
     """Whether a path of many small calls runs them in fewer threads of the
-    CPU pool (``Backend.in_fewer_threads``), forward and backward: where a call
+    CPU pool (``Threads.in_fewer_threads``), forward and backward: where a call
     waits now (a busy machine), so that they wait for fewer descheduled
     threads. (2 cores beside one busy process: the tiles' training step in
     one thread 0.45x SDPA's against 1.1x in two; the packed forward 562 ms
     against 1088; idle, the training step took the same time in either.)
     Where the backend says so (``fewer_threads_always``), idle too."""
     xp = call.xp
-    busy = call.call_cost > BUSY_CALLS * xp.kernel_call_cost
-    cpu = not xp.on_accelerator(call.device)
-    return xp.fewer_threads and cpu and (busy or xp.fewer_threads_always)
+    busy = call.call_cost > BUSY_CALLS * opt(xp).kernel_call_cost
+    cpu = not opt(xp).on_accelerator(call.device)
+    return opt(xp).fewer_threads and cpu and (busy or opt(xp).fewer_threads_always)
 
 
 def many_calls_cost(call: Call) -> float:
@@ -104,7 +121,7 @@ def many_calls_cost(call: Call) -> float:
     ``fewer_threads``, an idle call's (the training step above); else what a
     call costs now (a forward pass in fewer threads still gains by fewer calls)."""
     idle = call.held > 1 and fewer_threads(call)
-    return call.xp.kernel_call_cost if idle else call.call_cost
+    return opt(call.xp).kernel_call_cost if idle else call.call_cost
 
 
 def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
@@ -112,11 +129,25 @@ def in_fewer_threads(call: Call, run: Callable[[Call], R]) -> R:
     if not fewer_threads(call):
         return run(call)
     q, k, v = call.queries, call.keys, call.values
-    return call.xp.in_fewer_threads(lambda *qkv: run(call.on(*qkv)), q, k, v)
+    return opt(call.xp).in_fewer_threads(lambda *qkv: run(call.on(*qkv)), q, k, v)
+
+
+class Result(NamedTuple):
+    """What a call gives, on any path: ``output`` (batch, heads, Q, dv) in
+    the call's dtype; ``weights`` (batch * heads, Q, K) before dropout, a
+    function computing them, or None; ``lse``, each row's log-sum-exp
+    (batch, heads, Q, 1) in the compute dtype (``-inf``: no key), where the
+    call asked for it (``Options.lse``), else None; ``path``, the ``Path``
+    that ran (the chooser sets it)."""
+
+    output: Array
+    weights: Any = None
+    lse: Array | None = None
+    path: Path | None = None
 
 
 class Plan(NamedTuple):
-    """``cost`` in scores (a kernel call: ``Backend.call_cost()``) and the
+    """``cost`` in scores (a kernel call: ``Costs.call_cost()``) and the
     path's own ``detail`` for its ``run``."""
 
     cost: float
@@ -133,7 +164,7 @@ def expand_kv(xp: Backend, keys: Array, values: Array, heads: int) -> tuple[Arra
 
 class Pieces:
     """``x`` (batch, heads, n, d) cut along ``n`` at ``points`` by
-    ``Backend.split`` where autodiff records it (``Backend.is_differentiated``):
+    ``Backend.split`` where autodiff records it (``Autodiff.is_differentiated``):
     a slice's gradient is a buffer as large as ``x`` per slice, the pieces' are
     joined once. ``take(a, b)``: ``x[:, :, a:b]`` for points ``a``, ``b``
     (pieces side by side where it spans several)."""
@@ -141,7 +172,7 @@ class Pieces:
     def __init__(self, xp: Backend, x: Array, points: Any) -> None:
         self.xp, self.x = xp, x
         self.parts: list[Array] | None = None
-        if xp.is_differentiated(x):
+        if opt(xp).is_differentiated(x):
             points = sorted(set(int(p) for p in points) | {0, int(x.shape[2])})
             self.parts = xp.split(x, np.diff(points).tolist(), 2)
             self.at = {p: i for i, p in enumerate(points)}
@@ -158,7 +189,7 @@ def dropout_fn(xp: Backend, rate: float, key: Any) -> Any:
     ``key`` (None when ``rate`` is 0)."""
     if not rate:
         return None
-    return lambda w, index=None: xp.dropout(w, rate, xp.fold_key(key, index))
+    return lambda w, index=None: xp.dropout(w, rate, opt(xp).fold_key(key, index))
 
 
 _GROUPED: dict[tuple, list[tuple[np.ndarray, int, int, bool]]] = {}  # (recent plans)

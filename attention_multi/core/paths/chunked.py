@@ -9,13 +9,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
+from ...types import Path
 from ..mask import EMPTY
 from ..mask.intervals import key_range
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, Pieces, Plan, dropout_fn, expand_kv
+from .call import Call, Pieces, Plan, Result, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -23,7 +26,7 @@ if TYPE_CHECKING:
     from ...types import Array
     from ..mask import Mask
 
-NAME = "chunked"
+NAME = Path.CHUNKED
 DEFAULT_BLOCK_KEYS = 1024
 DIAGONAL_BLOCK = 256  # blocks under causal or window masks
 PASSES = 3
@@ -45,7 +48,7 @@ def plan(call: Call) -> Plan | None:
     return None
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Blocks of ``chunk_size`` queries and keys, or up to 1024 keys and the
     queries that fill a sixteenth of the budget (square blocks of up to 256
     under causal or window masks: those past the diagonal are skipped)."""
@@ -67,7 +70,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
             block_q = min(block_q, block_k)
     drop = dropout_fn(xp, call.dropout, call.key)
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
-    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    scan = opt(xp).sequential_scan and not mask.dense  # (keys_from: interval masks only)
     grid = None  # (the full blocks of keys and values, made once)
     q_cuts = Pieces(xp, q, range(0, num_q, block_q))
     k_cuts, v_cuts = (Pieces(xp, x, [*range(start, stop, block_k), stop]) for x in (k, v))
@@ -136,7 +139,7 @@ def scan_keys(
     seen: Callable[[Any, Any], Array] | None = None,
 ) -> Any:
     """``state`` merged with the ``count`` blocks ``first, ...`` of ``grid``
-    (``key_blocks``) in one ``Backend.scan``, for the queries ``qs`` whose Mask
+    (``key_blocks``) in one ``Blocks.scan``, for the queries ``qs`` whose Mask
     over every key is ``rows`` (an interval mask: ``Mask.keys_from`` at a traced
     start); dropout draws from ``index`` plus the block's first key, and
     ``seen(k0, k1)`` skips a block at run time."""
@@ -155,4 +158,4 @@ def scan_keys(
         skip = None if seen is None else seen(k0, k0 + block_k)
         return online.step(xp, state, qs, kb, vb, sub, call.work, block_drop, seen=skip)
 
-    return xp.scan(block, state, xs)
+    return opt(xp).scan(block, state, xs)

@@ -1,8 +1,8 @@
-"""The block-sparse path in blocks of one shape (``Backend.compiles_per_shape``):
+"""The block-sparse path in blocks of one shape (``Tracing.compiles_per_shape``):
 what is compiled for one block serves every block and length. The last block
 of each axis ends at the end, overlapping the one before (its queries computed
 again, its keys counted before hidden: ``online.step``'s ``hidden``).
-``scanned`` (traced, ``Backend.sequential_scan``): scans over blocks of queries
+``scanned`` (traced, ``Blocks.sequential_scan``): scans over blocks of queries
 and of keys, each step skipped at run time. ``compiled`` (host): one call of one
 compiled kernel per block of keys that is not empty.
 """
@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask import EMPTY, PARTIAL
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, dropout_fn, expand_kv
+from .call import Call, Result, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from ...types import Array
@@ -32,7 +34,7 @@ def starts(n: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     return start.astype(np.int32), (first - start).astype(np.int32)
 
 
-def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
+def scanned(call: Call, block_q: int, block_k: int) -> Result:
     """Traced: scans over the blocks of queries and of keys; ``(output, None)``,
     or ``(output, None, log-sum-exp)`` with ``call.lse``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device
@@ -50,34 +52,34 @@ def scanned(call: Call, block_q: int, block_k: int) -> tuple[Any, ...]:
 
     def row(q0: Array) -> tuple[Array, ...]:
         """The rows ``[q0, q0 + bq)``, recomputed one at a time backward."""
-        qs = xp.read_slice(qs_all, q0, bq, 2)
+        qs = opt(xp).read_slice(qs_all, q0, bq, 2)
 
         def col(state: Any, y: list[Array]) -> Any:
             k0, hide = y
             sub = mask.block_at(q0, k0, bq, bk)
             block_drop = None if drop is None else (lambda p: drop(p, q0 * num_k + k0))
             # (cut outside the cond: what it keeps for the backward pass is one block)
-            kb, vb = xp.read_slice(k, k0, bk, 2), xp.read_slice(v, k0, bk, 2)
+            kb, vb = opt(xp).read_slice(k, k0, bk, 2), opt(xp).read_slice(v, k0, bk, 2)
             seen = sub.seen(xp, sub.whole(), device)
             hide = hide if overlap else None
             return online.step(
                 xp, state, qs, kb, vb, sub, work, block_drop, None, seen, hide, guard=True
             )
 
-        state = xp.scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
+        state = opt(xp).scan(col, online.start(xp, (batch, heads, bq), dv, work, device), cols)
         return tuple(online.rows(call, state, ()))
 
     def rows(done: tuple[Array, ...], x: list[Array]) -> tuple[Array, ...]:
-        parts = xp.checkpoint(row, x[0])
-        return tuple(xp.write_slice(d, p, x[0], 2) for d, p in zip(done, parts))
+        parts = opt(xp).checkpoint(row, x[0])
+        return tuple(opt(xp).write_slice(d, p, x[0], 2) for d, p in zip(done, parts))
 
     widths = (dv, 1) if call.lse else (dv,)
     done = tuple(xp.zeros((batch, heads, num_q, n), work, device) for n in widths)
-    done = xp.scan(rows, done, [xp.asarray(q_starts, "int32", device)])
+    done = opt(xp).scan(rows, done, [xp.asarray(q_starts, "int32", device)])
     return online.result(call, [list(done)])
 
 
-def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> tuple[Any, ...]:
+def compiled(call: Call, block_q: int, block_k: int, table: np.ndarray) -> Result:
     """The blocks of keys not empty in ``table`` (host states), each one call of
     the compiled kernel (a ``score_mod`` or dropout: the step). As ``scanned``."""
     xp, mask, work, device = call.xp, call.mask, call.work, call.device

@@ -5,12 +5,15 @@ within the memory budget."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from attention_multi.backends.capabilities import opt
+
+from ...types import Path
 from ..mask.rules import guard_unused, masked_softmax
 from ..numerics import compute_dtype, in_dtype, scaled, weighted
 from . import online
-from .call import Call, Plan, dropout_fn, expand_kv
+from .call import Call, Plan, Result, dropout_fn, expand_kv
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -18,7 +21,7 @@ if TYPE_CHECKING:
     from ...types import Array
     from ..mask import Mask
 
-NAME = "full"
+NAME = Path.FULL
 PASSES = 4
 """Its cost per score: the scores and weights written and read back."""
 CALLS = 5
@@ -77,25 +80,27 @@ def plan(call: Call) -> Plan | None:
     return None
 
 
-def run(call: Call, plan: Plan | None = None) -> tuple[Any, ...]:
-    """``(output, weights)``, weights (batch * heads, Q, K) before dropout, as a
+def run(call: Call, plan: Plan | None = None) -> Result:
+    """Output and weights (batch * heads, Q, K) before dropout, as a
     function that reshapes them when read (a reshape costs an operator call)."""
     xp, q, mask = call.xp, call.queries, call.mask
     k, v = expand_kv(xp, call.keys, call.values, call.heads)
     if call.lse:
         return with_lse(call, k, v)
     # (masked by where, NaN in unused keys reaches only gradients; by adding, the scores)
-    guard = xp.may_differentiate(q) or (xp.masks_by_adding and mask.per_batch_lens is not None)
+    guard = opt(xp).may_differentiate(q) or (
+        opt(xp).masks_by_adding and mask.per_batch_lens is not None
+    )
     k, v = guard_unused(xp, mask, k, v, guard_keys=guard)
     w4 = weights4(xp, q, k, mask, call.scale, guard, before_product=True, rounded=False)
     drop = dropout_fn(xp, call.dropout, call.key)
     dtype = xp.dtype_name(q)
     out = weighted(xp, w4 if drop is None else drop(w4), v, dtype)
-    return out, lambda: xp.nan_rows(flat(in_dtype(xp, w4, dtype)))
+    return Result(out, lambda: opt(xp).nan_rows(flat(in_dtype(xp, w4, dtype))))
 
 
-def with_lse(call: Call, k: Array, v: Array) -> tuple[Array, None, Array]:
-    """``(output, None, log-sum-exp)`` of every key as one online-softmax block."""
+def with_lse(call: Call, k: Array, v: Array) -> Result:
+    """Output and log-sum-exp of every key as one online-softmax block."""
     xp, q, mask, work = call.xp, call.queries, call.mask, call.work
     k, v = guard_unused(xp, mask, k, v)
     drop = dropout_fn(xp, call.dropout, call.key)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Fused, opt, supports
 
+from ...types import Path
 from ..mask.rules import kernel_inputs, unguarded_holds, zero_empty_rows
 from ..numerics import readable
-from .call import Call, Plan
+from .call import Call, Plan, Result
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from ...types import Array
     from ..mask import Mask
 
-NAME = "fused"
+NAME = Path.FUSED
 CAUSAL_SHARE = 0.5  # of the scores a kernel computes that skips top-left causal's upper half
 
 
@@ -55,7 +56,7 @@ def trusting(xp: Backend, *arrays: Array) -> bool:
     """Whether to run kernels without the NaN guards first (then one host
     check of the output): the host reads the arrays (``readable``), and the
     kernel does not keep NaN by itself."""
-    return not xp.fused_keeps_nan and readable(xp, *arrays)
+    return not opt(xp).fused_keeps_nan and readable(xp, *arrays)
 
 
 def takes(call: Call) -> bool:
@@ -64,7 +65,7 @@ def takes(call: Call) -> bool:
     return (
         supports(xp, Fused)
         and call.mask.score_mod is None
-        and (not call.dropout or xp.fused_dropout)
+        and (not call.dropout or opt(xp).fused_dropout)
     )
 
 
@@ -72,13 +73,13 @@ def plan(call: Call) -> Plan | None:
     """One kernel call over every score (half for top-left causal) when the
     backend's kernel can take the case (it may decline at run time); no lse."""
     xp, mask = call.xp, call.mask
-    if call.lse or not (call.asks("fused") and takes(call)):
+    if call.lse or not (call.asks(NAME) and takes(call)):
         return None
-    share = CAUSAL_SHARE if mask.top_left_causal and xp.fused_causal else 1.0
+    share = CAUSAL_SHARE if mask.top_left_causal and opt(xp).fused_causal else 1.0
     return Plan(share * call.scores + call.call_cost)
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None] | None:
+def run(call: Call, plan: Plan) -> Result | None:
     """The kernel, within the memory budget unless the caller asked for this path."""
     xp, q, k, v = call.xp, call.queries, call.keys, call.values
     budget = None if call.path == "fused" else call.budget
@@ -86,6 +87,6 @@ def run(call: Call, plan: Plan) -> tuple[Array, None] | None:
     if trusting(xp, q, k, v):  # (one check of the output instead of the guards)
         out = kernel(*args, guarded=False)
         if out is None or unguarded_holds(xp, q, k, v, out):
-            return None if out is None else (out, None)
+            return None if out is None else Result(out)
     out = kernel(*args)
-    return None if out is None else (out, None)
+    return None if out is None else Result(out)

@@ -1,7 +1,7 @@
 """The online-softmax step, written once: the state ``(row max, row sum,
 accumulator)`` of a block of queries over a block of keys, merged into a
-running state, recomputed in the backward pass (``Backend.checkpoint``),
-skipped at run time when not seen (``Backend.cond``); it also gives each row's
+running state, recomputed in the backward pass (``Autodiff.checkpoint``),
+skipped at run time when not seen (``Blocks.cond``); it also gives each row's
 log-sum-exp, and attention sinks are one more term of the row sum."""
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from ..mask import Mask
 from ..mask.arrays import arrays
 from ..mask.rules import guard_block
 from ..numerics import empty_rows, fill, fill_against, fill_value, in_dtype, normalize, scalar
+from .call import Result
 
 if TYPE_CHECKING:
     from attention_multi.backends import Backend
@@ -77,7 +80,7 @@ def start(xp: Backend, shape: tuple[int, ...], dv: int, work: str, device: Any) 
     """The state of rows (batch, heads, Q) that have seen no key yet (eager,
     where each new shape compiles: made with NumPy, no program compiled)."""
     rows, acc = tuple(shape) + (1,), tuple(shape) + (dv,)
-    if xp.compiles_per_shape and not xp.is_tracing():
+    if opt(xp).compiles_per_shape and not opt(xp).is_tracing():
         made = (np.full(rows, fill_value(work), work), np.zeros(rows, work), np.zeros(acc, work))
         return tuple(xp.asarray(x, work, device) for x in made)
     zero = xp.zeros(rows, work, device)
@@ -88,14 +91,14 @@ def finish(xp: Backend, state: State) -> Array:
     """``accumulator / row sum``; rows with no visible key give zeros (one
     compiled program where each new shape compiles)."""
     _, row_sum, acc = state
-    if xp.compiles_per_shape:
+    if opt(xp).compiles_per_shape:
         return _compiled_normalize(xp)(acc, row_sum)
     return normalize(xp, acc, row_sum)
 
 
 @functools.cache
 def _compiled_normalize(xp: Backend) -> Callable[[Array, Array], Array]:
-    return xp.compiled(functools.partial(normalize, xp))
+    return opt(xp).compiled(functools.partial(normalize, xp))
 
 
 def step(
@@ -117,12 +120,12 @@ def step(
     with ``seen`` (a device bool), skipped at run time when False. Eager on a
     framework that compiles each new shape, one call of ``compiled_step``."""
     if (
-        xp.compiles_per_shape
+        opt(xp).compiles_per_shape
         and seen is None
         and drop is None
         and not guard
         and mask.score_mod is None
-        and all(xp.is_concrete(x) for x in (qs, k, v, mask.bias) if x is not None)
+        and all(opt(xp).is_concrete(x) for x in (qs, k, v, mask.bias) if x is not None)
     ):  # (not under autodiff: the block's mask would be held for the backward pass)
         if cut is not None:
             k, v = k[cut], v[cut]
@@ -135,8 +138,8 @@ def step(
         return merge(xp, state, softmax_block(xp, qs, k, v, mask, work, drop, hidden, guard))
 
     if seen is None:
-        return xp.checkpoint(block, state, qs, k, v)
-    return xp.cond(seen, lambda s: xp.checkpoint(block, s, qs, k, v), lambda s: s, state)
+        return opt(xp).checkpoint(block, state, qs, k, v)
+    return opt(xp).cond(seen, lambda s: opt(xp).checkpoint(block, s, qs, k, v), lambda s: s, state)
 
 
 @functools.cache
@@ -153,7 +156,7 @@ def compiled_step(xp: Backend, work: str) -> Callable[..., Any]:
         sub = Mask(batch, heads, num_q, k.shape[2], forms, True, xp)
         return step(xp, state, qs, k, v, sub, work, hidden=hidden)
 
-    return xp.compiled(kernel)
+    return opt(xp).compiled(kernel)
 
 
 def minus_inf(xp: Backend, work: str, device: Any) -> Array:
@@ -193,12 +196,12 @@ def joined(xp: Backend, parts: list[Array], axis: int = 2) -> Array:
     return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis)
 
 
-def result(call: Call, parts: list[list[Array]], axis: int = 2) -> tuple[Any, ...]:
-    """``(output, None)``, with ``call.lse`` ``(output, None, log-sum-exp)``, of
-    ``parts`` (each ``rows``'s) joined along ``axis``; the output in the call's dtype."""
+def result(call: Call, parts: list[list[Array]], axis: int = 2) -> Result:
+    """The ``Result`` of ``parts`` (each ``rows``'s) joined along ``axis``: the
+    output in the call's dtype, no weights, with ``call.lse`` the log-sum-exp."""
     xp = call.xp
     out = in_dtype(xp, joined(xp, [p[0] for p in parts], axis), call.dtype)
-    return (out, None, joined(xp, [p[1] for p in parts], axis)) if call.lse else (out, None)
+    return Result(out, None, joined(xp, [p[1] for p in parts], axis) if call.lse else None)
 
 
 def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:

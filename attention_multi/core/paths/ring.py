@@ -6,7 +6,7 @@ The sequence is split over ``size`` participants in a **layout**:
 then sees as many keys). In ``size`` steps each participant merges its queries
 over the block of keys it holds into its online-softmax state and passes the
 block on (``Distributed.ring_exchange``); empty chunks cost no kernel call (while
-the rank is traced, ``Backend.cond`` skips them). Every exchange happens on
+the rank is traced, ``Blocks.cond`` skips them). Every exchange happens on
 every participant, and the last block stays in the output's graph so the
 backward exchanges pair up. Messages travel in the compute dtype. Memory:
 O(T/P d).

@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from attention_multi.backends.capabilities import opt
+
 from ..checks import INT32_MAX, least_length, lengths_for_compare, lens_kind
 from ..mask.intervals import lengths_visible
 from ..mask.rules import masked_softmax
@@ -64,10 +66,12 @@ class Line:
         self.scale = default_scale(qs[-1])  # (the modules' scale)
         group = qs[1] // ks[1] if self.flat else 1
         self.expand = group != 1
-        known = valid_lens is not None and xp.is_array(valid_lens) and xp.is_concrete(valid_lens)
+        known = (
+            valid_lens is not None and xp.is_array(valid_lens) and opt(xp).is_concrete(valid_lens)
+        )
         self.lens_kind = lens_kind(xp, valid_lens, qs[0], qs[-2]) if known else None
         self.limit = min(int(ks[-2]), INT32_MAX)
-        self.big = (size(keys) + size(values)) * group >= xp.finite_check_min
+        self.big = (size(keys) + size(values)) * group >= opt(xp).finite_check_min
         self.dtype = xp.dtype_name(queries)
         self.work = compute_dtype(self.dtype)
         self.lengths: tuple[Any, ...] | None = None  # (``_lengths``)
@@ -99,11 +103,13 @@ def attention(
         if line.big and all_finite(xp, keys, values):
             keys_clean = True  # (a read instead of two writes)
         else:
-            values = xp.below_lengths(values, used, lens, 0.0, -2)
+            values = opt(xp).below_lengths(values, used, lens, 0.0, -2)
             # (into gradients through the keys; or into the scores, when adding the mask)
-            keys_clean = xp.may_differentiate(queries) or (line.big and xp.masks_by_adding)
+            keys_clean = opt(xp).may_differentiate(queries) or (
+                line.big and opt(xp).masks_by_adding
+            )
             if keys_clean:
-                keys = xp.below_lengths(keys, used, lens, 0.0, -2)
+                keys = opt(xp).below_lengths(keys, used, lens, 0.0, -2)
         # (lengths per batch element hide only keys nobody sees)
         hidden_finite = keys_clean and len(lens.shape) == 1
     dtype, work = line.dtype, line.work
@@ -126,8 +132,8 @@ def attention(
     if work != dtype:
         weights = xp.astype(weights, dtype)
     if not line.flat:
-        return out, lambda: xp.nan_rows(weights)
-    return out, lambda: xp.nan_rows(flat(weights))
+        return out, lambda: opt(xp).nan_rows(weights)
+    return out, lambda: opt(xp).nan_rows(flat(weights))
 
 
 def _lengths(
@@ -145,7 +151,7 @@ def _lengths(
         least = least_length(host, kind, line.limit)
         if least is not None:  # (well-formed: no copy)
             made = (least,) + _visible(xp, line, valid_lens, least, device)
-            if made[1] is None or callable(made[1]) or xp.can_keep(made[1]):
+            if made[1] is None or callable(made[1]) or opt(xp).can_keep(made[1]):
                 line.lengths = (tag,) + made
             return (valid_lens,) + made
     lens, least = lengths_for_compare(
@@ -158,11 +164,11 @@ def _visible(
     xp: Backend, line: Line, lens: Array, least: int | None, device: Any
 ) -> tuple[Any, Any]:
     """``lengths_visible``'s pair ((None, None): every key seen), made when
-    asked on ``Backend.masks_by_lengths``."""
+    asked on ``Masking.masks_by_lengths``."""
     num_k = line.num_keys
     if least is not None and least >= num_k:
         return None, None
-    if xp.masks_by_lengths:  # (its operator may not need them)
+    if opt(xp).masks_by_lengths:  # (its operator may not need them)
         return _made_once(lambda: lengths_visible(xp, lens, line.ndim, num_k, device))
     return lengths_visible(xp, lens, line.ndim, num_k, device)
 

@@ -1,6 +1,6 @@
 """The tiled path: tiles of batch elements and a block of queries over only the
 keys they see (never the padding), each through the backend's kernel or the
-softmax-product here, on ``Backend.parallel_map``; the intervals on the host."""
+softmax-product here, on ``Threads.parallel_map``; the intervals on the host."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from attention_multi.backends.capabilities import Fused, supports
+from attention_multi.backends.capabilities import Fused, opt, supports
 
+from ...types import Path
 from ..mask.intervals import element_ranges, host_bounds
 from ..mask.rules import guard_unused, unguarded_holds, zero_empty_rows
 from ..mask.spec import Mask, Region
@@ -19,6 +20,7 @@ from .call import (
     Call,
     Pieces,
     Plan,
+    Result,
     dropout_fn,
     expand_kv,
     grouped,
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.TILED
 DEFAULT_BLOCK_QUERIES = 512
 PARALLEL_MIN_SCORES = 1 << 16  # fewer scores than this: tiles run one after another
 TILED_WORK_MAX = 0.9  # tiles beat one kernel call at 0.9 of its work (calls counted): cost / this
@@ -74,15 +76,15 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     if not mask.known_on_host():
         return None
     block_q = max(1, min(num_q, call.chunk_size or DEFAULT_BLOCK_QUERIES))
-    per_query = 2 * heads * mask.num_keys * call.itemsize * xp.concurrency()
+    per_query = 2 * heads * mask.num_keys * call.itemsize * opt(xp).concurrency()
     # (scores and their exponentials, each tile at once)
     block_q = min(block_q, memory_budget // per_query)
     if block_q < 1:
         return None
     # (under autodiff consecutive elements only: a gather's gradient fills an input-sized buffer)
-    taped = any(xp.is_differentiated(x) for x in (call.queries, call.keys, call.values))
+    taped = any(opt(xp).is_differentiated(x) for x in (call.queries, call.keys, call.values))
     gather = all(f.gathers for f in mask.forms) and not taped
-    masked = xp.masked_score_cost
+    masked = opt(xp).masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
     groups, work, copied = [], 0, 0
     kv_heads, d, dv = call.keys.shape[1], call.queries.shape[-1], call.values.shape[-1]
@@ -91,7 +93,7 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
         rows = heads * (q1 - q0)
         most = max(1, memory_budget // (per_query * (q1 - q0)))
         per_element, per_key = rows * d, kv_heads * (d + dv)  # (a gathered group's copies)
-        copies = (per_element * xp.copy_cost, per_key * xp.copy_cost)
+        copies = (per_element * opt(xp).copy_cost, per_key * opt(xp).copy_cost)
         block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked, copies)
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
@@ -105,32 +107,32 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
 def plan(call: Call) -> Plan | None:
     """The tiles' scores and calls / ``TILED_WORK_MAX``; not with keyed dropout
     or ``lse``, nor, unless named, where each new shape compiles."""
-    xp, named = call.xp, call.path == "tiled"
-    if not call.asks("tiled") or call.keyed_dropout or call.lse:
+    xp, named = call.xp, call.named(NAME)
+    if not call.asks(NAME) or call.keyed_dropout or call.lse:
         return None
-    if not named and xp.compiles_per_shape:
+    if not named and opt(xp).compiles_per_shape:
         return None
     budget = max(1, call.budget // call.held)
     tiles = plan_tiles(call, budget)
     held_at_once = call.held > 1 and not named  # (under autodiff: every tile's scores)
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
-    copies = tiles.copied * xp.copy_cost
+    copies = tiles.copied * opt(xp).copy_cost
     return Plan((tiles.scores + copies + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
 
 
 def tile_cost(call: Call) -> float:
     """What a tile costs beyond its scores: through the framework's kernel, a
-    call (waits included) and its host work (``Backend.tile_host_cost``; on an
+    call (waits included) and its host work (``Costs.tile_host_cost``; on an
     accelerator ``ACCELERATOR_TILE_CALLS`` launches); else the full path's calls;
     each call at ``many_calls_cost``."""
     xp = call.xp
     calls = many_calls_cost(call)
     if not fused.takes(call):
         return calls * full.CALLS
-    if xp.on_accelerator(call.device):
+    if opt(xp).on_accelerator(call.device):
         return call.call_cost * (1 + ACCELERATOR_TILE_CALLS)
-    return calls + xp.tile_host_cost
+    return calls + opt(xp).tile_host_cost
 
 
 def group_cost(call: Call) -> float:
@@ -143,7 +145,9 @@ def bound(call: Call) -> float:
     tiles compute at least the scores the rows' intervals hold, in one call
     if any (0 where another form narrows the keys, or while traced); on an
     accelerator, one tile (no host read)."""
-    if call.xp.on_accelerator(call.device):  # (a host read there waits for every kernel queued)
+    if opt(call.xp).on_accelerator(
+        call.device
+    ):  # (a host read there waits for every kernel queued)
         return tile_cost(call) / TILED_WORK_MAX
     known = host_bounds(call.mask)
     if known is None or any(f.narrows for f in call.mask.forms):
@@ -168,11 +172,11 @@ def _back_order(block: list[Group]) -> np.ndarray | None:
     return np.argsort(order) if (order != np.arange(len(order))).any() else None
 
 
-def run(call: Call, plan: Plan) -> tuple[Array, None]:
-    """The groups on ``Backend.parallel_map``, back in batch order; unguarded
+def run(call: Call, plan: Plan) -> Result:
+    """The groups on ``Threads.parallel_map``, back in batch order; unguarded
     first where one check of the output allows (``fused.trusting``); in
     fewer threads where ``fewer_threads``."""
-    return in_fewer_threads(call, lambda c: _run(c, plan)), None
+    return Result(in_fewer_threads(call, lambda c: _run(c, plan)))
 
 
 def _run(call: Call, plan: Plan) -> Array:
@@ -192,7 +196,7 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     checks = {"queries_finite": False, "keys_finite": False, "guarded": guarded}
     if guarded:
         # (one read of the inputs instead of the NaN passes around each tile's kernel)
-        finite = supports(xp, Fused) and not xp.fused_keeps_nan and all_finite(xp, q)
+        finite = supports(xp, Fused) and not opt(xp).fused_keeps_nan and all_finite(xp, q)
         # (keys a group holds that some of its rows do not see: read once, not zeroed per group)
         unseen = mask.per_query or any(not g.whole and len(g.rows) > 1 for g in groups)
         checks["queries_finite"] = finite
@@ -229,7 +233,7 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
 
     indices = range(len(groups))
     parallel = call.scores >= PARALLEL_MIN_SCORES
-    outs = xp.parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
+    outs = opt(xp).parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
     for block in tiles.groups:
         done, i = outs[i : i + len(block)], i + len(block)
@@ -247,7 +251,7 @@ def _pieces(xp: Backend, call: Call, tiles: Tiles) -> dict[int, tuple[Any, Piece
     from the inputs by ``Backend.split`` (a slice's gradient is a buffer as
     large as its array, per group; the pieces' are joined once)."""
     q, k, v = call.queries, call.keys, call.values
-    if not any(xp.is_differentiated(x) for x in (q, k, v)):
+    if not any(opt(xp).is_differentiated(x) for x in (q, k, v)):
         return {}
     q_blocks = Pieces(xp, q, [q0 for q0, _ in tiles.blocks])
     rows: dict[int, tuple[Any, int]] = {}  # group index -> (batch cuts, which piece)

@@ -1,5 +1,5 @@
 """Tiles while the mask's intervals are traced (``jax.jit`` with lengths as
-arguments): per batch element, blocks of keys that ``Backend.cond`` skips at
+arguments): per batch element, blocks of keys that ``Blocks.cond`` skips at
 run time when no query of that element may see them (static shapes, so it
 compiles once). Blocks are recomputed in the backward pass."""
 
@@ -7,17 +7,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from attention_multi.backends.capabilities import opt
+
+from ...types import Path
 from ..mask.rules import guard_unused
 from ..mask.spec import Region
 from ..numerics import scaled
 from . import online
-from .call import Call, Plan, expand_kv
+from .call import Call, Plan, Result, expand_kv
 from .chunked import key_blocks, scan_keys
 
 if TYPE_CHECKING:
     from ...types import Array
 
-NAME = "tiled"
+NAME = Path.TRACED
 DEFAULT_BLOCK_KEYS = 64
 SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks skipped at run time)
 
@@ -25,7 +28,7 @@ SKIPPED_SHARE = 0.5  # of the scores, a traced call's expected share (blocks ski
 def plan(call: Call) -> Plan | None:
     """Traced intervals, a framework that branches at run time, no dropout."""
     xp, mask = call.xp, call.mask
-    if not call.asks("tiled") or call.dropout or not xp.runtime_cond:
+    if not call.asks(NAME) or call.dropout or not opt(xp).runtime_cond:
         return None
     if mask.intervals is None or mask.known_on_host():
         return None
@@ -43,7 +46,7 @@ def _block_keys(call: Call) -> int:
     return max(1, min(call.num_keys, block_k))
 
 
-def run(call: Call, plan: Plan) -> tuple[Any, ...]:
+def run(call: Call, plan: Plan) -> Result:
     """Per batch element, its blocks of keys (at most 16 within the budget, or
     ``chunk_size``), each skipped when no query of the element sees it."""
     xp, q, mask, work, device = call.xp, call.queries, call.mask, call.work, call.device
@@ -56,7 +59,7 @@ def run(call: Call, plan: Plan) -> tuple[Any, ...]:
     lo = xp.zeros((1, 1, 1, 1), "int32", device) if lo is None else lo
     rows = hi > lo
     # (scanned where a scan is one compiled loop: unrolled, every block's scores may be kept)
-    scan = xp.sequential_scan and not mask.dense  # (keys_from: interval masks only)
+    scan = opt(xp).sequential_scan and not mask.dense  # (keys_from: interval masks only)
     full_blocks = num_k // block_k if scan else 0
     parts = []
     for b in range(batch):
