@@ -67,13 +67,51 @@ class Tiles(NamedTuple):
     copied: int
 
 
+_PLANS: dict[tuple, Tiles | None] = {}  # (recent plans of masks of intervals alone)
+_PLANS_KEPT = 64
+
+
 def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     """Per block of queries, the batch elements grouped by the keys they see
-    (``grouped``); None while traced, or when one query's scores exceed the budget."""
-    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
-    if not mask.known_on_host():
+    (``grouped``); None while traced, or when one query's scores exceed the budget.
+    The plans of the last calls whose mask is intervals alone are kept by what
+    they depend on (the host lengths among it): every layer of a model plans
+    the same lengths again."""
+    if not call.mask.known_on_host() or call.xp.is_tracing():
         return None
-    block_q = max(1, min(num_q, call.chunk_size or DEFAULT_BLOCK_QUERIES))
+    key = _plan_key(call, memory_budget)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    tiles = _plan_tiles(call, memory_budget)
+    if key is not None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = tiles
+    return tiles
+
+
+def _plan_key(call: Call, memory_budget: int) -> tuple | None:
+    """What ``_plan_tiles`` reads of a call whose mask is intervals alone
+    (None for any other mask)."""
+    xp, mask = call.xp, call.mask
+    form = mask.intervals
+    if form is None or len(mask.forms) != 1:
+        return None
+    lens = form.valid_lens_known
+    lens = None if lens is None else (lens.shape, lens.dtype.str, lens.tobytes())
+    taped = any(xp.is_differentiated(x) for x in (call.queries, call.keys, call.values))
+    shapes = (tuple(call.queries.shape), tuple(call.keys.shape), tuple(call.values.shape))
+    costs = (xp.concurrency(), xp.masked_score_cost, xp.copy_cost, group_cost(call))
+    intervals = (lens, form.offset_known, form.causal, form.window)
+    return (xp.name, intervals, shapes, call.itemsize, call.chunk_size, memory_budget, taped, costs)
+
+
+def _plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
+    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
+    # (where every query of an element sees the same keys, blocks of queries only add
+    # calls and a join: one block, within the budget, unless chunk_size says otherwise)
+    default = DEFAULT_BLOCK_QUERIES if mask.per_query else num_q
+    block_q = max(1, min(num_q, call.chunk_size or default))
     per_query = 2 * heads * mask.num_keys * call.itemsize * xp.concurrency()
     # (scores and their exponentials, each tile at once)
     block_q = min(block_q, memory_budget // per_query)
@@ -93,6 +131,8 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
         per_element, per_key = rows * d, kv_heads * (d + dv)  # (a gathered group's copies)
         copies = (per_element * xp.copy_cost, per_key * xp.copy_cost)
         block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked, copies)
+        # (in the order of their first rows: groups that are ranges join in batch order)
+        block = sorted(block, key=lambda g: int(g[0][0]))
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
         gathered = [g for g in groups[-1] if g.k1 > g.k0 and not g.ranged]
