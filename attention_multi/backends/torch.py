@@ -255,9 +255,10 @@ class TorchBackend(NumpyLike):
         return list(_workers(threads).map(run, tasks))
 
     def concurrency(self):
-        """How many tasks ``parallel_map`` runs at once: the pool's thread count
-        under OpenMP, else one."""
-        return max(1, torch.get_num_threads()) if self.fewer_threads else 1
+        """How many tasks ``parallel_map`` runs at once now: the pool's thread
+        count where it takes the workers, else one."""
+        parallel = self.fewer_threads and not torch.is_grad_enabled() and not self.is_tracing()
+        return max(1, torch.get_num_threads()) if parallel else 1
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):

@@ -59,12 +59,15 @@ class Group(NamedTuple):
 
 class Tiles(NamedTuple):
     """The groups of each block of queries; ``scores`` the scores computed;
-    ``copied`` the elements copied (gathered rows, the output put back)."""
+    ``copied`` the elements copied (gathered rows, the output put back);
+    ``backs`` each block's ``_back_order``; ``calls`` its framework calls (``calls``)."""
 
     groups: list[list[Group]]
     blocks: list[tuple[int, int]]
     scores: int
     copied: int
+    backs: list[np.ndarray | None]
+    calls: int
 
 
 _PLANS: dict[tuple, Tiles | None] = {}  # (recent plans of masks of intervals alone)
@@ -122,7 +125,7 @@ def _plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     gather = all(f.gathers for f in mask.forms) and not taped
     masked = xp.masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    groups, work, copied = [], 0, 0
+    groups, work, copied, backs = [], 0, 0, []
     kv_heads, d, dv = call.keys.shape[1], call.queries.shape[-1], call.values.shape[-1]
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
@@ -137,9 +140,10 @@ def _plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
         gathered = [g for g in groups[-1] if g.k1 > g.k0 and not g.ranged]
         copied += sum(len(g.rows) * (per_element + per_key * (g.k1 - g.k0)) for g in gathered)
+        backs.append(_back_order(groups[-1]))
         if len(block) > 1:  # (the outputs joined, and put back in batch order)
-            copied += call.batch * rows * dv * (1 + (_back_order(groups[-1]) is not None))
-    return Tiles(groups, blocks, work, copied)
+            copied += call.batch * rows * dv * (1 + (backs[-1] is not None))
+    return Tiles(groups, blocks, work, copied, backs, _calls(groups, backs))
 
 
 def plan(call: Call) -> Plan | None:
@@ -156,7 +160,7 @@ def plan(call: Call) -> Plan | None:
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
     copies = tiles.copied * xp.copy_cost
-    return Plan((tiles.scores + copies + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
+    return Plan((tiles.scores + copies + tile_cost(call) * tiles.calls) / TILED_WORK_MAX, tiles)
 
 
 def tile_cost(call: Call) -> float:
@@ -196,8 +200,12 @@ def bound(call: Call) -> float:
 def calls(tiles: Tiles) -> int:
     """Framework calls: one per group (3 gathers more unless a range), one per
     block out of order."""
-    count = sum(_back_order(block) is not None for block in tiles.groups)
-    for g in (g for block in tiles.groups for g in block):
+    return _calls(tiles.groups, tiles.backs)
+
+
+def _calls(groups: list[list[Group]], backs: list[np.ndarray | None]) -> int:
+    count = sum(back is not None for back in backs)
+    for g in (g for block in groups for g in block):
         count += (g.k1 > g.k0) * (1 if g.ranged else 4)
     return int(count)
 
@@ -272,10 +280,9 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     parallel = call.scores >= PARALLEL_MIN_SCORES and not xp.on_accelerator(device)
     outs = xp.parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
-    for block in tiles.groups:
+    for block, back in zip(tiles.groups, tiles.backs):
         done, i = outs[i : i + len(block)], i + len(block)
         out = done[0] if len(done) == 1 else xp.concatenate(done, 0)
-        back = _back_order(block)
         if back is not None:
             out = xp.take(out, xp.asarray(back, "int32", device), 0)
         parts.append(out)
