@@ -3,7 +3,6 @@
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -174,26 +173,6 @@ class _BackwardRegion:
             _FEWER_THREADS.leave()
 
 
-_WORKERS: dict = {}  # (process id, threads) -> the pool of parallel_map's workers
-_WORKERS_LOCK = threading.Lock()
-
-
-def _workers(threads):
-    """``threads`` worker threads that run torch with one thread each (under
-    OpenMP a thread's own setting), made once per process (a forked child
-    makes its own: its parent's threads are not in it)."""
-    key = (os.getpid(), threads)
-    with _WORKERS_LOCK:
-        pool = _WORKERS.get(key)
-        if pool is None:
-            for old in [k for k in _WORKERS if k[0] != key[0] or k[1] != threads]:
-                del _WORKERS[old]
-            pool = _WORKERS[key] = ThreadPoolExecutor(
-                threads, "attention-torch", initializer=torch.set_num_threads, initargs=(1,)
-            )
-    return pool
-
-
 class TorchBackend(NumpyLike):
     name = "torch"
     xp = torch
@@ -230,35 +209,6 @@ class TorchBackend(NumpyLike):
     # Read when the module loads: a backend may be made inside the first,
     # compiled call (torch.compile(fullgraph=True) traces no parallel_info()).
     fewer_threads = "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-    def parallel_map(self, fn, tasks):
-        """Under OpenMP, on the CPU pool's thread count of worker threads, each
-        with one torch thread (``_workers``): no parallel region per operation
-        that waits for a thread the OS has descheduled, one worker goes on
-        while the other waits. In one thread where anything else holds: while
-        tracing, with autograd on (its graph and hooks stay on the caller's
-        thread), a pool of one thread, or a worker's own tasks. The caller's
-        inference mode holds in the workers. Whether a call takes the
-        workers follows no load (the same bits in every process; SDPA's CPU
-        kernel gave the tiles' bits of two threads in one here)."""
-        tasks = list(tasks)
-        threads = torch.get_num_threads()
-        serial = not self.fewer_threads or threads < 2 or len(tasks) < 2
-        if serial or torch.is_grad_enabled() or self.is_tracing():
-            return [fn(t) for t in tasks]
-        inference = torch.is_inference_mode_enabled()
-
-        def run(task):  # (the caller records no graph: neither do the workers)
-            with torch.inference_mode(inference), torch.no_grad():
-                return fn(task)
-
-        return list(_workers(threads).map(run, tasks))
-
-    def concurrency(self):
-        """How many tasks ``parallel_map`` runs at once now: the pool's thread
-        count where it takes the workers, else one."""
-        parallel = self.fewer_threads and not torch.is_grad_enabled() and not self.is_tracing()
-        return max(1, torch.get_num_threads()) if parallel else 1
 
     def asarray(self, x, dtype=None, device=None):
         if not isinstance(x, torch.Tensor):

@@ -276,8 +276,7 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
         return out
 
     indices = range(len(groups))
-    # (on an accelerator the tiles' kernels queue on one stream: one after another)
-    parallel = call.scores >= PARALLEL_MIN_SCORES and not xp.on_accelerator(device)
+    parallel = call.scores >= PARALLEL_MIN_SCORES
     outs = xp.parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
     for block, back in zip(tiles.groups, tiles.backs):
