@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from .numpy_like import NumpyLike
+from .numpy_threads import openblas
 from .protocol import MaskView
 from .torch_module import TorchModule
 
@@ -18,6 +19,11 @@ try:
 except ImportError:  # pragma: no cover (older torch)
     _get_proxy_mode = None
 
+
+# host_sum's rows: a contiguous array of at least _ROWS_MIN entries is summed as
+# rows of _ROW by one product with ones (made at import)
+_ROW, _ROWS_MIN = 4096, 1 << 16
+_ONES = {np.dtype(d): np.ones(_ROW, d) for d in (np.float32, np.float64)}
 
 # Filled at import: a dict that grows while torch.compile traces makes its
 # guard fail on the next call (one recompile for nothing).
@@ -228,10 +234,20 @@ class TorchBackend(NumpyLike):
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
 
     def host_sum(self, x):
-        """On the CPU NumPy's sum of a view (one thread: no parallel region
-        waits on a busy machine); elsewhere torch's, read back."""
+        """On the CPU NumPy's sum of a view (no parallel region of torch's
+        waits on a busy machine): a contiguous one of at least ``_ROWS_MIN``
+        entries as rows of ``_ROW`` summed by one matrix-vector product in
+        one BLAS thread, then the rows' sums (2 MB: 45-55 us against NumPy's
+        pairwise sum's 115 us here); elsewhere torch's, read back."""
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
-            return float(np.sum(x.detach().numpy()))
+            a = x.detach().numpy()
+            n = a.size
+            if n < _ROWS_MIN or not a.flags.c_contiguous:
+                return float(np.sum(a))
+            a, rows = a.reshape(-1), n // _ROW
+            with openblas().single_threaded():  # (no BLAS thread waits beside torch's)
+                head = a[: rows * _ROW].reshape(rows, _ROW) @ _ONES[a.dtype]
+            return float(np.sum(head)) + float(np.sum(a[rows * _ROW :]))
         return float(torch.sum(x.detach()))
 
     def dtype_name(self, x):

@@ -61,21 +61,63 @@ class Group(NamedTuple):
 
 class Tiles(NamedTuple):
     """The groups of each block of queries; ``scores`` the scores computed;
-    ``copied`` the elements copied (gathered rows, the output put back)."""
+    ``copied`` the elements copied (gathered rows, the output put back);
+    ``backs`` each block's ``_back_order``; ``calls`` its framework calls (``calls``)."""
 
     groups: list[list[Group]]
     blocks: list[tuple[int, int]]
     scores: int
     copied: int
+    backs: list[np.ndarray | None]
+    calls: int
+
+
+_PLANS: dict[tuple, Tiles | None] = {}  # (recent plans of masks of intervals alone)
+_PLANS_KEPT = 64
 
 
 def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     """Per block of queries, the batch elements grouped by the keys they see
-    (``grouped``); None while traced, or when one query's scores exceed the budget."""
-    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
-    if not mask.known_on_host():
+    (``grouped``); None while traced, or when one query's scores exceed the budget.
+    The plans of the last calls whose mask is intervals alone are kept by what
+    they depend on (the host lengths among it): every layer of a model plans
+    the same lengths again."""
+    if not call.mask.known_on_host() or opt(call.xp).is_tracing():
         return None
-    block_q = max(1, min(num_q, call.chunk_size or DEFAULT_BLOCK_QUERIES))
+    key = _plan_key(call, memory_budget)
+    if key is not None and key in _PLANS:
+        return _PLANS[key]
+    tiles = _plan_tiles(call, memory_budget)
+    if key is not None:
+        if len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = tiles
+    return tiles
+
+
+def _plan_key(call: Call, memory_budget: int) -> tuple | None:
+    """What ``_plan_tiles`` reads of a call whose mask is intervals alone
+    (None for any other mask)."""
+    xp, mask = call.xp, call.mask
+    form = mask.intervals
+    if form is None or len(mask.forms) != 1:
+        return None
+    lens = form.valid_lens_known
+    lens = None if lens is None else (lens.shape, lens.dtype.str, lens.tobytes())
+    taped = any(opt(xp).is_differentiated(x) for x in (call.queries, call.keys, call.values))
+    shapes = (tuple(call.queries.shape), tuple(call.keys.shape), tuple(call.values.shape))
+    o = opt(xp)
+    costs = (o.concurrency(), o.masked_score_cost, o.copy_cost, group_cost(call))
+    intervals = (lens, form.offset_known, form.causal, form.window)
+    return (xp.name, intervals, shapes, call.itemsize, call.chunk_size, memory_budget, taped, costs)
+
+
+def _plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
+    xp, mask, heads, num_q = call.xp, call.mask, call.heads, call.num_queries
+    # (where every query of an element sees the same keys, blocks of queries only add
+    # calls and a join: one block, within the budget, unless chunk_size says otherwise)
+    default = DEFAULT_BLOCK_QUERIES if mask.per_query else num_q
+    block_q = max(1, min(num_q, call.chunk_size or default))
     per_query = 2 * heads * mask.num_keys * call.itemsize * opt(xp).concurrency()
     # (scores and their exponentials, each tile at once)
     block_q = min(block_q, memory_budget // per_query)
@@ -86,7 +128,7 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     gather = all(f.gathers for f in mask.forms) and not taped
     masked = opt(xp).masked_score_cost
     blocks = [(q0, min(num_q, q0 + block_q)) for q0 in range(0, num_q, block_q)]
-    groups, work, copied = [], 0, 0
+    groups, work, copied, backs = [], 0, 0, []
     kv_heads, d, dv = call.keys.shape[1], call.queries.shape[-1], call.values.shape[-1]
     for q0, q1 in blocks:
         starts, stops, whole = element_ranges(mask, q0, q1)
@@ -95,13 +137,16 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
         per_element, per_key = rows * d, kv_heads * (d + dv)  # (a gathered group's copies)
         copies = (per_element * opt(xp).copy_cost, per_key * opt(xp).copy_cost)
         block = grouped(starts, stops, whole, rows, group_cost(call), most, gather, masked, copies)
+        # (in the order of their first rows: groups that are ranges join in batch order)
+        block = sorted(block, key=lambda g: int(g[0][0]))
         groups.append([Group(r, q0, q1, k0, k1, w) for r, k0, k1, w in block])
         work += sum(len(r) * rows * (k1 - k0) for r, k0, k1, _ in block)
         gathered = [g for g in groups[-1] if g.k1 > g.k0 and not g.ranged]
         copied += sum(len(g.rows) * (per_element + per_key * (g.k1 - g.k0)) for g in gathered)
+        backs.append(_back_order(groups[-1]))
         if len(block) > 1:  # (the outputs joined, and put back in batch order)
-            copied += call.batch * rows * dv * (1 + (_back_order(groups[-1]) is not None))
-    return Tiles(groups, blocks, work, copied)
+            copied += call.batch * rows * dv * (1 + (backs[-1] is not None))
+    return Tiles(groups, blocks, work, copied, backs, _calls(groups, backs))
 
 
 def plan(call: Call) -> Plan | None:
@@ -118,7 +163,7 @@ def plan(call: Call) -> Plan | None:
     if tiles is None or (held_at_once and tiles.scores * call.itemsize * call.held > call.budget):
         return None
     copies = tiles.copied * opt(xp).copy_cost
-    return Plan((tiles.scores + copies + tile_cost(call) * calls(tiles)) / TILED_WORK_MAX, tiles)
+    return Plan((tiles.scores + copies + tile_cost(call) * tiles.calls) / TILED_WORK_MAX, tiles)
 
 
 def tile_cost(call: Call) -> float:
@@ -160,8 +205,12 @@ def bound(call: Call) -> float:
 def calls(tiles: Tiles) -> int:
     """Framework calls: one per group (3 gathers more unless a range), one per
     block out of order."""
-    count = sum(_back_order(block) is not None for block in tiles.groups)
-    for g in (g for block in tiles.groups for g in block):
+    return _calls(tiles.groups, tiles.backs)
+
+
+def _calls(groups: list[list[Group]], backs: list[np.ndarray | None]) -> int:
+    count = sum(back is not None for back in backs)
+    for g in (g for block in groups for g in block):
         count += (g.k1 > g.k0) * (1 if g.ranged else 4)
     return int(count)
 
@@ -235,10 +284,9 @@ def _groups(call: Call, tiles: Tiles, guarded: bool) -> Array:
     parallel = call.scores >= PARALLEL_MIN_SCORES
     outs = opt(xp).parallel_map(tile, indices) if parallel else [tile(i) for i in indices]
     parts, i = [], 0
-    for block in tiles.groups:
+    for block, back in zip(tiles.groups, tiles.backs):
         done, i = outs[i : i + len(block)], i + len(block)
         out = done[0] if len(done) == 1 else xp.concatenate(done, 0)
-        back = _back_order(block)
         if back is not None:
             out = xp.take(out, xp.asarray(back, "int32", device), 0)
         parts.append(out)
