@@ -82,7 +82,7 @@ def plan_tiles(call: Call, memory_budget: int) -> Tiles | None:
     The plans of the last calls whose mask is intervals alone are kept by what
     they depend on (the host lengths among it): every layer of a model plans
     the same lengths again."""
-    if not call.mask.known_on_host() or opt(call.xp).is_tracing():
+    if not call.mask.known_on_host():
         return None
     key = _plan_key(call, memory_budget)
     if key is not None and key in _PLANS:
