@@ -146,7 +146,8 @@ def _backend_of(item):
 # The files that take longest (measured, legacy stack: 30-90 s of one worker
 # each), sent to the workers first (``--dist loadfile`` hands out files in
 # collection order): a long file started last would keep one worker busy
-# while the other waits. Only the order changes, never what runs.
+# while the other waits. Only the order changes, never what runs; under -x
+# (``make mutants``) the order is the collection's.
 FIRST = (
     "test_docs.py",
     "test_flex.py",
@@ -179,8 +180,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # (named by their file: a new one needs no marker of its own)
         if item.path.name.startswith("test_integrations_"):
             item.add_marker(pytest.mark.integration)
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # (stable)
+    if not config.getoption("exitfirst"):  # (under -x: the first failure soonest)
+        rank = {name: i for i, name in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # (stable)
     if _full(config):
         return
     second = config.getoption("stack") == "second"
