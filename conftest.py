@@ -180,7 +180,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # (named by their file: a new one needs no marker of its own)
         if item.path.name.startswith("test_integrations_"):
             item.add_marker(pytest.mark.integration)
-    if not config.getoption("exitfirst"):  # (under -x: the first failure soonest)
+    if config.getoption("maxfail") != 1:  # (under -x: the first failure soonest)
         rank = {name: i for i, name in enumerate(FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # (stable)
     if _full(config):
