@@ -145,15 +145,14 @@ MUTANTS = [
         ("tests/test_paths.py",),
     ),
     M(
-        "full-guard",
-        "paths",
-        "attention_multi/core/paths/full.py",
-        "    guard = opt(xp).may_differentiate(q) or (\n"
-        "        opt(xp).masks_by_adding and mask.per_batch_lens is not None\n"
-        "    )\n",
-        "    guard = opt(xp).may_differentiate(q)\n",
-        "the full path does not zero unused keys where a backend masks by adding",
-        ("tests/test_paths.py", "tests/test_nan.py"),
+        "mask-by-adding",
+        "mask",
+        "attention_multi/core/mask/rules.py",
+        "        elif hidden_finite and opt(xp).masks_by_adding and",
+        "        elif opt(xp).masks_by_adding and",
+        "a backend that masks by adding does so where a hidden score may be NaN (NaN + fill "
+        "is NaN)",
+        ("tests/test_nan.py",),
     ),
     # -- the backends' translations
     M(
