@@ -215,10 +215,14 @@ class Masking(Protocol):
 
 @runtime_checkable
 class Arrays(Protocol):
-    """Host reads and messages about arrays."""
+    """Host reads and messages about arrays; reshapes and shapes where the
+    framework's arrays have no ``reshape`` method or may not know a
+    dimension until they run (TensorFlow's)."""
 
     def near_miss(self, x: Any) -> str | None: ...
     def host_sum(self, x: Array) -> float: ...
+    def reshape(self, x: Array, shape: Any) -> Array: ...
+    def shape(self, x: Array) -> tuple[Any, ...]: ...
 
 
 CAPABILITIES: tuple[type, ...] = (

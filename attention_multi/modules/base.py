@@ -69,7 +69,15 @@ class Module(_Native):
     def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
             cls = native_class(get_backend(backend), cls)
-        return object.__new__(cls)
+        native_new = super().__new__
+        if native_new is object.__new__:
+            return object.__new__(cls)
+        # (a base with its own __new__, Keras' Layer's; the arguments are kept
+        # for a config to rebuild the module from: Keras' saving)
+        kwargs["backend"] = cls._backend.name
+        self = native_new(cls, *args, **kwargs)
+        self.__dict__["_arguments"] = (args, kwargs)
+        return self
 
     def _start(
         self,
