@@ -53,15 +53,10 @@ BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("torch", "torch", "TorchBackend", "torch", "torch", ("pytorch",)),
     BackendSpec("jax", "jax", "JaxBackend", "jax", "jax", roots=("jax", "jaxlib")),
     BackendSpec("mxnet", "mxnet", "MXNetBackend", "mxnet", "mxnet", ("mx",)),
-    # (Keras 3 is TensorFlow's module system here: a function of keras.ops is TF's)
+    # (its roots are TensorFlow's alone: Keras 3 runs on JAX and torch too, so a
+    # function of keras.ops is no framework's until Keras' backend is asked)
     BackendSpec(
-        "tensorflow",
-        "tensorflow",
-        "TensorflowBackend",
-        "tensorflow",
-        "tensorflow",
-        ("tf",),
-        roots=("tensorflow", "keras"),
+        "tensorflow", "tensorflow", "TensorflowBackend", "tensorflow", "tensorflow", ("tf",)
     ),
 )
 

@@ -127,8 +127,8 @@ class TensorflowBackend(NumpyLike):
     def sum(self, x, axis=None, keepdims=False):
         return tf.reduce_sum(x, axis, keepdims)
 
-    def any(self, x, axis=None):
-        return tf.reduce_any(tf.cast(x, tf.bool), axis)
+    def any(self, x, axis=None, keepdims=False):
+        return tf.reduce_any(tf.cast(x, tf.bool), axis, keepdims)
 
     def repeat(self, x, repeats, axis=None):
         return tf.repeat(x, repeats, axis)

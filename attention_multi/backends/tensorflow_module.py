@@ -28,6 +28,9 @@ class KerasModule(keras.layers.Layer):
     read-only ``Layer.path`` (a name Keras reads only for quantization)."""
 
     path = None  # (a plain class attribute: the instance's own value wins)
+    # (Keras' masks pass through, as its own MultiHeadAttention's: the
+    # queries' mask is the output's; ``mask=`` is ours, a mask form)
+    supports_masking = True
 
     def _native_init(self):
         keras.layers.Layer.__init__(self, autocast=False)

@@ -1,0 +1,231 @@
+"""The tensorflow backend (issue 61): its translation of the core, against the
+float64 NumPy oracle (``attention_multi.reference``), and its modules as Keras
+layers. Its own file, not the per-backend grids (``conftest.GRID_BACKENDS``):
+each path and mask form once, float32 and float64, forward and backward
+(``tf.GradientTape``), ``tf.function`` (XLA, unknown sizes), Keras' ``fit``,
+saving and loading, and d2l's TensorFlow edition (``tests/d2l_tensorflow.py``).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from conftest import import_or_skip
+
+tf = import_or_skip("tensorflow")
+keras = import_or_skip("keras")
+
+import attention_multi as am  # noqa: E402
+from attention_multi import reference  # noqa: E402
+from attention_multi.backends import capabilities as caps  # noqa: E402
+
+pytestmark = pytest.mark.second_stack  # (TensorFlow is on the modern stack)
+
+B = am.get_backend("tensorflow")
+rng = np.random.default_rng(61)
+TOL = {"float32": 2e-5, "float64": 1e-12}
+
+
+def t(x, dtype=None):
+    return tf.constant(np.asarray(x) if dtype is None else np.asarray(x, dtype))
+
+
+def qkv(b=2, h=2, nq=5, nk=7, d=8, dv=6, kv_heads=None):
+    q = rng.normal(size=(b, h, nq, d))
+    k = rng.normal(size=(b, kv_heads or h, nk, d))
+    v = rng.normal(size=(b, kv_heads or h, nk, dv))
+    return q, k, v
+
+
+# -- the backend ----------------------------------------------------------------------------
+
+
+def test_the_backend_by_name_alias_and_environment(monkeypatch):
+    assert am.get_backend("tf") is B and B.name == "tensorflow"
+    assert caps.supports(B, caps.Autodiff) and not caps.supports(B, caps.Fused)
+    from attention_multi.backends.required import REQUIRED
+
+    assert all(hasattr(B, n) for n in REQUIRED)
+    monkeypatch.setenv("ATTENTION_MULTI_BACKEND", "tensorflow")
+    m = am.DotProductAttention(0.0)
+    assert isinstance(m, keras.layers.Layer) and m.backend is B
+    x = t(rng.normal(size=(2, 3, 4)), "float32")
+    out = am.dot_product_attention(x, x, x)  # (TF in, TF out)
+    assert isinstance(out, tf.Tensor) and out.dtype == tf.float32
+
+
+FORMS = {
+    "none": {},
+    "lens": {"valid_lens": np.array([3, 7])},
+    "lens2d": {"valid_lens": rng.integers(0, 8, size=(2, 5))},
+    "mask": {"mask": rng.random((2, 1, 5, 7)) > 0.3},
+    "bias": {"bias": rng.normal(size=(1, 2, 5, 7))},
+    "causal": {"causal": True},
+    "window": {"window": (2, 1)},
+    "causal+lens": {"causal": True, "valid_lens": np.array([4, 6])},
+    "segments": {"segment_ids": np.array([[0, 0, 1, 1, 1, 2, -1], [0, 1, 1, 1, 2, 2, 2]])},
+    "mask_mod": {"mask_mod": lambda b, h, q, k: (q + k) % 3 != 0},
+    "score_mod": {"score_mod": lambda s, b, h, q, k: s - 0.1 * abs(q - k)},
+}
+# (TF's ops do not promote: a TF user's score_mod casts the int32 indices)
+TF_MODS = {"score_mod": lambda s, b, h, q, k: s - 0.1 * tf.cast(abs(q - k), s.dtype)}
+
+
+def _tf_forms(forms, dtype):
+    out = {}
+    for name, value in forms.items():
+        if name in ("valid_lens", "mask", "segment_ids"):
+            out[name] = t(value)
+        elif name == "bias":
+            out[name] = t(value, dtype)
+        elif name in TF_MODS:
+            out[name] = TF_MODS[name]
+        else:
+            out[name] = value
+    return out
+
+
+def _oracle(q, k, v, forms):
+    return reference.attention(q, k, v, **forms)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_every_mask_form_against_the_oracle(form, dtype):
+    q, k, v = qkv()
+    forms = FORMS[form]
+    want, _ = _oracle(q, k, v, forms)
+    got = am.dot_product_attention(*(t(x, dtype) for x in (q, k, v)), **_tf_forms(forms, dtype))
+    assert got.dtype.name == dtype
+    np.testing.assert_allclose(got.numpy(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+PATH_FORMS = {
+    "lens2d": {"valid_lens": rng.integers(0, 12, size=(2, 9))},
+    "causal+lens": {"causal": True, "valid_lens": np.array([4, 11])},
+    "mask": {"mask": rng.random((2, 9, 11)) > 0.3},
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("path", ["full", "chunked", "tiled"])
+@pytest.mark.parametrize("form", list(PATH_FORMS))
+def test_every_path_against_the_oracle(path, form, compiled):
+    """Each path by name (blocks of 4), its weights too; compiled: inside a tf.function."""
+    q, k, v = (x[:, 0] for x in qkv(nq=9, nk=11))
+    forms = PATH_FORMS[form]
+    as4 = {n: (a[:, None] if n == "mask" else a) for n, a in forms.items()}
+    want, weights = _oracle(q[:, None], k[:, None], v[:, None], as4)
+    m = am.DotProductAttention(0.0, path=path, chunk_size=4, backend="tensorflow")
+    tf_forms = _tf_forms(forms, "float64")
+    def call(*x):
+        return m(*x, **tf_forms)
+
+    call = tf.function(call) if compiled else call
+    got = call(*(t(x, "float64") for x in (q, k, v)))
+    np.testing.assert_allclose(got.numpy(), want[:, 0], atol=1e-12)
+    if not compiled:
+        assert m.last_path == path
+        np.testing.assert_allclose(m.attention_weights.numpy(), weights[:, 0], atol=1e-12)
+
+
+def test_grouped_heads_and_sinks():
+    q, k, v = qkv(h=4, kv_heads=2)
+    sinks = rng.normal(size=(4,))
+    want, _ = reference.attention(q, k, v, causal=True, sinks=sinks)
+    got = am.dot_product_attention(
+        *(t(x, "float64") for x in (q, k, v)), causal=True, sinks=t(sinks, "float64")
+    )
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["lens", "lens2d", "bias", "causal", "segments"])
+def test_gradients_against_the_oracle(form):
+    q, k, v = qkv()
+    forms = FORMS[form]
+    g = rng.normal(size=(2, 2, 5, 6))
+    want = reference.attention_gradients(q, k, v, g, **forms)
+    xs = [t(x, "float64") for x in (q, k, v)]
+    tf_forms = _tf_forms(forms, "float64")
+    with tf.GradientTape() as tape:
+        tape.watch(xs)
+        if "bias" in tf_forms:
+            tape.watch(tf_forms["bias"])
+        out = am.dot_product_attention(*xs, **tf_forms)
+        loss = tf.reduce_sum(out * t(g))
+    wrt = xs + ([tf_forms["bias"]] if "bias" in tf_forms else [])
+    got = tape.gradient(loss, wrt)
+    for name, a, b in zip(("queries", "keys", "values"), got, want):
+        np.testing.assert_allclose(a.numpy(), b, atol=1e-10, err_msg=name)
+    if "bias" in tf_forms:
+        np.testing.assert_allclose(got[3].numpy(), want[3].sum(0, keepdims=True), atol=1e-10)
+
+
+def test_d2l_helpers_and_regression():
+    x = rng.normal(size=(2, 3, 4))
+    np.testing.assert_allclose(
+        am.masked_softmax(t(x), t([2, 3])).numpy(), reference.masked_softmax(x, [2, 3]), atol=1e-12
+    )
+    np.testing.assert_allclose(
+        am.sequence_mask(t(x[:, 0]), t([1, 3])).numpy(),
+        reference.sequence_mask(x[:, 0], [1, 3]),
+    )
+    heads = am.transpose_qkv(t(rng.normal(size=(2, 3, 8))), 2)
+    assert tuple(heads.shape) == (4, 3, 4)
+    assert tuple(am.transpose_output(heads, 2).shape) == (2, 3, 8)
+    xt, yt, xq = rng.random(6), rng.random(6), rng.random(4)
+    np.testing.assert_allclose(
+        am.nadaraya_watson(t(xt), t(yt), t(xq)).numpy(),
+        reference.nadaraya_watson(xt, yt, xq)[0],
+        atol=1e-12,
+    )
+
+
+def test_matmul_by_a_broadcast_matrix_is_a_two_d_product():
+    """TF 2.21's oneDNN batched matmul of a (2, 1, 10, 8) by a broadcast (8, 1)
+    gives wrong numbers: ``matmul`` and ``linear`` make it one 2-D product."""
+    a, w = rng.normal(size=(2, 1, 10, 8)), rng.normal(size=(8, 1))
+    np.testing.assert_allclose(B.matmul(t(a), t(w)).numpy(), a @ w, atol=1e-12)
+    np.testing.assert_allclose(B.linear(t(a), t(w.T)).numpy(), a @ w, atol=1e-12)
+    x32 = t(a, "float32")
+    np.testing.assert_allclose(B.linear(x32, t(w.T, "float32")).numpy(), a @ w, atol=1e-5)
+
+
+# -- tf.function --------------------------------------------------------------------------
+
+
+def test_xla_compiled_without_a_retrace_per_length():
+    q, k, v = qkv()
+    traces = []
+
+    @tf.function(jit_compile=True)
+    def f(q, k, v, lens):
+        traces.append(1)
+        return am.dot_product_attention(q, k, v, lens, causal=True)
+
+    xs = [t(x, "float32") for x in (q, k, v)]
+    for lens in ([3, 7], [1, 2], [7, 0]):
+        want, _ = reference.attention(q, k, v, np.array(lens), causal=True)
+        np.testing.assert_allclose(f(*xs, t(lens, "int32")).numpy(), want, atol=2e-5)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("lens_2d", [False, True])
+def test_unknown_sizes_in_a_tensor_spec(lens_2d):
+    """A TensorSpec with None dimensions (as Keras traces): batch and lengths unknown."""
+    x = rng.normal(size=(3, 5, 8))
+    lens = rng.integers(0, 6, size=(3, 5) if lens_2d else (3,))
+    spec = tf.TensorSpec([None, None, 8], tf.float64)
+    lens_spec = tf.TensorSpec([None, None] if lens_2d else [None], tf.int32)
+    m = am.MultiHeadAttention(8, 2, 0.0, backend="tensorflow", dtype="float64")
+    m(t(x), t(x), t(x))  # (sized eagerly)
+
+    @tf.function(input_signature=[spec, lens_spec])
+    def f(x, lens):
+        return am.dot_product_attention(x, x, x, lens), m(x, x, x, lens)
+
+    got, got_m = f(t(x), t(lens, "int32"))
+    want, _ = reference.dot_product_attention(x, x, x, lens)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
+    np.testing.assert_allclose(got_m.numpy(), m(t(x), t(x), t(x), t(lens)).numpy(), atol=1e-12)
