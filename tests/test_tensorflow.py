@@ -119,6 +119,7 @@ def test_every_path_against_the_oracle(path, form, compiled):
     want, weights = _oracle(q[:, None], k[:, None], v[:, None], as4)
     m = am.DotProductAttention(0.0, path=path, chunk_size=4, backend="tensorflow")
     tf_forms = _tf_forms(forms, "float64")
+
     def call(*x):
         return m(*x, **tf_forms)
 
@@ -229,3 +230,155 @@ def test_unknown_sizes_in_a_tensor_spec(lens_2d):
     want, _ = reference.dot_product_attention(x, x, x, lens)
     np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
     np.testing.assert_allclose(got_m.numpy(), m(t(x), t(x), t(x), t(lens)).numpy(), atol=1e-12)
+
+
+# -- Keras -----------------------------------------------------------------------------------
+
+
+def _model(dropout=0.0, lazy=True, dtype="float32"):
+    T, D = 6, 8
+    inp = keras.Input((T, D), dtype=dtype)
+    lens = keras.Input((), dtype="int32")
+    sizes = {} if lazy else {"key_size": D, "query_size": D, "value_size": D}
+    mha = am.MultiHeadAttention(D, 2, dropout, backend="tensorflow", dtype=dtype, **sizes)
+    out = keras.layers.Dense(D, dtype=dtype)(mha(inp, inp, inp, lens))
+    return keras.Model([inp, lens], out), mha
+
+
+def _data(n=10, dtype="float32"):
+    x = rng.normal(size=(n, 6, 8)).astype(dtype)
+    return x, rng.integers(1, 7, size=n).astype("int32"), rng.normal(size=(n, 6, 8)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_keras_model_trains_with_a_partial_last_batch(dtype):
+    """fit traces with batch None (10 examples, batches of 4: the last has 2);
+    the loss falls; float64 stays float64 (``autocast=False``)."""
+    model, mha = _model(0.1, dtype=dtype)
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    x, lens, y = _data(dtype=dtype)
+    history = model.fit([x, lens], y, batch_size=4, epochs=4, verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0]
+    assert all(v.dtype == dtype for v in mha.trainable_variables)
+    assert len(mha.trainable_variables) == 4  # W_q, W_k, W_v, W_o (no bias)
+    eager = model([t(x), t(lens)])
+    assert eager.dtype == dtype
+    # (Keras' predict: inference, no dropout; the same as a call without training=)
+    np.testing.assert_allclose(model.predict([x, lens], verbose=0), eager.numpy(), atol=1e-5)
+
+
+def test_the_model_saves_and_loads_as_keras(tmp_path):
+    model, _ = _model(0.1)
+    model.compile("adam", "mse")
+    x, lens, y = _data()
+    model.fit([x, lens], y, batch_size=4, epochs=1, verbose=0)
+    want = model.predict([x, lens], verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded.predict([x, lens], verbose=0), want)
+    mha = [la for la in loaded.layers if isinstance(la, am.MultiHeadAttention)][0]
+    assert mha.backend is B and mha.num_heads == 2 and mha.attention.dropout == 0.1
+    # in a fresh process: the classes are registered when the backend loads
+    script = (
+        "import sys, numpy as np, keras, attention_multi as am; am.get_backend('tensorflow')\n"
+        f"m = keras.models.load_model({path!r})\n"
+        f"x = np.load({str(tmp_path / 'x.npz')!r})\n"
+        "np.save(sys.argv[1], m.predict([x['x'], x['lens']], verbose=0))\n"
+    )
+    np.savez(tmp_path / "x.npz", x=x, lens=lens)
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.npy"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    done = subprocess.run([sys.executable, "-c", script, str(out)], env=env, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    np.testing.assert_array_equal(np.load(out), want)
+
+
+def test_the_model_exports_a_saved_model(tmp_path):
+    model, _ = _model(lazy=False)
+    x, lens, _ = _data()
+    want = model([t(x), t(lens)]).numpy()
+    model.export(str(tmp_path / "saved"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "saved"))
+    np.testing.assert_allclose(loaded.serve([t(x), t(lens)]).numpy(), want, atol=1e-6)
+    # another batch size and lengths (the signature's batch is None)
+    got = loaded.serve([t(x[:3]), t([6, 1, 0], "int32")]).numpy()
+    np.testing.assert_allclose(got, model([t(x[:3]), t([6, 1, 0], "int32")]).numpy(), atol=1e-6)
+
+
+def test_training_as_keras_passes_it_and_train_eval_pin_it():
+    m = am.DotProductAttention(0.5, backend="tensorflow")
+    x = t(rng.normal(size=(2, 4, 8)), "float32")
+    plain = m(x, x, x).numpy()  # (no training=: inference, as a Keras layer)
+    dropped = m(x, x, x, training=True).numpy()
+    assert not np.allclose(plain, dropped)
+    np.testing.assert_array_equal(m(x, x, x, training=False).numpy(), plain)
+    m.train()  # pinned on
+    assert not np.allclose(m(x, x, x).numpy(), plain)
+    np.testing.assert_array_equal(m(x, x, x, training=False).numpy(), plain)  # explicit wins
+    m.eval()
+    np.testing.assert_array_equal(m(x, x, x).numpy(), plain)
+    assert not np.allclose(m(x, x, x, training=True).numpy(), plain)
+    # a parent's training= reaches its children (Keras' call context)
+    mha = am.MultiHeadAttention(8, 2, 0.5, backend="tensorflow")
+    assert not np.allclose(mha(x, x, x, training=True).numpy(), mha(x, x, x).numpy())
+
+
+def test_dropout_is_seeded_and_traced_once():
+    x = t(np.ones((2, 4, 8)), "float32")
+    B.seed(3)
+    a = B.dropout(x, 0.5).numpy()
+    B.seed(3)
+    np.testing.assert_array_equal(B.dropout(x, 0.5).numpy(), a)
+    assert set(np.unique(a)) <= {0.0, 2.0} and 0 < (a == 0).mean() < 1
+    assert not B.dropout(x, 1.0).numpy().any()
+    m = am.DotProductAttention(0.3, backend="tensorflow")
+    traces = []
+
+    @tf.function(jit_compile=True)
+    def step(q, lens):
+        traces.append(1)
+        return m(q, q, q, lens, training=True)
+
+    q = t(rng.normal(size=(2, 4, 8)), "float32")
+    first = step(q, t([2, 4], "int32")).numpy()
+    second = step(q, t([3, 1], "int32")).numpy()
+    assert len(traces) == 1 and not np.allclose(first, second)
+
+
+def test_gradients_of_a_module_and_the_protocol():
+    m = am.MultiHeadAttention(8, 2, 0.0, backend="tensorflow", dtype="float64")
+    x = t(rng.normal(size=(2, 4, 8)))
+    m(x, x, x)
+    params = {n: np.asarray(v) for n, v in am.get_params(m).items()}
+
+    def loss(module, q):
+        return tf.reduce_sum(module(q, q, q, t([2, 4])) ** 2)
+
+    value, grads, (gx,) = caps.gradients(B, loss, m, x)
+    out, _ = reference.multi_head_attention(params, x.numpy(), x.numpy(), x.numpy(), [2, 4], 2)
+    assert value == pytest.approx((out**2).sum(), rel=1e-12)
+    assert set(grads) == set(params) and gx.shape == x.shape
+    eps, name, sums = 1e-6, "W_q.weight", {}  # one entry by central differences
+    for sign in (1, -1):
+        bumped = dict(params, **{name: params[name].copy()})
+        bumped[name][0, 0] += sign * eps
+        o, _ = reference.multi_head_attention(bumped, x.numpy(), x.numpy(), x.numpy(), [2, 4], 2)
+        sums[sign] = (o**2).sum()
+    want = (sums[1] - sums[-1]) / 2 / eps
+    np.testing.assert_allclose(grads[name].numpy()[0, 0], want, rtol=1e-6)
+
+
+def test_bad_input_names_the_argument():
+    m = am.MultiHeadAttention(8, 2, 0.0, backend="tensorflow")
+    x = t(rng.normal(size=(2, 4, 8)), "float32")
+    with pytest.raises(ValueError, match="valid_lens"):
+        m(x, x, x, t([1, 2, 3]))
+    with pytest.raises(TypeError, match="dtypes differ"):
+        m(x, x, t(rng.normal(size=(2, 4, 8))))
+    with pytest.raises(ValueError, match="queries"):
+        am.dot_product_attention(t(rng.normal(size=(2, 4))), x, x)

@@ -13,6 +13,7 @@ shapes), so ``load_model`` finds its weights.
 from __future__ import annotations
 
 import inspect
+import threading
 
 import keras
 import tensorflow as tf
@@ -21,6 +22,7 @@ from .devices import native_device
 
 # the package of the Keras registrations ("attention_multi>MultiHeadAttention")
 PACKAGE = "attention_multi"
+_CALLS = threading.local()  # .training: the mode of the module call in progress
 
 
 class KerasModule(keras.layers.Layer):
@@ -47,9 +49,15 @@ class KerasModule(keras.layers.Layer):
     # -- training --------------------------------------------------------------------
     @property
     def training(self):
-        mode = self.__dict__.get("_call_training")
+        """This call's ``training=``, else the mode ``train()``/``eval()``
+        pinned, else the enclosing call's (a child that the parent's forward
+        runs directly), else False (inference, as a Keras layer)."""
+        d = self.__dict__
+        mode = d.get("_call_training")
         if mode is None:
-            mode = self.__dict__.get("_training_mode")
+            mode = d.get("_training_mode")
+        if mode is None:
+            mode = getattr(_CALLS, "training", None)
         return bool(mode)
 
     @training.setter
@@ -69,13 +77,16 @@ class KerasModule(keras.layers.Layer):
     def call(self, *args, training=None, **kwargs):
         """``forward``; ``training``: Keras' (an explicit one, or the outer call's)."""
         d = self.__dict__
-        pinned = d.get("_training_mode")
-        before = d.get("_call_training")
-        d["_call_training"] = training if training is not None or pinned is None else pinned
+        if training is None:
+            training = d.get("_training_mode")
+        if training is None:
+            training = getattr(_CALLS, "training", None)
+        before, outer = d.get("_call_training"), getattr(_CALLS, "training", None)
+        d["_call_training"] = _CALLS.training = training
         try:
             return self.forward(*args, **kwargs)
         finally:
-            d["_call_training"] = before
+            d["_call_training"], _CALLS.training = before, outer
 
     # -- build and config -------------------------------------------------------------
     def build(self, *shapes, **named):
