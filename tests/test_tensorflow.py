@@ -382,3 +382,101 @@ def test_bad_input_names_the_argument():
         m(x, x, t(rng.normal(size=(2, 4, 8))))
     with pytest.raises(ValueError, match="queries"):
         am.dot_product_attention(t(rng.normal(size=(2, 4))), x, x)
+
+
+# -- d2l's TensorFlow edition (vendored: attention_multi/cli/bench/d2l_tensorflow.py) ---------
+
+
+def _d2l():
+    from attention_multi.cli.bench import d2l_tensorflow
+
+    return d2l_tensorflow
+
+
+def _copy_dense(ours, theirs):
+    """d2l's Dense ``kernel`` (in, out) into our Linear ``weight`` (out, in)."""
+    am.set_params(
+        ours,
+        {
+            "weight": theirs.kernel.numpy().T,
+            **({"bias": theirs.bias.numpy()} if theirs.use_bias else {}),
+        },
+    )
+
+
+# (no length 0: d2l's row is then uniform, ours zeros, as documented)
+LENS = {"1d": np.array([2, 6]), "2d": np.array([[1, 2, 3, 4, 5], [6, 5, 4, 2, 1]])}
+
+
+@pytest.mark.parametrize("lens", list(LENS))
+def test_d2l_dot_product_and_additive_attention(lens):
+    d2l = _d2l()
+    q, k, v = (t(rng.normal(size=s), "float32") for s in ((2, 5, 4), (2, 6, 4), (2, 6, 3)))
+    valid = t(LENS[lens], "int32")
+    theirs = d2l.DotProductAttention(0.5)
+    ours = am.DotProductAttention(0.5, backend="tensorflow")
+    np.testing.assert_allclose(
+        ours(q, k, v, valid).numpy(), theirs(q, k, v, valid).numpy(), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        ours.attention_weights.numpy(), theirs.attention_weights.numpy(), atol=1e-5
+    )
+    qa = t(rng.normal(size=(2, 5, 3)), "float32")
+    theirs = d2l.AdditiveAttention(4, 3, 8, 0.1)
+    ours = am.AdditiveAttention(4, 3, 8, 0.1, backend="tensorflow")
+    theirs(qa, k, v, valid)
+    for name in ("W_k", "W_q", "w_v"):
+        _copy_dense(getattr(ours, name), getattr(theirs, name))
+    np.testing.assert_allclose(
+        ours(qa, k, v, valid).numpy(), theirs(qa, k, v, valid).numpy(), atol=1e-5
+    )
+    np.testing.assert_allclose(
+        ours.attention_weights.numpy(), theirs.attention_weights.numpy(), atol=1e-5
+    )
+
+
+D2L_UNBUILT = "ignore:.*(unbuilt state|does not have a `build\\(\\)`):UserWarning"  # (d2l's MHA)
+
+
+@pytest.mark.filterwarnings(D2L_UNBUILT)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lens", list(LENS))
+def test_d2l_multi_head_attention(lens, bias):
+    d2l = _d2l()
+    x = t(rng.normal(size=(2, 5, 6)), "float32")
+    y = t(rng.normal(size=(2, 7, 6)), "float32")
+    valid = t(LENS[lens] if lens == "1d" else rng.integers(1, 8, size=(2, 5)), "int32")
+    theirs = d2l.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias)
+    ours = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias, backend="tensorflow")
+    want = theirs(x, y, y, valid)
+    for name in ("W_q", "W_k", "W_v", "W_o"):
+        _copy_dense(getattr(ours, name), getattr(theirs, name))
+    np.testing.assert_allclose(ours(x, y, y, valid).numpy(), want.numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        ours.attention.attention_weights.numpy(),
+        theirs.attention.attention_weights.numpy(),
+        atol=1e-5,
+    )
+
+
+@pytest.mark.filterwarnings(D2L_UNBUILT)
+def test_d2l_transformer_encoder_with_ours_in_every_block():
+    """d2l's TransformerEncoder, its blocks' attention d2l's or ours, same weights:
+    the same encodings and the same attention weights (read as d2l reads them)."""
+    d2l = _d2l()
+    args = (20, 8, 8, 8, 8, [2], 16, 2, 2, 0.0)  # (norm_shape [2]: Keras 3's axis 2)
+    theirs, ours = d2l.TransformerEncoder(*args), d2l.TransformerEncoder(*args, attention="am")
+    tokens = t(rng.integers(0, 20, size=(2, 7)), "int32")
+    valid = t([3, 7], "int32")
+    want = theirs(tokens, valid)
+    ours(tokens, valid)
+    ours.embedding.set_weights(theirs.embedding.get_weights())
+    for mine, their in zip(ours.blks, theirs.blks):
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            _copy_dense(getattr(mine.attention, name), getattr(their.attention, name))
+        for part in ("addnorm1", "addnorm2", "ffn"):
+            getattr(mine, part).set_weights(getattr(their, part).get_weights())
+    got = ours(tokens, valid, training=False)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
+    for a, b in zip(ours.attention_weights, theirs.attention_weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)

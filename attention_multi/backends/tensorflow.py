@@ -77,7 +77,8 @@ class TensorflowBackend(NumpyLike):
         return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
 
     def dtype_name(self, x):
-        return x.dtype.name
+        dtype = x.dtype  # (a Keras variable's is a name already)
+        return dtype if isinstance(dtype, str) else dtype.name
 
     def astype(self, x, dtype):
         want = _dtype(dtype)
