@@ -260,11 +260,16 @@ def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:
         check_array(xp, name, x, 4 if ndim == 4 else 3, what)
         check_float(xp, name, x)
     q, k, v = (
-        x if ndim == 4 else opt(xp).reshape(x, (-1, 1) + tuple(opt(xp).shape(x)[1:]))
+        x if ndim == 4 else opt(xp).reshape(x, _with_heads(opt(xp).shape(x)))
         for x in (queries, keys, values)
     )
     _check_shapes(xp, q, k, v, ndim)
     return xp, q, k, v, ndim
+
+
+def _with_heads(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(batch, n, d) -> (batch, 1, n, d)."""
+    return shape[:1] + (1,) + shape[1:]
 
 
 def _check_shapes(xp: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:

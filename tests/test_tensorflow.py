@@ -480,3 +480,29 @@ def test_d2l_transformer_encoder_with_ours_in_every_block():
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
     for a, b in zip(ours.attention_weights, theirs.attention_weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+def test_the_guides_tensorflow_example_runs(capsys):
+    """docs/guide/backends.md's TensorFlow block (test_docs runs that page on
+    the first stack, where TensorFlow is not installed)."""
+    from tests.test_docs import DOCS, blocks
+
+    found = blocks(DOCS / "guide" / "backends.md")
+    (code,) = [code for need, _, code in found if need == "tensorflow"]
+    exec(compile(code, "backends.md", "exec"), {"__name__": "guide"})  # noqa: S102
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["['W_k.weight', 'W_o.weight', 'W_q.weight', 'W_v.weight']", "float32"]
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 0, 4), (2, 2, 0, 4)])
+def test_an_empty_axis_gives_zeros_and_zero_gradients(shape):
+    b, h, nk, d = shape
+    q = t(rng.normal(size=(b, h, 3, d)))
+    k = t(np.zeros((b, h, nk, d)))
+    with tf.GradientTape() as tape:
+        tape.watch(q)
+        out = am.dot_product_attention(q, k, k, causal=True)
+        loss = tf.reduce_sum(out)
+    assert tuple(out.shape) == (b, h, 3, d) and not out.numpy().any()
+    zero = tf.UnconnectedGradients.ZERO  # (no keys: the output does not depend on q)
+    assert not tape.gradient(loss, q, unconnected_gradients=zero).numpy().any()

@@ -338,7 +338,8 @@ class AdditiveAttention(_Attention):
         scores = self._scores(self.W_q(queries), self.W_k(keys))
         weights = masked_softmax(xp, scores, mask.boolean_one_head(xp, xp.device_of(queries)))
         rs = opt(xp).reshape
-        values4 = rs(values, (-1, 1) + tuple(opt(xp).shape(values)[1:]))
+        shape = opt(xp).shape(values)
+        values4 = rs(values, shape[:1] + (1,) + shape[1:])
         _, values4 = guard_unused(xp, mask, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
@@ -449,7 +450,10 @@ class DotProductAttention(_Attention):
             return self._straight(queries, keys, values, valid_lens, key, line)
         m = self._mask(queries, keys.shape[1], valid_lens=valid_lens, **forms)
         rs, xp = opt(self._backend).reshape, self._backend
-        q, k, v = (rs(x, (-1, 1) + tuple(opt(xp).shape(x)[1:])) for x in (queries, keys, values))
+        q, k, v = (
+            rs(x, shape[:1] + (1,) + shape[1:])
+            for x, shape in ((x, opt(xp).shape(x)) for x in (queries, keys, values))
+        )
         out = self._attend(q, k, v, m, key)
         # (an index, not a reshape: its backward hands the kernel a contiguous
         # gradient; a reshape passes out.sum()'s broadcast one, which torch's

@@ -324,10 +324,11 @@ def lengths_visible(
     if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
         lens, dtype = xp.astype(lens, "int32"), "int32"
     j = positions(xp, num_keys, device, dtype, ndim=1)
-    rs, lead = opt(xp).reshape, (1,) * (ndim - 3)  # (-1: the batch, known or not)
-    if len(lens.shape) == 1:
-        visible = j < rs(lens, (-1,) + lead + (1, 1))
-        return visible, rs(visible, (-1,) + lead + (num_keys, 1))
-    lens = rs(lens, (-1,) + lead + (opt(xp).shape(lens)[1], 1))
+    rs, lead = opt(xp).reshape, (1,) * (ndim - 3)
+    shape = opt(xp).shape(lens)  # (the batch: known, or known when a trace runs)
+    if len(shape) == 1:
+        visible = j < rs(lens, shape + lead + (1, 1))
+        return visible, rs(visible, shape + lead + (num_keys, 1))
+    lens = rs(lens, shape[:1] + lead + (shape[1], 1))
     visible = j < lens
     return visible, rs(j, (num_keys, 1)) < xp.max(lens, -2, keepdims=True)

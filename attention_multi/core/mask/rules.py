@@ -76,7 +76,7 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
         return None
     used = xp.any(xp.any(visible, 2, keepdims=True), 1, keepdims=True)
     # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
-    return opt(xp).reshape(used, (-1, 1, used.shape[3], 1))
+    return opt(xp).reshape(used, (opt(xp).shape(used)[0], 1, used.shape[3], 1))
 
 
 def guard_unused(
