@@ -58,7 +58,7 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     if n * t == 0:
         return zeros_for_empty(xp, (n, t), X)
     visible = mask.boolean(xp, xp.device_of(X))  # (valid lengths: never None)
-    return xp.where(opt(xp).reshape(visible, (n, t)), X, value)  # type: ignore[union-attr]
+    return xp.where(opt(xp).reshape(visible, (n, t)), X, value)
 
 
 def masked_softmax(X: Array, valid_lens: Any) -> Array:

@@ -131,6 +131,7 @@ class Tracing(Protocol):
 
     compiles_per_shape: bool
     traced_values_end: bool
+    classes_by_name: bool
 
     def is_concrete(self, x: Array) -> bool: ...
     def is_tracing(self) -> bool: ...

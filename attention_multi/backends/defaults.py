@@ -94,6 +94,10 @@ class Generic:
     # == Tracing: tracing and compilation hooks (defaults: an eager framework) ==
     compiles_per_shape: bool = False  # whether each new array shape costs a compilation
     traced_values_end: bool = False  # values made under a trace are gone when it ends (JAX's)
+    # whether every public module's native class is made (``register_class``)
+    # when the backend loads: the framework's loading finds a saved module's
+    # class by its name, in a fresh process too (Keras' ``load_model``)
+    classes_by_name: bool = False
 
     def is_concrete(self, x: Array) -> bool:
         """False while ``x`` is traced (values unknown: ``jax.jit``,

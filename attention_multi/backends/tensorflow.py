@@ -53,11 +53,11 @@ class TensorflowBackend(NumpyLike):
     float_dtypes = _FLOATS
     mixed_int_ops = False  # (int32 and int64 tensors do not meet in one op)
     traced_values_end = True  # (a tf.function's tensors are gone when its trace ends)
+    classes_by_name = True  # (Keras' load_model finds our layers by their registered names)
 
     def __init__(self):
         super().__init__()
         self._generator = None  # keras.random.SeedGenerator, made eagerly on first need
-        tensorflow_module.register_all(self)
 
     def register_class(self, cls):
         tensorflow_module.register(cls)

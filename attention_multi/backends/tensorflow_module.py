@@ -225,20 +225,3 @@ def register(cls):
     from keras.src.saving import object_registration
 
     object_registration.GLOBAL_CUSTOM_NAMES[cls] = f"{PACKAGE}>{public.__name__}"
-
-
-def register_all(backend):
-    """The native class of every public module, made now, so that
-    ``keras.models.load_model`` finds each by its registered name."""
-    from .. import modules
-    from ..modules.base import Module, native_class
-
-    found, todo = [], list(Module.__subclasses__())
-    while todo:
-        public = todo.pop()
-        todo += public.__subclasses__()
-        if public._backend is None and not public.__name__.startswith("_"):
-            found.append(public)
-    assert modules  # (imported: every public class is defined)
-    for public in found:
-        native_class(backend, public)
