@@ -55,6 +55,16 @@ def test_the_backend_by_name_alias_and_environment(monkeypatch):
     assert isinstance(out, tf.Tensor) and out.dtype == tf.float32
 
 
+def test_the_protocol_and_the_module_contract():
+    """tests/test_backends.py's checks of every backend, on this one (not in its grid)."""
+    import tests.test_backends as per_backend
+
+    per_backend.test_the_required_protocol_is_small_and_capabilities_are_declared(B)
+    per_backend.test_module_base_provides_the_native_module_contract(B)
+    per_backend.test_native_class_is_cached_and_native(B)
+    assert caps.supports(B, caps.Tracing) and caps.supports(B, caps.Arrays)
+
+
 FORMS = {
     "none": {},
     "lens": {"valid_lens": np.array([3, 7])},
