@@ -516,3 +516,27 @@ def test_an_empty_axis_gives_zeros_and_zero_gradients(shape):
     assert tuple(out.shape) == (b, h, 3, d) and not out.numpy().any()
     zero = tf.UnconnectedGradients.ZERO  # (no keys: the output does not depend on q)
     assert not tape.gradient(loss, q, unconnected_gradients=zero).numpy().any()
+
+
+def test_positional_encoding_regression_and_the_kv_cache():
+    x = rng.normal(size=(2, 5, 8))
+    pe = am.PositionalEncoding(8, 0.0, backend="tensorflow", dtype="float64")
+    np.testing.assert_allclose(pe(t(x)).numpy(), reference.positional_encoding(x), atol=1e-12)
+    net = am.NWKernelRegression(backend="tensorflow")
+    xt = np.sort(rng.random(20) * 5)
+    yt = 2 * np.sin(xt) + xt**0.8
+    losses = am.train_kernel_regression(net, t(xt, "float32"), t(yt, "float32"), epochs=3, lr=0.5)
+    assert losses[-1] < losses[0]
+    # decoding step by step with the cache, eagerly and in a tf.function (the cache
+    # is a tf.nest structure), gives causal attention over the whole sequence
+    mha = am.MultiHeadAttention(8, 2, 0.0, key_size=8, query_size=8, value_size=8,
+                                backend="tensorflow")  # fmt: skip
+    xs = t(rng.normal(size=(2, 6, 8)), "float32")
+    want = mha(xs, xs, xs, causal=True).numpy()
+    for step in (mha, tf.function(lambda x, cache: mha(x, x, x, cache=cache))):
+        cache, outs = mha.init_cache(2, 6), []
+        for i in range(6):
+            x = xs[:, i : i + 1]
+            out, cache = step(x, x, x, cache=cache) if step is mha else step(x, cache)
+            outs.append(out)
+        np.testing.assert_allclose(tf.concat(outs, 1).numpy(), want, atol=1e-6)

@@ -248,6 +248,12 @@ class TensorflowBackend(NumpyLike):
     def compiled(self, fn):
         return tf.function(fn, jit_compile=True, reduce_retracing=True)
 
+    def register_tree(self, cls, flatten, unflatten):
+        """``tf.nest``'s protocol on ``cls`` (a KV cache passes through ``tf.function``)."""
+        if "__tf_flatten__" not in vars(cls):
+            cls.__tf_flatten__ = lambda obj: tuple(reversed(flatten(obj)))
+            cls.__tf_unflatten__ = classmethod(lambda _, aux, children: unflatten(aux, children))
+
     def snapshot(self, x):
         return x  # (tensors are immutable)
 
