@@ -67,14 +67,13 @@ class TensorflowBackend(NumpyLike):
         if isinstance(x, (tf.Tensor, tf.Variable)):
             x = x if dtype is None or x.dtype == _dtype(dtype) else tf.cast(x, _dtype(dtype))
         else:
-            x = np.asarray(x, dtype=None if dtype is None else np_dtype(dtype))
-            x = tf.convert_to_tensor(x, dtype=_dtype(x.dtype.name) if x.dtype.kind else None)
+            x = tf.convert_to_tensor(np.asarray(x, None if dtype is None else np_dtype(dtype)))
         return x if device is None else self.to_device(x, device)
 
     def to_numpy(self, x):
-        if x.dtype in (tf.bfloat16, tf.float16) and x.dtype == tf.bfloat16:
+        if self.dtype_name(x) == "bfloat16":
             x = tf.cast(x, tf.float32)
-        return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+        return np.asarray(x.numpy())
 
     def dtype_name(self, x):
         dtype = x.dtype  # (a Keras variable's is a name already)
@@ -213,8 +212,7 @@ class TensorflowBackend(NumpyLike):
 
     # -- randomness ------------------------------------------------------------------
     def seed(self, n):
-        np.random.seed(n)
-        tf.random.set_seed(n)
+        np.random.seed(n)  # (the parameters' initialization: NumpyArrays.uniform)
         self._seeds().state.assign(tf.constant([n, 0], self._seeds().state.dtype))
 
     def _seeds(self):
@@ -244,9 +242,6 @@ class TensorflowBackend(NumpyLike):
 
     def is_tracing(self):
         return not tf.executing_eagerly()
-
-    def compiled(self, fn):
-        return tf.function(fn, jit_compile=True, reduce_retracing=True)
 
     def register_tree(self, cls, flatten, unflatten):
         """``tf.nest``'s protocol on ``cls`` (a KV cache passes through ``tf.function``)."""
@@ -282,9 +277,6 @@ class TensorflowBackend(NumpyLike):
 
     def host_sum(self, x):
         return float(tf.reduce_sum(x).numpy())
-
-    def vmap(self, fn):
-        return lambda *args: tf.vectorized_map(lambda xs: fn(*xs), args)
 
     # -- autodiff -----------------------------------------------------------------------
     def gradients(self, loss_fn, module, *inputs):
