@@ -540,3 +540,12 @@ def test_positional_encoding_regression_and_the_kv_cache():
             out, cache = step(x, x, x, cache=cache) if step is mha else step(x, cache)
             outs.append(out)
         np.testing.assert_allclose(tf.concat(outs, 1).numpy(), want, atol=1e-6)
+
+
+def test_the_conformance_grid_grades_ours_on_tensorflow(capsys):
+    """``attention-multi conform --impl am-tensorflow --quick``: every case agrees
+    (forward and ``tf.GradientTape`` gradients against the oracle)."""
+    from attention_multi.cli import main
+
+    assert main(["conform", "--impl", "am-tensorflow", "--quick"]) == 0
+    assert "differs" not in capsys.readouterr().out.splitlines()[-1]
