@@ -6,23 +6,36 @@ each path and mask form once, float32 and float64, forward and backward
 saving and loading, and d2l's TensorFlow edition (``tests/d2l_tensorflow.py``).
 """
 
+import importlib.util
 import os
 
 import numpy as np
 import pytest
 
+import attention_multi as am
+from attention_multi import reference
+from attention_multi.backends import capabilities as caps
 from conftest import import_or_skip
 
-tf = import_or_skip("tensorflow")
-keras = import_or_skip("keras")
-
-import attention_multi as am  # noqa: E402
-from attention_multi import reference  # noqa: E402
-from attention_multi.backends import capabilities as caps  # noqa: E402
+if importlib.util.find_spec("tensorflow") is None:
+    import_or_skip("tensorflow")  # (skips the file, or fails where it is required)
 
 pytestmark = pytest.mark.second_stack  # (TensorFlow is on the modern stack)
 
-B = am.get_backend("tensorflow")
+# TensorFlow is imported by the first test that runs here, not at collection:
+# every xdist worker collects this file, and importing TF takes 5-20 s
+tf = keras = B = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tensorflow():
+    global tf, keras, B
+    import keras as _keras
+    import tensorflow as _tf
+
+    tf, keras, B = _tf, _keras, am.get_backend("tensorflow")
+
+
 rng = np.random.default_rng(61)
 TOL = {"float32": 2e-5, "float64": 1e-12}
 
