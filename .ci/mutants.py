@@ -56,8 +56,8 @@ MUTANTS = [
         "fill-zero",
         "mask",
         "attention_multi/core/numerics.py",
-        "        value = _FILL[dtype] = float(np.finfo(np.dtype(compute_dtype(dtype))).min)",
-        "        value = _FILL[dtype] = 0.0",
+        "    d: float(np.finfo(np.dtype(compute_dtype(d))).min)\n",
+        "    d: 0.0\n",
         "a masked score becomes 0 instead of the lowest finite value",
         ("tests/test_parity.py",),
     ),
@@ -93,7 +93,7 @@ MUTANTS = [
         "mask",
         "attention_multi/core/mask/rules.py",
         "    if mask.per_query and not keys_finite and not "
-        "(mask.top_left_causal and xp.fused_causal):",
+        "(mask.top_left_causal and opt(xp).fused_causal):",
         "    if False:",
         "rows that may see a NaN key are not made NaN around a fused kernel",
         ("tests/test_nan.py",),
@@ -102,7 +102,7 @@ MUTANTS = [
         "lengths-fill-any",
         "mask",
         "attention_multi/core/mask/rules.py",
-        "        by_lengths = lens is not None and xp.masks_by_lengths",
+        "        by_lengths = lens is not None and opt(xp).masks_by_lengths",
         "        by_lengths = lens is not None",
         "every backend takes the lengths operator's branch (MXNet's only)",
         ("tests/test_parity.py", "tests/test_small_calls.py"),
@@ -148,9 +148,10 @@ MUTANTS = [
         "full-guard",
         "paths",
         "attention_multi/core/paths/full.py",
-        "    guard = xp.may_differentiate(q) or "
-        "(xp.masks_by_adding and mask.per_batch_lens is not None)",
-        "    guard = xp.may_differentiate(q)",
+        "    guard = opt(xp).may_differentiate(q) or (\n"
+        "        opt(xp).masks_by_adding and mask.per_batch_lens is not None\n"
+        "    )\n",
+        "    guard = opt(xp).may_differentiate(q)\n",
         "the full path does not zero unused keys where a backend masks by adding",
         ("tests/test_paths.py", "tests/test_nan.py"),
     ),
