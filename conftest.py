@@ -159,6 +159,7 @@ FIRST = (
     "test_mods.py",
     "test_distributed.py",
     "test_properties.py",
+    "test_tensorflow.py",  # (modern stack: 30-40 s with TF's import)
     "test_cli_files.py",
     "test_testing.py",
     "test_conform_compiled.py",
