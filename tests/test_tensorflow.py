@@ -562,3 +562,12 @@ def test_the_conformance_grid_grades_ours_on_tensorflow(capsys):
 
     assert main(["conform", "--impl", "am-tensorflow", "--quick"]) == 0
     assert "differs" not in capsys.readouterr().out.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["mha_bias", "mha_bias_float64", "additive"])
+def test_an_mxnet_d2l_models_weights_load_into_ours_on_tensorflow(name):
+    """tests/test_port.py's committed Gluon fixtures (a d2l MXNet model's .params and
+    the outputs MXNet gave): ``am.port.load_into`` on this backend reproduces them."""
+    import tests.test_port as port
+
+    port.test_fixture_reproduces_mxnet(name, B)
