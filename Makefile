@@ -44,7 +44,7 @@ test-legacy: $(LEGACY)/ready
 # MXNet cannot be installed with numpy 2: its cases skip with a reason. The
 # second stack runs what differs there (--stack=second; ATTENTION_MULTI_MATRIX=full: all).
 test-modern: $(MODERN)/ready
-	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,transformers,flax $(MODERN)/bin/$(PYTEST) --stack=second
+	ATTENTION_MULTI_REQUIRE=numpy,torch,jax,tensorflow,transformers,flax $(MODERN)/bin/$(PYTEST) --stack=second
 
 # Each gate runs even when an earlier one fails; check fails if any did.
 check: $(LINT)/ready

@@ -159,6 +159,7 @@ FIRST = (
     "test_mods.py",
     "test_distributed.py",
     "test_properties.py",
+    "test_tensorflow.py",  # (modern stack: 30-40 s with TF's import)
     "test_cli_files.py",
     "test_testing.py",
     "test_conform_compiled.py",
@@ -278,16 +279,21 @@ def import_or_skip(module):
         pytest.skip(f"{module!r} is not installed: {exc}", allow_module_level=True)
 
 
+# The backends of the per-backend grids: tensorflow has its own file instead
+# (tests/test_tensorflow.py: each TF op is a few times a NumPy one's cost)
+GRID_BACKENDS = tuple(s for s in backends.BACKENDS if s.name != "tensorflow")
+
+
 def pytest_generate_tests(metafunc):
     names = metafunc.fixturenames
     # a grid's rows run on NumPy with other frameworks' flags too (tests/flipped.py)
     flipped = FLIPPED if metafunc.definition.get_closest_marker("grid") else ()
     if "backend_name" in names and "device_name" in names:  # numpy is CPU only
-        pairs = [(s.name, d) for s in backends.BACKENDS for d in DEVICES if s.cuda or d == "cpu"]
+        pairs = [(s.name, d) for s in GRID_BACKENDS for d in DEVICES if s.cuda or d == "cpu"]
         pairs += [(n, "cpu") for n in flipped]
         metafunc.parametrize("backend_name, device_name", pairs, ids=[f"{b}-{d}" for b, d in pairs])
     elif "backend_name" in names:
-        metafunc.parametrize("backend_name", [*backends.BACKEND_NAMES, *flipped])
+        metafunc.parametrize("backend_name", [*(s.name for s in GRID_BACKENDS), *flipped])
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .backends.capabilities import Distributed, supports
+from .backends.capabilities import Distributed, opt, supports
 from .core import (
     checked_forms,
     compute,
@@ -58,7 +58,7 @@ def sequence_mask(X: Array, valid_len: Any, value: float = 0) -> Array:
     if n * t == 0:
         return zeros_for_empty(xp, (n, t), X)
     visible = mask.boolean(xp, xp.device_of(X))  # (valid lengths: never None)
-    return xp.where(visible.reshape((n, t)), X, value)  # type: ignore[union-attr]
+    return xp.where(opt(xp).reshape(visible, (n, t)), X, value)
 
 
 def masked_softmax(X: Array, valid_lens: Any) -> Array:
@@ -218,7 +218,7 @@ def attention(
         out, lse_rows = add_sinks(xp, out, lse_rows, sinks)
     if lse_rows is not None:
         shape = (batch, heads, num_q) if ndim == 4 else (batch, num_q)
-        lse_rows = lse_rows.reshape(shape) if lse else None
+        lse_rows = opt(xp).reshape(lse_rows, shape) if lse else None
     return Result(out if ndim == 4 else out[:, 0], None, lse_rows, done.path)
 
 
@@ -260,11 +260,16 @@ def _checked_inputs(queries: Array, keys: Array, values: Array) -> tuple:
         check_array(xp, name, x, 4 if ndim == 4 else 3, what)
         check_float(xp, name, x)
     q, k, v = (
-        x if ndim == 4 else x.reshape((x.shape[0], 1) + tuple(x.shape[1:]))
+        x if ndim == 4 else opt(xp).reshape(x, _with_heads(opt(xp).shape(x)))
         for x in (queries, keys, values)
     )
     _check_shapes(xp, q, k, v, ndim)
     return xp, q, k, v, ndim
+
+
+def _with_heads(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(batch, n, d) -> (batch, 1, n, d)."""
+    return shape[:1] + (1,) + shape[1:]
 
 
 def _check_shapes(xp: Backend, q: Array, k: Array, v: Array, ndim: int) -> None:
@@ -297,9 +302,9 @@ def transpose_qkv(X: Array, num_heads: int) -> Array:
     xp = backend_of(X=X)
     check_array(xp, "X", X, 3, "(batch, n, num_hiddens)")
     num_heads = check_heads(X.shape[2], num_heads)
-    b, n, hidden = X.shape
-    X = xp.transpose(X.reshape((b, n, num_heads, hidden // num_heads)), (0, 2, 1, 3))
-    return X.reshape((b * num_heads, n, hidden // num_heads))
+    rs, (b, n, hidden) = opt(xp).reshape, opt(xp).shape(X)
+    X = xp.transpose(rs(X, (b, n, num_heads, hidden // num_heads)), (0, 2, 1, 3))
+    return rs(X, (b * num_heads, n, hidden // num_heads))
 
 
 def transpose_output(X: Array, num_heads: int) -> Array:
@@ -309,9 +314,9 @@ def transpose_output(X: Array, num_heads: int) -> Array:
     num_heads = check_positive_int("num_heads", num_heads)
     if X.shape[0] % num_heads:
         raise ValueError(f"X.shape[0]={X.shape[0]} is not a multiple of num_heads={num_heads}")
-    bh, n, size = X.shape
-    X = xp.transpose(X.reshape((bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
-    return X.reshape((bh // num_heads, n, num_heads * size))
+    rs, (bh, n, size) = opt(xp).reshape, opt(xp).shape(X)
+    X = xp.transpose(rs(X, (bh // num_heads, num_heads, n, size)), (0, 2, 1, 3))
+    return rs(X, (bh // num_heads, n, num_heads * size))
 
 
 def nadaraya_watson(
@@ -338,9 +343,10 @@ def nadaraya_watson(
         y_hat = zeros_for_empty(xp, (m,), x_query, x_train, y_train)
         weights = zeros_for_empty(xp, (m, n), x_query, x_train)
     else:
-        diff = x_query.reshape((m, 1)) - x_train.reshape((1, n))
+        rs = opt(xp).reshape
+        diff = rs(x_query, (m, 1)) - rs(x_train, (1, n))
         weights = _masked_softmax(xp, -(diff * diff) / 2, None)
-        y_hat = xp.matmul(weights.reshape((1, m, n)), y_train.reshape((1, n, 1))).reshape((m,))
+        y_hat = rs(xp.matmul(rs(weights, (1, m, n)), rs(y_train, (1, n, 1))), (m,))
     return (y_hat, weights) if return_weights else y_hat
 
 

@@ -66,10 +66,12 @@ def test_its_row_of_the_table_agrees_with_its_class(backend):
 def test_names_and_messages_come_from_the_table():
     names = tuple(s.name for s in backends.BACKENDS)
     assert backends.BACKEND_NAMES == names and len(set(names)) == len(names)
-    assert backends.listing(names) == "numpy, torch, jax or mxnet"
-    with pytest.raises(ValueError, match=r"numpy, torch, jax, mxnet \(aliases: np, pytorch, mx\)"):
+    assert backends.listing(names) == "numpy, torch, jax, mxnet or tensorflow"
+    with pytest.raises(
+        ValueError, match=r"numpy, torch, jax, mxnet, tensorflow \(aliases: np, pytorch, mx, tf\)"
+    ):
         backends.canonical_name("cntk")
-    with pytest.raises(TypeError, match="a numpy, torch, jax or mxnet array"):
+    with pytest.raises(TypeError, match="a numpy, torch, jax, mxnet or tensorflow array"):
         backends.backend_of_array(b"x")
 
 
@@ -108,7 +110,7 @@ def test_the_required_protocol_is_small_and_capabilities_are_declared(backend):
     from attention_multi.backends.required import REQUIRED, Required
 
     assert len(REQUIRED) <= 25 and isinstance(backend, Required)
-    assert supports(backend, caps.Fused) == (backend.name != "numpy")
+    assert supports(backend, caps.Fused) == (backend.name not in ("numpy", "tensorflow"))
     assert supports(backend, caps.Distributed) == (backend.name in ("torch", "jax"))
     groups = {cap: caps.members(cap) for cap in caps.CAPABILITIES}
     named = [n for ms in groups.values() for n in ms]
@@ -296,7 +298,7 @@ def test_value_and_grad_or_a_clear_error(backend):
         return backend.sum(m(q, kv, kv), axis=0)
 
     if not supports(backend, Autodiff):
-        with pytest.raises(NotImplementedError, match="torch, jax or mxnet"):
+        with pytest.raises(NotImplementedError, match="torch, jax, mxnet or tensorflow"):
             value_and_grad(backend, net, loss_fn)
         return
     loss, grads = value_and_grad(backend, net, loss_fn)

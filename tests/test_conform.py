@@ -518,7 +518,7 @@ def test_command_framework_errors(tmp_path, capsys, monkeypatch):
     assert main(["conform", "--impl", "am-numpy", "--framework", "torch"]) == 2
     assert "only with --impl module:function" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["conform", "--impl", "json:dumps", "--framework", "tensorflow"])
+        main(["conform", "--impl", "json:dumps", "--framework", "cntk"])
 
 
 @pytest.mark.parametrize(

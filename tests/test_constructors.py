@@ -151,8 +151,8 @@ def test_dtype_and_device_are_checked(backend, module):
         build(module, backend, dtype="int32")
     with pytest.raises(ValueError, match=r"tpu"):
         build(module, backend, device="tpu")
-    with pytest.raises(ValueError, match=r"unknown backend 'tensorflow'"):
-        getattr(am, module)(backend="tensorflow", **GOOD[module])
+    with pytest.raises(ValueError, match=r"unknown backend 'cntk'"):
+        getattr(am, module)(backend="cntk", **GOOD[module])
 
 
 def test_numpy_scalars_and_edges_are_accepted(backend):

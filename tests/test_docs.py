@@ -188,9 +188,10 @@ def test_every_fence_is_run_or_shown(doc):
     for requirement, _, _ in blocks(doc):
         # (onnxscript: the onnx extra, required on the modern stack and tested
         # there by tests/test_export.py, which says why it skips elsewhere;
-        # transformers and flax likewise, by tests/test_integrations_*.py)
-        allowed = (None, "mxnet", "torch", "jax", "onnxscript", "transformers", "flax")
-        assert requirement in allowed, requirement
+        # transformers and flax likewise, by tests/test_integrations_*.py;
+        # tensorflow by tests/test_tensorflow.py)
+        allowed = ("mxnet", "torch", "jax", "onnxscript", "transformers", "flax", "tensorflow")
+        assert requirement in (None, *allowed), requirement
 
 
 # porting.md and the README have their own tests, with their outputs checked.

@@ -215,7 +215,9 @@ def test_set_params_is_strict(backend, mha):
 
 
 def test_non_array_inputs(backend):
-    with pytest.raises(TypeError, match="X must be a numpy, torch, jax or mxnet array, got list"):
+    with pytest.raises(
+        TypeError, match="X must be a numpy, torch, jax, mxnet or tensorflow array, got list"
+    ):
         am.masked_softmax([[[1.0, 2.0]]], None)
     with pytest.raises(TypeError, match="valid_lens must be"):
         am.masked_softmax(arr(backend, 1, 1, 2), "2")

@@ -206,7 +206,7 @@ def test_runs_without_matplotlib(tmp_path):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["--backends", "numpy,tensorflow"], ["--backends", "'tensorflow'", "numpy, torch"]),
+        (["--backends", "numpy,cntk"], ["--backends", "'cntk'", "numpy, torch"]),
         (["--devices", "tpu"], ["--devices", "'tpu'", "cuda"]),
         (["--backends", "numpy", "--plant", "torch"], ["--plant torch", "--backends numpy"]),
     ],

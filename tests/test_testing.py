@@ -268,11 +268,11 @@ def test_plugin_unusable_backend_skips_unless_asked_for(tmp_path):
 
 def test_plugin_rejects_unknown_backend_names(tmp_path):
     (tmp_path / "test_user.py").write_text(USER_TESTS)
-    result, _ = run_pytest(tmp_path, "--am-backends=torch,tensorflow")
+    result, _ = run_pytest(tmp_path, "--am-backends=torch,cntk")
     assert result.returncode == 4  # pytest's usage error
     assert (
-        "--am-backends=torch,tensorflow: unknown backend 'tensorflow'; valid choices: "
-        "numpy, torch, jax, mxnet"
+        "--am-backends=torch,cntk: unknown backend 'cntk'; valid choices: "
+        "numpy, torch, jax, mxnet, tensorflow"
     ) in result.stderr
 
 

@@ -30,6 +30,7 @@ from .table import (
 # backend name -> (module of this package, class, framework module, pip extra)
 _SPECS = {s.name: (s.module, s.class_name, s.framework, s.extra) for s in BACKENDS}
 _loaded: dict[str, Backend] = {}
+_LOAD_HOOKS: list[Callable[[Backend], None]] = []
 
 
 def _importer(module: str) -> Callable[[], Any]:
@@ -73,6 +74,7 @@ __all__ = [
     "listing",
     "near_miss",
     "load",
+    "on_load",
     "parse_device",
 ]
 
@@ -118,7 +120,18 @@ def _load(name: str) -> Backend:
                 why += f"conflict: {install_hint(extra or name)} has the pins)"
             raise ImportError(f"the {name!r} backend needs {framework}, which {why}") from exc
         backend = _loaded[name] = getattr(module, class_name)()
+        for hook in _LOAD_HOOKS:
+            hook(backend)
     return backend
+
+
+def on_load(hook: Callable[[Backend], None]) -> None:
+    """Call ``hook(backend)`` for every backend loaded from now on and every
+    one loaded already (the layer above registers its classes so, without
+    the backends importing it)."""
+    _LOAD_HOOKS.append(hook)
+    for backend in list(_loaded.values()):
+        hook(backend)
 
 
 def backend_of_array(x: Any) -> Backend:

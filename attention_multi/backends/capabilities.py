@@ -131,6 +131,7 @@ class Tracing(Protocol):
 
     compiles_per_shape: bool
     traced_values_end: bool
+    classes_by_name: bool
 
     def is_concrete(self, x: Array) -> bool: ...
     def is_tracing(self) -> bool: ...
@@ -215,10 +216,14 @@ class Masking(Protocol):
 
 @runtime_checkable
 class Arrays(Protocol):
-    """Host reads and messages about arrays."""
+    """Host reads and messages about arrays; reshapes and shapes where the
+    framework's arrays have no ``reshape`` method or may not know a
+    dimension until they run (TensorFlow's)."""
 
     def near_miss(self, x: Any) -> str | None: ...
     def host_sum(self, x: Array) -> float: ...
+    def reshape(self, x: Array, shape: Any) -> Array: ...
+    def shape(self, x: Array) -> tuple[Any, ...]: ...
 
 
 CAPABILITIES: tuple[type, ...] = (

@@ -86,7 +86,7 @@ class Generic:
                 out = fn(*(a[i] for a in args))
                 if not backend.is_array(out):
                     out = backend.asarray(numpy.asarray(out), device=backend.device_of(args[0]))
-                parts.append(out.reshape((1,)))  # (an answer of several values fails here)
+                parts.append(backend.reshape(out, (1,)))  # (several values fail here)
             return backend.concatenate(parts, 0)
 
         return mapped
@@ -94,6 +94,10 @@ class Generic:
     # == Tracing: tracing and compilation hooks (defaults: an eager framework) ==
     compiles_per_shape: bool = False  # whether each new array shape costs a compilation
     traced_values_end: bool = False  # values made under a trace are gone when it ends (JAX's)
+    # whether every public module's native class is made (``register_class``)
+    # when the backend loads: the framework's loading finds a saved module's
+    # class by its name, in a fresh process too (Keras' ``load_model``)
+    classes_by_name: bool = False
 
     def is_concrete(self, x: Array) -> bool:
         """False while ``x`` is traced (values unknown: ``jax.jit``,
@@ -302,3 +306,14 @@ class Generic:
         """The sum of every entry of a concrete ``x``, read on the host."""
         backend: Any = self
         return float(backend.to_numpy(backend.sum(x.reshape((-1,)), 0)))
+
+    def reshape(self, x: Array, shape: Any) -> Array:
+        """``x`` in ``shape`` (a tuple whose entries are ints, one -1, or
+        ``shape``'s dynamic sizes)."""
+        return x.reshape(shape)
+
+    def shape(self, x: Array) -> tuple[Any, ...]:
+        """``x``'s shape: ints, or where the framework does not know a
+        dimension while it traces (TensorFlow's ``None``) its size as a
+        scalar of the framework, known when the program runs."""
+        return tuple(x.shape)

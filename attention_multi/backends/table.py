@@ -53,6 +53,11 @@ BACKENDS: tuple[BackendSpec, ...] = (
     BackendSpec("torch", "torch", "TorchBackend", "torch", "torch", ("pytorch",)),
     BackendSpec("jax", "jax", "JaxBackend", "jax", "jax", roots=("jax", "jaxlib")),
     BackendSpec("mxnet", "mxnet", "MXNetBackend", "mxnet", "mxnet", ("mx",)),
+    # (its roots are TensorFlow's alone: Keras 3 runs on JAX and torch too, so a
+    # function of keras.ops is no framework's until Keras' backend is asked)
+    BackendSpec(
+        "tensorflow", "tensorflow", "TensorflowBackend", "tensorflow", "tensorflow", ("tf",)
+    ),
 )
 
 BACKEND_NAMES: tuple[str, ...] = tuple(s.name for s in BACKENDS)
@@ -69,7 +74,7 @@ def framework_of(module: str) -> str | None:
 
 
 def listing(names: Iterable[str], last: str = "or") -> str:
-    """``"numpy, torch, jax or mxnet"``: names for a message."""
+    """``"numpy, torch, jax, mxnet or tensorflow"``: names for a message."""
     names = list(names)
     return "".join(names) if len(names) < 2 else f"{', '.join(names[:-1])} {last} {names[-1]}"
 

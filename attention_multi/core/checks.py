@@ -82,7 +82,7 @@ def valid_lens_checked(
     shape (batch,) or (batch, queries); values checked (>= 0, whole) unless
     traced; clamped to ``num_keys`` (or the int32 range) on the host before a
     framework could wrap them, on the device while traced."""
-    limit = INT32_MAX if num_keys is None else min(int(num_keys), INT32_MAX)
+    limit = key_limit(num_keys)
     fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
     if fast is not None:
         if backend.dtype_name(valid_lens) != "int32":
@@ -134,6 +134,8 @@ def valid_lens_checked(
             device = backend.device_of(valid_lens)
             return backend.asarray(clamped, device=device), clamped.astype(np.int64)
         known = values.astype(np.int64)
+    elif not isinstance(limit, int):  # traced, keys known when it runs (TensorFlow's None)
+        valid_lens = backend.minimum(backend.astype(valid_lens, "int32"), limit)
     elif dtype != "int32":  # traced: clamp before the cast (in float32 for half lengths)
         if kind == "f" and dtype != "float64":
             valid_lens = backend.astype(valid_lens, "float32")
@@ -143,13 +145,24 @@ def valid_lens_checked(
     return valid_lens, known
 
 
+def key_limit(num_keys: Any) -> Any:
+    """The largest length that means something: ``num_keys`` within int32
+    (any without it); a size known only when a traced program runs
+    (TensorFlow's dynamic shape) as it is."""
+    if num_keys is None:
+        return INT32_MAX
+    if isinstance(num_keys, numbers.Integral):
+        return min(int(num_keys), INT32_MAX)
+    return num_keys
+
+
 def lengths_for_compare(
     backend: Backend, valid_lens: Any, batch: int, queries: int, num_keys: int, device: Any
 ) -> tuple[Array, int | None]:
     """``(lengths, least)`` for a caller that only compares key positions with
     them: checked as ``valid_lens_checked``, a well-formed int32/int64/float32/
     float64 array as it is (exact, no cast); ``least`` None while traced."""
-    limit = min(int(num_keys), INT32_MAX)
+    limit = key_limit(num_keys)
     fast = _well_formed_lens(backend, valid_lens, batch, queries, limit)
     if fast is not None:
         return valid_lens, fast[1]
@@ -285,7 +298,7 @@ def check_mask_array(
     full = (1,) * (len(against) - len(got)) + got
     if len(full) == 3:
         full = (full[0], 1) + full[1:]
-    return x.reshape(full)
+    return opt(backend).reshape(x, full)
 
 
 # Constructor arguments: TypeError for a wrong type, ValueError out of range.

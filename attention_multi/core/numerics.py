@@ -102,7 +102,7 @@ def positions(
     def make() -> Array:
         keys = xp.arange(num_keys, device)
         keys = keys if dtype == "int32" else xp.astype(keys, dtype)
-        return keys.reshape((1,) * (ndim - 1) + (num_keys,))
+        return opt(xp).reshape(keys, (1,) * (ndim - 1) + (num_keys,))
 
     return constant(xp, ("positions", num_keys, dtype, ndim), device, make)
 
@@ -177,7 +177,7 @@ def kept(xp: Backend, out: Array, *inputs: Array) -> Array:
     never taken, so NaN there stays out)."""
     dtype, never = xp.dtype_name(out), xp.zeros((1,), "bool", xp.device_of(out))
     for x in inputs:
-        out = out + xp.astype(xp.sum(xp.where(never, x.reshape((-1,))[:1], 0.0), 0), dtype)
+        out = out + xp.astype(xp.sum(xp.where(never, opt(xp).reshape(x, (-1,))[:1], 0.0), 0), dtype)
     return out
 
 
@@ -188,5 +188,5 @@ def zeros_for_empty(xp: Backend, shape: tuple[int, ...], like: Array, *inputs: A
     out = xp.zeros(shape, xp.dtype_name(like), xp.device_of(like))
     for x in (like, *inputs):
         if 0 in tuple(x.shape):
-            out = out + xp.sum(x.reshape((0,)), 0)
+            out = out + xp.sum(opt(xp).reshape(x, (0,)), 0)
     return out

@@ -78,6 +78,8 @@ def straight_line(
     if path not in ("auto", "full") or not no_forms(forms):
         return None
     qs, ks = queries.shape, keys.shape
+    if None in qs or None in ks:  # (traced, sizes known when it runs: no plan, the line)
+        return small.Line(xp, queries, keys, values, valid_lens, False)
     scores = qs[-2] * ks[-2]
     for n in qs[:-2]:
         scores *= n

@@ -337,12 +337,14 @@ class AdditiveAttention(_Attention):
             return empty
         scores = self._scores(self.W_q(queries), self.W_k(keys))
         weights = masked_softmax(xp, scores, mask.boolean_one_head(xp, xp.device_of(queries)))
-        values4 = values.reshape((values.shape[0], 1) + tuple(values.shape[1:]))
+        rs = opt(xp).reshape
+        shape = opt(xp).shape(values)
+        values4 = rs(values, shape[:1] + (1,) + shape[1:])
         _, values4 = guard_unused(xp, mask, values4, values4)
         self._keep_attention(weights)
         self.__dict__["_attention_path"] = "full"
         return xp.matmul(
-            self._dropout(weights, self.dropout, key), values4.reshape(tuple(values.shape))
+            self._dropout(weights, self.dropout, key), rs(values4, opt(xp).shape(values))
         )
 
     def _scores(self, q: Array, k: Array) -> Array:
@@ -350,17 +352,18 @@ class AdditiveAttention(_Attention):
         budget; under autodiff each block's features are recomputed in the
         backward pass (``Autodiff.checkpoint``) instead of kept."""
         xp, h = self._backend, self.num_hiddens
-        b, nq, nk = q.shape[0], q.shape[1], k.shape[1]
+        b, nq, nk = opt(xp).shape(q)[0], q.shape[1], k.shape[1]
         itemsize = work_itemsize(xp, q)
         budget = self.memory_budget or DEFAULT_MEMORY_BUDGET
         # features and their tanh, and in the backward pass their gradients:
         # 4 (b, block, nk, h) arrays
         block = max(1, budget // max(1, 4 * b * nk * h * itemsize))
-        k = k.reshape((b, 1, nk, h))
+        rs = opt(xp).reshape
+        k = rs(k, (b, 1, nk, h))
 
         def scores(qb: Array, k: Array) -> Array:
-            features = xp.tanh(qb.reshape((b, qb.shape[1], 1, h)) + k)
-            return self.w_v(features).reshape((b, qb.shape[1], nk))
+            features = xp.tanh(rs(qb, (b, qb.shape[1], 1, h)) + k)
+            return rs(self.w_v(features), (b, qb.shape[1], nk))
 
         chunks = [
             opt(xp).checkpoint(scores, q[:, q0 : q0 + block], k) for q0 in range(0, nq, block)
@@ -446,7 +449,11 @@ class DotProductAttention(_Attention):
         if line is not None:
             return self._straight(queries, keys, values, valid_lens, key, line)
         m = self._mask(queries, keys.shape[1], valid_lens=valid_lens, **forms)
-        q, k, v = (x.reshape((x.shape[0], 1) + tuple(x.shape[1:])) for x in (queries, keys, values))
+        rs, xp = opt(self._backend).reshape, self._backend
+        q, k, v = (
+            rs(x, shape[:1] + (1,) + shape[1:])
+            for x, shape in ((x, opt(xp).shape(x)) for x in (queries, keys, values))
+        )
         out = self._attend(q, k, v, m, key)
         # (an index, not a reshape: its backward hands the kernel a contiguous
         # gradient; a reshape passes out.sum()'s broadcast one, which torch's
@@ -523,8 +530,8 @@ class DotProductAttention(_Attention):
 
 def _heads(xp: Backend, x: Array, h: int) -> Array:
     """(b, n, h * s) -> (b, h, n, s), a view where possible."""
-    b, n, hidden = x.shape
-    return xp.transpose(x.reshape((b, n, h, hidden // h)), (0, 2, 1, 3))
+    b, n, hidden = opt(xp).shape(x)
+    return xp.transpose(opt(xp).reshape(x, (b, n, h, hidden // h)), (0, 2, 1, 3))
 
 
 class MultiHeadAttention(_Attention):
@@ -681,9 +688,9 @@ class MultiHeadAttention(_Attention):
                 self._keep_line(line, queries, keys, values, valid_lens)
             if line is not None:
                 out = self.attention._straight(q, k, v, valid_lens, key, line)
-                b, n = queries.shape[:2]
+                b, n = opt(xp).shape(queries)[:2]
                 out = xp.transpose(out, (0, 2, 1, 3))
-                return self.W_o(out.reshape((b, n, self.num_hiddens)))
+                return self.W_o(opt(xp).reshape(out, (b, n, self.num_hiddens)))
         num_keys, offset = keys.shape[1], None
         if cache is not None:
             start = self._check_cache(cache, queries, keys)
@@ -701,8 +708,8 @@ class MultiHeadAttention(_Attention):
         m = self._mask(queries, num_keys, h, valid_lens, offset=offset, **forms)
         out = self.attention._attend(q, k, v, m, key, private=cache is None)
         out = xp.transpose(out, (0, 2, 1, 3))
-        b, n = out.shape[0], out.shape[1]
-        out = self.W_o(out.reshape((b, n, self.num_hiddens)))
+        b, n = opt(xp).shape(out)[:2]
+        out = self.W_o(opt(xp).reshape(out, (b, n, self.num_hiddens)))
         return out if cache is None else (out, cache)
 
     def _line_key(self) -> tuple[Any, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .. import backends
 from ..backends.capabilities import opt
 from ..config import get_backend, native_device
 from ..core.checks import check_bool, check_positive_int
@@ -69,7 +70,15 @@ class Module(_Native):
     def __new__(cls, *args: Any, backend: BackendLike = None, **kwargs: Any) -> Any:
         if cls._backend is None:
             cls = native_class(get_backend(backend), cls)
-        return object.__new__(cls)
+        native_new = super().__new__
+        if native_new is object.__new__:
+            return object.__new__(cls)
+        # (a base with its own __new__, Keras' Layer's; the arguments are kept
+        # for a config to rebuild the module from: Keras' saving)
+        kwargs["backend"] = cls._backend.name
+        self = native_new(cls, *args, **kwargs)
+        self.__dict__["_arguments"] = (args, kwargs)
+        return self
 
     def _start(
         self,
@@ -294,3 +303,22 @@ def native_class(backend: Backend, public_class: type) -> type:
         opt(backend).register_class(cls)
         _NATIVE[(backend, public_class)] = cls
     return cls
+
+
+def _classes_by_name(backend: Backend) -> None:
+    """The native class of every public module, made when a backend that
+    asks (``Tracing.classes_by_name``: TensorFlow, whose Keras ``load_model``
+    finds a layer's class by its registered name) loads."""
+    if not opt(backend).classes_by_name:
+        return
+    found, todo = [], list(Module.__subclasses__())
+    while todo:
+        public = todo.pop()
+        todo += public.__subclasses__()
+        if public._backend is None and not public.__name__.startswith("_"):
+            found.append(public)
+    for public in found:
+        native_class(backend, public)
+
+
+backends.on_load(_classes_by_name)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backends.capabilities import value_and_grad
+from ..backends.capabilities import opt, value_and_grad
 from ..core import masked_softmax, zeros_for_empty
 from ..core.checks import check_array
 from ..types import Array, ModuleOptions
@@ -42,10 +42,11 @@ class NWKernelRegression(Module):
             empty = zeros_for_empty(xp, (n, m), queries, keys, w)
             self._keep_attention(lambda: empty)  # a thunk: torch.export warns of tensor attributes
             return zeros_for_empty(xp, (n,), queries, keys, values, w)
-        d = (queries.reshape((n, 1)) - keys) * w
+        rs = opt(xp).reshape
+        d = (rs(queries, (n, 1)) - keys) * w
         weights = masked_softmax(xp, -(d * d) / 2, None)
         self._keep_attention(lambda: weights)  # a thunk, as above
-        return xp.matmul(weights.reshape((n, 1, m)), values.reshape((n, m, 1))).reshape((n,))
+        return rs(xp.matmul(rs(weights, (n, 1, m)), rs(values, (n, m, 1))), (n,))
 
 
 def train_kernel_regression(

@@ -138,7 +138,8 @@ def prefix_lm(prefix: np.ndarray) -> Mod:
 
 def _alibi(framework: Framework, slopes: Any) -> Callable:
     def alibi(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return score + slopes[h] * (kv_idx - q_idx)
+        # (TensorFlow's tensors: no indexing by a tensor, no int-by-float product)
+        return score + framework.take(slopes, h) * framework.like(kv_idx - q_idx, score)
 
     return alibi
 

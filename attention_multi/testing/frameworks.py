@@ -1,5 +1,5 @@
-"""The frameworks a conformance case can be handed to: NumPy, PyTorch, JAX and
-MXNet, each as arrays of a dtype, back to NumPy, and the gradients of
+"""The frameworks a conformance case can be handed to: NumPy, PyTorch, JAX,
+MXNet and TensorFlow, each as arrays of a dtype, back to NumPy, and the gradients of
 ``sum(f(*inputs) * grad_out)``.
 
 ``get(name)`` returns one (imported when first asked for); ``detect(function)``
@@ -66,6 +66,15 @@ class Framework:
 
     def tanh(self, x: Any) -> Any:
         return np.tanh(x)
+
+    def take(self, table: Any, index: Any) -> Any:
+        """``table[index]``, ``index`` an integer array of this framework."""
+        return table[index]
+
+    def like(self, x: Any, other: Any) -> Any:
+        """``x`` where it meets ``other`` in an operation (a framework that does
+        not promote integers to floats casts it)."""
+        return x
 
     def gradients(self, f: Callable, inputs: Sequence[Any], grad_out: Any) -> tuple:
         """``(f(*inputs), gradients of sum(f(*inputs) * grad_out) for each input)``,
@@ -189,7 +198,51 @@ class MXNet(Framework):
         return out, tuple(x.grad for x in inputs)
 
 
-_CLASSES: dict[str, type[Framework]] = {c.name: c for c in (Framework, Torch, Jax, MXNet)}
+class TensorFlow(Framework):
+    """TensorFlow's tensors; gradients by ``tf.GradientTape``."""
+
+    name = "tensorflow"
+    autodiff = True
+
+    def __init__(self) -> None:
+        import tensorflow as tf
+
+        self.tf = tf
+
+    def array(self, x: Any, dtype: str) -> Any:
+        return self.tf.constant(np.asarray(x, numpy_dtype(dtype)))
+
+    def ints(self, x: Any) -> Any:
+        return self.tf.constant(np.asarray(x, np.int32))
+
+    def bools(self, x: Any) -> Any:
+        return self.tf.constant(np.asarray(x, bool))
+
+    def numpy(self, x: Any) -> np.ndarray:
+        return np.asarray(self.tf.cast(x, self.tf.float64).numpy())
+
+    def tanh(self, x: Any) -> Any:
+        return self.tf.tanh(x)
+
+    def take(self, table: Any, index: Any) -> Any:
+        return self.tf.gather(table, index)
+
+    def like(self, x: Any, other: Any) -> Any:
+        return self.tf.cast(x, other.dtype)
+
+    def gradients(self, f: Callable, inputs: Sequence[Any], grad_out: Any) -> tuple:
+        tf = self.tf
+        with tf.GradientTape() as tape:
+            tape.watch(list(inputs))
+            out = f(*inputs)
+            loss = tf.reduce_sum(tf.cast(out, tf.float64) * tf.cast(grad_out, tf.float64))
+        zero = tf.UnconnectedGradients.ZERO  # (no path from the loss: a zero gradient)
+        return out, tuple(tape.gradient(loss, list(inputs), unconnected_gradients=zero))
+
+
+_CLASSES: dict[str, type[Framework]] = {
+    c.name: c for c in (Framework, Torch, Jax, MXNet, TensorFlow)
+}
 
 
 @functools.cache

@@ -624,7 +624,7 @@ class Keras(Native):
     def setup(self):
         super().setup()
         os.environ.setdefault("KERAS_BACKEND", "jax")
-        import keras  # type: ignore[import-not-found]
+        import keras
 
         self.keras = keras
 

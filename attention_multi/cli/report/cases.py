@@ -4,6 +4,7 @@
 import numpy as np
 
 from ... import reference as ref
+from ...backends.capabilities import opt
 
 DTYPES = ("float32", "float64")
 TOLERANCES = {"float32": (2e-5, 1e-5), "float64": (1e-10, 1e-10)}  # (atol, rtol)
@@ -157,9 +158,16 @@ def _sliding_window_with_sinks(b, h, q_idx, kv_idx):
     return ((kv_idx <= q_idx) & (q_idx - kv_idx <= 1)) | (kv_idx < 1)
 
 
-def _alibi(slopes):
+def _alibi(slopes, B=None):
+    """With a backend ``B``, through its ops (TensorFlow indexes by no tensor
+    and multiplies no integer by a float); else NumPy's (the reference)."""
+
     def alibi(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx)
+        if B is None:
+            return score + slopes[h] * (kv_idx - q_idx)
+        rs = opt(B).reshape
+        slope = rs(B.take(slopes, rs(h, (-1,)), 0), tuple(h.shape))
+        return score + slope * B.astype(kv_idx - q_idx, B.dtype_name(score))
 
     return alibi
 
@@ -305,7 +313,7 @@ CASES = [
     ),
     (
         "MultiHeadAttention, GQA, score_mod (ALiBi), causal",
-        lambda r, i: _gqa(r, i, score_mod=_alibi(r.a(i["alibi_slopes"])), causal=True),
+        lambda r, i: _gqa(r, i, score_mod=_alibi(r.a(i["alibi_slopes"]), r.B), causal=True),
         lambda i: _ref_gqa(i, score_mod=_alibi(i["alibi_slopes"]), causal=True),
     ),
     (

@@ -53,7 +53,7 @@ def _intervals(
         )
         shape = (where.batch, 1, lens.shape[1] if len(lens.shape) == 2 else 1, 1)
         known = None if known is None else known.reshape(shape)
-        lens = lens.reshape(shape)
+        lens = opt(xp).reshape(lens, (opt(xp).shape(lens)[0],) + shape[1:])
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     window = window_within(check_window(window), num_queries, num_keys, where.offset_known)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from attention_multi.backends.capabilities import opt
+
 from .spec import FULL, PARTIAL
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ def bound(
     b, h, q, kv = index
 
     def block_of(blocks: Array, x: Array) -> Array:
-        return xp.take(blocks, x.reshape((-1,)), 0).reshape(tuple(x.shape))
+        return opt(xp).reshape(xp.take(blocks, opt(xp).reshape(x, (-1,)), 0), tuple(x.shape))
 
     row = block_of(q_block, q) * nkb + block_of(k_block, kv)
     if nh > 1:

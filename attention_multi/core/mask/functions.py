@@ -64,7 +64,7 @@ def positions(
     if host:
         x = np.minimum(np.arange(n), last - 1) if 0 < last < n else np.arange(n)
         return xp.asarray((x + base).astype(np.int32).reshape(shape), device=device)
-    x = xp.arange(n, device).reshape(tuple(shape))
+    x = opt(xp).reshape(xp.arange(n, device), tuple(shape))
     x = xp.where(x < last, x, last - 1) if 0 < last < n else x
     return x + base if not is_int(base) or base else x
 
@@ -76,7 +76,7 @@ def as_bool(xp: Backend, x: Any, device: Any) -> Array:
     if xp.dtype_name(x) != "bool":
         x = xp.astype(x, "bool")
     while len(x.shape) < 4:
-        x = x.reshape((1,) + tuple(x.shape))
+        x = opt(xp).reshape(x, (1,) + tuple(opt(xp).shape(x)))
     return x
 
 
@@ -185,7 +185,7 @@ def _evaluated(
             ) from first
         first.add_note(f"{said}; the {xp.name} backend has no vmap to try per element")
         raise first
-    flat = tuple(xp.broadcast_to(a, shape).reshape((-1,)) for a in args)
+    flat = tuple(opt(xp).reshape(xp.broadcast_to(a, shape), (-1,)) for a in args)
     try:
         out = mapped(*flat)
     except Exception as exc:
@@ -208,7 +208,7 @@ def _evaluated(
             f"{said}: {first}; evaluated per element (vmap) it answered {got}, not one "
             f"value per element of {shape}"
         ) from first
-    return answer(out.reshape(shape))
+    return answer(opt(xp).reshape(out, shape))
 
 
 def checked_mask(
@@ -387,7 +387,7 @@ def evaluate(
         v = xp.astype(v, "uint8")  # (torch reduces bytes ~7x faster than booleans)
         at = (v.shape[0], v.shape[1], rows, width)
         if v.shape[2] > 1 and rows > 1:
-            v = v.reshape((at[0], at[1], rows, bq, v.shape[3]))
+            v = opt(xp).reshape(v, (at[0], at[1], rows, bq, v.shape[3]))
         some, every = (xp.to_numpy(f(v, -2)) for f in (xp.max, xp.min))
         some, every = (
             np.broadcast_to(x.reshape(at[:2] + (-1, x.shape[-1])), at) for x in (some, every)

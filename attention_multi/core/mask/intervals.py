@@ -79,7 +79,7 @@ class Intervals(Form):
         lo, hi = None, self.valid_lens
         if self.causal or self.window is not None:
             q = mask.num_queries
-            p = xp.arange(q, device).reshape((1, 1, q, 1)) + self.offset
+            p = opt(xp).reshape(xp.arange(q, device), (1, 1, q, 1)) + self.offset
             lo, hi = self.limits(p, hi, lambda a, b: xp.where(a > b, a, b), xp.minimum)
         if hi is None:
             hi = xp.zeros((1, 1, 1, 1), "int32", device) + mask.num_keys
@@ -324,10 +324,11 @@ def lengths_visible(
     if dtype == "float32" and num_keys > 2**24:  # (positions past 2**24 are not exact there)
         lens, dtype = xp.astype(lens, "int32"), "int32"
     j = positions(xp, num_keys, device, dtype, ndim=1)
-    batch, lead = lens.shape[0], (1,) * (ndim - 3)
-    if len(lens.shape) == 1:
-        visible = j < lens.reshape((batch,) + lead + (1, 1))
-        return visible, visible.reshape((batch,) + lead + (num_keys, 1))
-    lens = lens.reshape((batch,) + lead + (lens.shape[1], 1))
+    rs, lead = opt(xp).reshape, (1,) * (ndim - 3)
+    shape = opt(xp).shape(lens)  # (the batch: known, or known when a trace runs)
+    if len(shape) == 1:
+        visible = j < rs(lens, shape + lead + (1, 1))
+        return visible, rs(visible, shape + lead + (num_keys, 1))
+    lens = rs(lens, shape[:1] + lead + (shape[1], 1))
     visible = j < lens
-    return visible, j.reshape((num_keys, 1)) < xp.max(lens, -2, keepdims=True)
+    return visible, rs(j, (num_keys, 1)) < xp.max(lens, -2, keepdims=True)

@@ -66,7 +66,7 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
         lo, hi = form.bounds(xp, mask, device)
         nonempty = hi > (0 if lo is None else lo)
         last = xp.max(xp.where(nonempty, hi, 0), 2, keepdims=True)
-        j = xp.arange(mask.num_keys, device).reshape((1, 1, mask.num_keys, 1))
+        j = opt(xp).reshape(xp.arange(mask.num_keys, device), (1, 1, mask.num_keys, 1))
         if lo is None:
             return j < last
         first = -xp.max(xp.where(nonempty, -lo, -mask.num_keys), 2, keepdims=True)
@@ -76,7 +76,7 @@ def used_keys(xp: Backend, mask: Mask, device: Any) -> Array | None:
         return None
     used = xp.any(xp.any(visible, 2, keepdims=True), 1, keepdims=True)
     # (b, 1, 1, K) -> (b, 1, K, 1): a reshape (MXNet cannot transpose booleans)
-    return used.reshape((used.shape[0], 1, used.shape[3], 1))
+    return opt(xp).reshape(used, (opt(xp).shape(used)[0], 1, used.shape[3], 1))
 
 
 def guard_unused(
@@ -100,7 +100,7 @@ def guard_block(xp: Backend, visible: Array, keys: Array, values: Array) -> tupl
     """``guard_unused`` for one block of keys and values (batch, heads, k, d) by its
     ``visible`` (batch|1, heads|1, q, k): no mask of the whole call is built."""
     seen = xp.any(visible, 2, keepdims=True)  # (batch|1, heads|1, 1, k)
-    seen = seen.reshape(tuple(seen.shape[:2]) + (seen.shape[3], 1))
+    seen = opt(xp).reshape(seen, tuple(opt(xp).shape(seen)[:2]) + (seen.shape[3], 1))
     return xp.where(seen, keys, 0.0), xp.where(seen, values, 0.0)
 
 

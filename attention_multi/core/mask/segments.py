@@ -46,13 +46,13 @@ class Segments(Form):
         return self.query_ids, xp.take(self.key_ids, at, 1)
 
     def visible(self, xp: Backend, mask: Mask, device: Any) -> Array:
-        return _same_segment(*self.ids(xp, mask), xp.logical_and)
+        return _same_segment(*self.ids(xp, mask), xp.logical_and, opt(xp).reshape)
 
     def host_visible(self, mask: Mask) -> np.ndarray | bool | None:
         if self.known_ids is None or self.key_start is not None:
             return None
         qs, ks = self.known_ids
-        return _same_segment(qs, ks, np.logical_and)
+        return _same_segment(qs, ks, np.logical_and, np.reshape)
 
     @staticmethod
     def _rows(ids: tuple[Any, Any], r: Region, xp: Backend | None = None) -> tuple[Any, Any]:
@@ -116,12 +116,14 @@ class Segments(Form):
         )
 
 
-def _same_segment(qs: Any, ks: Any, both: Callable[[Any, Any], Any]) -> Any:
+def _same_segment(
+    qs: Any, ks: Any, both: Callable[[Any, Any], Any], rs: Callable[[Any, Any], Any]
+) -> Any:
     """The rule, for query ids (batch|1, Q) and key ids (batch|1, K) of one
     namespace (``both``: its logical AND): (batch|1, 1, Q, K), the same id
     and not padding."""
-    q4 = qs.reshape((qs.shape[0], 1, qs.shape[1], 1))
-    return both(q4 == ks.reshape((ks.shape[0], 1, 1, ks.shape[1])), q4 >= 0)
+    q4 = rs(qs, (qs.shape[0], 1, qs.shape[1], 1))
+    return both(q4 == rs(ks, (ks.shape[0], 1, 1, ks.shape[1])), q4 >= 0)
 
 
 def _states(qs: np.ndarray, ks: np.ndarray, block_q: int, block_k: int) -> np.ndarray:

@@ -277,7 +277,8 @@ class Mask:
     def per_batch_lens(self) -> Array | None:
         """int32 (batch,) lengths when they are all there is (1-D valid_lens)."""
         if self.only_lens and self.intervals.valid_lens.shape[2] == 1:
-            return self.intervals.valid_lens.reshape((self.batch,))
+            lens = self.intervals.valid_lens
+            return opt(self.xp).reshape(lens, opt(self.xp).shape(lens)[:1])
         return None
 
     @property
@@ -348,7 +349,8 @@ class Mask:
         visible = self.boolean(xp, device)
         if visible is None:
             return None
-        return visible.reshape((visible.shape[0],) + tuple(visible.shape[2:]))
+        shape = opt(xp).shape(visible)
+        return opt(xp).reshape(visible, shape[:1] + shape[2:])
 
     def additive(self, xp: Backend, dtype: str, device: Any) -> Array | None:
         """float: ``bias`` (or 0) where a query may see a key, ``fill_value``

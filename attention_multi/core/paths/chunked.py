@@ -121,7 +121,7 @@ def key_blocks(xp: Backend, x: Array, start: int, block_k: int, count: int) -> A
     """The ``count`` full blocks of keys from ``start``, (count, batch, heads,
     block_k, d), to scan over."""
     x = x[:, :, start : start + count * block_k]
-    x = x.reshape(tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
+    x = opt(xp).reshape(x, tuple(x.shape[:2]) + (count, block_k, x.shape[-1]))
     return xp.transpose(x, (2, 0, 1, 3, 4))
 
 

@@ -56,15 +56,18 @@ def weights4(
     return xp.astype(w, dtype) if rounded and work != dtype else w
 
 
-def flat(w: Array) -> Array:
+def flat(w: Array, xp: Backend | None = None) -> Array:
     """(batch, heads, Q, K) -> (batch * heads, Q, K)."""
-    return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
+    if xp is None:
+        return w.reshape((w.shape[0] * w.shape[1],) + tuple(w.shape[2:]))
+    b, h, *rest = opt(xp).shape(w)
+    return opt(xp).reshape(w, (b * h, *rest))
 
 
 def weights(xp: Backend, q: Array, k: Array, mask: Mask, scale: float) -> Array:
     """The (batch * heads, Q, K) attention weights, as the full path computes them."""
     k, _ = expand_kv(xp, k, k, q.shape[1])
-    return flat(weights4(xp, q, k, mask, scale))
+    return flat(weights4(xp, q, k, mask, scale), xp)
 
 
 def fits(call: Call) -> bool:
@@ -96,7 +99,7 @@ def run(call: Call, plan: Plan | None = None) -> Result:
     drop = dropout_fn(xp, call.dropout, call.key)
     dtype = xp.dtype_name(q)
     out = weighted(xp, w4 if drop is None else drop(w4), v, dtype)
-    return Result(out, lambda: opt(xp).nan_rows(flat(in_dtype(xp, w4, dtype))))
+    return Result(out, lambda: opt(xp).nan_rows(flat(in_dtype(xp, w4, dtype), xp)))
 
 
 def with_lse(call: Call, k: Array, v: Array) -> Result:

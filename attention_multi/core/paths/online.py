@@ -47,7 +47,7 @@ def softmax_block(
     device = xp.device_of(qs)
     visible = mask.boolean(xp, device)
     if hidden is not None:
-        after = xp.arange(k.shape[2], device).reshape((1, 1, 1, k.shape[2])) >= hidden
+        after = opt(xp).reshape(xp.arange(k.shape[2], device), (1, 1, 1, k.shape[2])) >= hidden
         visible = after if visible is None else xp.logical_and(visible, after)
     if guard and visible is not None:
         k, v = guard_block(xp, visible, k, v)
@@ -210,7 +210,7 @@ def add_sinks(xp: Backend, out: Array, lse: Array, sinks: Array) -> tuple[Array,
     ``sinks`` (heads,). Returns ``(out, lse')`` (no key: zeros, the sink)."""
     work = xp.dtype_name(lse)
     sink = xp.astype(sinks, work) if xp.dtype_name(sinks) != work else sinks
-    sink = sink.reshape((1, sink.shape[0], 1, 1))
+    sink = opt(xp).reshape(sink, (1, sink.shape[0], 1, 1))
     top = xp.maximum(lse, sink)  # (finite: the sink is)
     total = top + xp.log(xp.exp(lse - top) + xp.exp(sink - top))
     kept = xp.exp(lse - total)

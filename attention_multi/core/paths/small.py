@@ -70,8 +70,14 @@ class Line:
             valid_lens is not None and xp.is_array(valid_lens) and opt(xp).is_concrete(valid_lens)
         )
         self.lens_kind = lens_kind(xp, valid_lens, qs[0], qs[-2]) if known else None
-        self.limit = min(int(ks[-2]), INT32_MAX)
-        self.big = (size(keys) + size(values)) * group >= opt(xp).finite_check_min
+        if None in qs or None in ks:  # (TensorFlow's unknown sizes, known when it runs)
+            if qs[-1] is None:
+                raise ValueError(f"the feature size of the queries must be known, got {qs}")
+            self.num_keys = opt(xp).shape(keys)[-2]
+            self.limit, self.big = self.num_keys, False
+        else:
+            self.limit = min(int(ks[-2]), INT32_MAX)
+            self.big = (size(keys) + size(values)) * group >= opt(xp).finite_check_min
         self.dtype = xp.dtype_name(queries)
         self.work = compute_dtype(self.dtype)
         self.lengths: tuple[Any, ...] | None = None  # (``_lengths``)
@@ -133,7 +139,7 @@ def attention(
         weights = xp.astype(weights, dtype)
     if not line.flat:
         return out, lambda: opt(xp).nan_rows(weights)
-    return out, lambda: opt(xp).nan_rows(flat(weights))
+    return out, lambda: opt(xp).nan_rows(flat(weights, xp))
 
 
 def _lengths(
