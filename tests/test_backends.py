@@ -165,6 +165,9 @@ def test_matmul_and_transpose_b(backend, dtype):
     bt = np.swapaxes(b, 1, 2).copy()
     got = backend.matmul(put(backend, a, dtype), put(backend, bt, dtype), transpose_b=True)
     close(backend, got, a @ b, dtype)
+    square = rounded(rng.normal(size=(3, 4, 4)), dtype)  # (as many keys as features)
+    got = backend.matmul(put(backend, a, dtype), put(backend, square, dtype), transpose_b=True)
+    close(backend, got, a @ np.swapaxes(square, 1, 2), dtype)
 
 
 def test_linear(backend, dtype):
