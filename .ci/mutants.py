@@ -198,7 +198,7 @@ MUTANTS = [
         "        return npx.softmax(x, axis=axis) + 0 * mnp.max(x, axis=axis, keepdims=True)",
         "        return npx.softmax(x, axis=axis)",
         "MXNet's softmax leaves a NaN row's other entries finite",
-        ("tests/test_backends.py", "tests/test_nan.py"),
+        ("tests/test_numerics.py", "tests/test_backends.py", "tests/test_nan.py"),
     ),
     M(
         "mxnet-lengths-rows",
@@ -272,7 +272,7 @@ MUTANTS = [
         '        kind = {"i2h": "ih", "h2h": "hh"}[m["gate"]]',
         '        kind = {"i2h": "hh", "h2h": "ih"}[m["gate"]]',
         "the port swaps an RNN's input and hidden weights",
-        ("tests/test_port.py",),
+        ("tests/test_port_models.py", "tests/test_port.py"),
     ),
 ]
 
