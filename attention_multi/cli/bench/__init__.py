@@ -249,7 +249,7 @@ def main(args):
     rows = []
     for shape_name in shapes:
         for name in usable:
-            for kind, bench in BENCHES[name]:
+            for kind, bench in BENCHES.get(name, ()):  # (a backend with no large-batch row)
                 shape = (DOT_SHAPES if kind == "dot" else MHA_SHAPES)[shape_name]
                 print(f"  {name} {kind} {shape_name} ...", file=sys.stderr, flush=True)
                 rows.extend(bench(shape, seconds))
@@ -370,7 +370,7 @@ def main(args):
         with one_busy_process():
             for shape_name in large:
                 for name in usable:
-                    for kind, bench in BENCHES[name]:
+                    for kind, bench in BENCHES.get(name, ()):  # (a backend with no large-batch row)
                         shape = (DOT_SHAPES if kind == "dot" else MHA_SHAPES)[shape_name]
                         speed_busy.extend(bench(shape, seconds))
             packed_busy = (

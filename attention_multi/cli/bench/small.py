@@ -5,7 +5,8 @@ medians of per-pair ratios of interleaved calls in one process.
 
 The seeds' code on NumPy and JAX is seed 000's d2l PyTorch code written in
 NumPy and in ``jax.numpy`` (under ``jax.jit``, as ours); on MXNet it is seed
-004's (``d2l_mxnet``); on torch ``d2l_torch``.
+004's (``d2l_mxnet``); on torch ``d2l_torch``; on TensorFlow d2l's own TF
+edition (``d2l_tensorflow``).
 """
 
 import itertools
@@ -445,7 +446,72 @@ def bench_mxnet(seconds):
     return rows
 
 
-BENCHES = {"numpy": bench_numpy, "torch": bench_torch, "jax": bench_jax, "mxnet": bench_mxnet}
+def bench_tensorflow(seconds):
+    """Ours against d2l's TensorFlow edition (``d2l_tensorflow``), eager, as d2l runs it."""
+    import tensorflow as tf
+
+    import attention_multi as am
+
+    from . import d2l_tensorflow
+
+    (q, k, v), (mq, mk), x, lens = (
+        [tf.constant(a) for a in group] if isinstance(group, list) else tf.constant(group)
+        for group in _inputs()
+    )
+    rows = []
+    ours = am.DotProductAttention(0.5, backend="tensorflow").eval()
+    seed = d2l_tensorflow.DotProductAttention(0.5)
+    dl = tf.constant(DOT[3], dtype=tf.float32)
+    rows.append(
+        _row(
+            "tensorflow",
+            "dot",
+            "eval",
+            pair_ratio(
+                lambda: ours(q, k, v, dl), lambda: seed(q, k, v, dl, training=False), seconds
+            ),
+        )
+    )
+    size, heads = MHA["sizes"][3], MHA["sizes"][4]
+    m = am.MultiHeadAttention(*MHA["sizes"], 0.5, backend="tensorflow").eval()
+    sm = d2l_tensorflow.MultiHeadAttention(size, size, size, size, heads, 0.5)
+    ml = tf.constant(MHA["lens"], dtype=tf.float32)
+    rows.append(
+        _row(
+            "tensorflow",
+            "mha",
+            "eval",
+            pair_ratio(
+                lambda: m(mq, mk, mk, ml), lambda: sm(mq, mk, mk, ml, training=False), seconds
+            ),
+        )
+    )
+    hid, heads = BATCH["hiddens"], BATCH["heads"]
+    mb = am.MultiHeadAttention(hid, hid, hid, hid, heads, 0.1, backend="tensorflow").eval()
+    sb = d2l_tensorflow.MultiHeadAttention(hid, hid, hid, hid, heads, 0.1)
+    bl = [tf.cast(a, tf.float32) for a in lens]
+    rows.append(
+        _row(
+            "tensorflow",
+            "batch",
+            "eval",
+            pair_ratio(
+                _per_step(lambda d: mb(x, x, x, d), bl),
+                _per_step(lambda d: sb(x, x, x, d, training=False), bl),
+                seconds,
+            ),
+        )
+    )
+    return rows
+
+
+BENCHES = {
+    "numpy": bench_numpy,
+    "torch": bench_torch,
+    "jax": bench_jax,
+    "mxnet": bench_mxnet,
+    "tensorflow": bench_tensorflow,
+}
 CASES = {
     "dot": "`DotProductAttention`, the seeds' example",  # DOT
     "mha": "`MultiHeadAttention(100, 100, 100, 100, 5)`, the seeds' example",  # MHA
@@ -471,7 +537,8 @@ def small_table(rows):
     ]
     for r in rows:
         target = r["target"]
-        against = "d2l's own" if r["case"] == "encoder" else "seeds'"
+        own = r["case"] == "encoder" or r["backend"] == "tensorflow"  # (d2l's TF edition)
+        against = "d2l's own" if own else "seeds'"
         lines.append(
             f"| {r['backend']} | {CASES[r['case']]} | {r['mode']} "
             f"| {r['ours_s'] * 1e6:.0f} µs | {r['theirs_s'] * 1e6:.0f} µs ({against}) "
