@@ -40,7 +40,7 @@ from .modules import (
     PositionalEncoding,
     train_kernel_regression,
 )
-from .params import get_params, set_params
+from .params import get_params, keras_params, set_keras_params, set_params
 from .plotting import show_heatmaps
 from .types import Array, BackendLike, DeviceLike, Path
 
@@ -65,6 +65,7 @@ __all__ = [
     "dot_product_attention",
     "get_backend",
     "get_params",
+    "keras_params",
     "masked_softmax",
     "nadaraya_watson",
     "port",
@@ -76,6 +77,7 @@ __all__ = [
     "segments_from_lengths",
     "sequence_mask",
     "set_backend",
+    "set_keras_params",
     "set_params",
     "show_heatmaps",
     "train_kernel_regression",
