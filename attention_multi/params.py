@@ -227,7 +227,7 @@ def _keras_variables(layer: Any) -> dict[str, Any]:
     owners = [("", layer)] if _has_kernel(layer) else []
     owners += [
         (f"{attr}.", value)
-        for attr, value in vars(layer).items()
+        for attr, value in getattr(layer, "__dict__", {}).items()
         if not attr.startswith("_") and value is not layer and _has_kernel(value)
     ]
     for prefix, owner in owners:

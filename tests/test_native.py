@@ -651,6 +651,190 @@ def test_torch_params_give_identical_outputs(backend, make):
     )
 
 
+def test_get_params_in_keras_layout(backend):
+    """``layout="keras"``: each Linear's ``X.weight`` (out, in) is ``X.kernel``
+    (in, out), as a Keras Dense has it; biases and NW's ``w`` are as they are."""
+    m = mha(backend)
+    torch_layout, keras_layout = am.get_params(m), am.get_params(m, layout="keras")
+    assert list(keras_layout) == [n.replace(".weight", ".kernel") for n in MHA_BIAS_NAMES]
+    assert keras_layout["W_q.kernel"].shape == (4, 8) and keras_layout["W_k.kernel"].shape == (5, 8)
+    assert keras_layout["W_v.kernel"].shape == (6, 8) and keras_layout["W_q.bias"].shape == (8,)
+    for name, value in torch_layout.items():
+        kernel = keras_layout.get(name.replace(".weight", ".kernel"))
+        want = value.T if name.endswith(".weight") else value
+        assert type(kernel) is np.ndarray and kernel.dtype == np.float32
+        np.testing.assert_array_equal(kernel, want)
+    # x @ kernel + bias, as Keras' Dense computes
+    x = np.random.default_rng(61).normal(size=(2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        f64(backend, m.W_q(put(backend, x))),
+        x.astype(np.float64) @ keras_layout["W_q.kernel"] + keras_layout["W_q.bias"],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    assert list(am.get_params(additive(backend), layout="keras")) == [
+        "W_k.kernel",
+        "W_q.kernel",
+        "w_v.kernel",
+    ]
+    lin = am.get_params(am.Linear(3, 2, backend=backend), layout="keras")
+    assert {n: x.shape for n, x in lin.items()} == {"kernel": (3, 2), "bias": (2,)}
+    nw = am.set_params(am.NWKernelRegression(backend=backend), {"w": [0.25]})
+    assert am.get_params(nw, layout="keras")["w"].tolist() == [0.25]
+    assert am.get_params(m, layout="torch").keys() == torch_layout.keys()
+    with pytest.raises(ValueError, match=r"layout must be 'torch' or 'keras', got 'tf'"):
+        am.get_params(m, layout="tf")
+
+
+def test_set_params_takes_the_keras_layout_entry_by_entry(backend):
+    q, k, v = qkv(61)
+    lens = put(backend, np.array([2, 5]), "int32")
+    src, m = mha(backend).eval(), mha(backend).eval()
+    want = backend.to_numpy(src(put(backend, q), put(backend, k), put(backend, v), lens))
+    params = am.get_params(src, layout="keras")
+    assert am.set_params(m, params) is m  # the round trip: identical outputs
+    got = backend.to_numpy(m(put(backend, q), put(backend, k), put(backend, v), lens))
+    assert got.tobytes() == want.tobytes()
+    for name, value in am.get_params(m).items():
+        np.testing.assert_array_equal(value, am.get_params(src)[name])
+    # the two namings mixed, one per weight
+    mixed = {**params, "W_k.weight": params["W_k.kernel"].T}
+    del mixed["W_k.kernel"]
+    fresh = am.set_params(mha(backend), mixed)
+    np.testing.assert_array_equal(am.get_params(fresh)["W_k.weight"], params["W_k.kernel"].T)
+
+    before = am.get_params(m)
+    with pytest.raises(
+        ValueError,
+        match=r"both 'W_k.kernel' and 'W_k.weight' are given to MultiHeadAttention: "
+        r"they are one parameter",
+    ):
+        am.set_params(m, {**params, "W_k.weight": params["W_k.kernel"].T})
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 'W_k.kernel' has shape \(8, 5\), the module expects \(5, 8\) "
+        r"\(Keras' \(in, out\) layout: the transpose of 'W_k.weight', \(8, 5\)\)",
+    ):
+        am.set_params(m, {**params, "W_k.kernel": params["W_k.kernel"].T})
+    no_kernel = {n: x for n, x in params.items() if n != "W_o.kernel"}
+    with pytest.raises(
+        ValueError,
+        match=r"missing \['W_o.weight'\], unknown \[\].*"
+        r"given transposed, in Keras' \(in, out\) layout: 'W_o.kernel' for 'W_o.weight'",
+    ):
+        am.set_params(m, no_kernel)
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['W_x.kernel'\]"):
+        am.set_params(m, {**params, "W_x.kernel": params["W_q.kernel"]})
+    with pytest.raises(ValueError, match=r"unknown \['w.kernel'\]"):  # (NW's w is no Linear)
+        am.set_params(am.NWKernelRegression(backend=backend), {"w": [1.0], "w.kernel": [1.0]})
+    for n, x in am.get_params(m).items():  # nothing was loaded by the failed calls
+        np.testing.assert_array_equal(x, before[n])
+
+
+class _Variable:
+    """A Keras variable, as far as keras_params and set_keras_params use one."""
+
+    def __init__(self, value):
+        self.value = np.asarray(value, np.float32)
+
+    def numpy(self):
+        return self.value.copy()
+
+    def assign(self, value):
+        assert value.shape == self.value.shape and value.dtype == self.value.dtype
+        self.value = value.copy()
+
+
+class _Dense:
+    """A Keras 3 ``Dense``: ``kernel`` (in, out) raises until the layer is built."""
+
+    def __init__(self, units, use_bias=False):
+        self.units, self.use_bias, self._kernel = units, use_bias, None
+
+    def build(self, in_features, rng):
+        self._kernel = _Variable(rng.normal(size=(in_features, self.units)))
+        self.bias = _Variable(rng.normal(size=self.units)) if self.use_bias else None
+
+    @property
+    def kernel(self):
+        if self._kernel is None:
+            raise AttributeError("You must build the layer before accessing `kernel`.")
+        return self._kernel
+
+
+class _D2lMultiHeadAttention:
+    """d2l's TensorFlow MultiHeadAttention's attributes (no TensorFlow)."""
+
+    def __init__(self, num_hiddens, bias):
+        self.num_heads, self.attention, self.name = 2, object(), "mha"
+        self.W_q, self.W_k, self.W_v, self.W_o = (_Dense(num_hiddens, bias) for _ in range(4))
+        self._tracker = _Dense(3)  # (private: not a weight of the layer)
+
+    def build(self, query_size, key_size, value_size, seed=0):
+        rng = np.random.default_rng(seed)
+        for dense, size in zip((self.W_q, self.W_k, self.W_v, self.W_o),
+                               (query_size, key_size, value_size, self.W_o.units)):  # fmt: skip
+            dense.build(size, rng)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_keras_params_load_a_keras_layer_by_attribute_name(backend, bias):
+    """``keras_params`` reads a Keras layer's Dense weights by attribute name,
+    duck-typed (no TensorFlow here); ``set_params`` loads them, ``set_keras_params``
+    writes ours back. Expected: float64 NumPy of d2l's layer (x @ kernel + bias)."""
+    theirs = _D2lMultiHeadAttention(8, bias)
+    with pytest.raises(ValueError, match=r"_D2lMultiHeadAttention.W_q \(_Dense\) is not built"):
+        am.keras_params(theirs)
+    theirs.build(4, 5, 6)
+    params = am.keras_params(theirs)
+    names = [f"{x}.{w}" for x in ("W_q", "W_k", "W_v", "W_o") for w in ("kernel", "bias")]
+    assert list(params) == [n for n in names if bias or n.endswith("kernel")]
+    assert params["W_q.kernel"].shape == (4, 8) and params["W_k.kernel"].shape == (5, 8)
+    ours = am.set_params(mha(backend, bias), params).eval()
+    q, k, v = qkv(62)
+    lens = np.array([3, 5])
+    # d2l's layer in float64 NumPy: the same heads, projections x @ kernel + b
+    as_torch = {
+        n.replace(".kernel", ".weight"): x.T if n.endswith("kernel") else x
+        for n, x in params.items()
+    }
+    want, weights = oracle.multi_head_attention(as_torch, q, k, v, lens, 2)
+    got = ours(put(backend, q), put(backend, k), put(backend, v), put(backend, lens, "int32"))
+    np.testing.assert_allclose(f64(backend, got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f64(backend, ours.attention_weights), weights, atol=1e-6)
+
+    # the way back: ours into the Keras layer, in either layout
+    other = mha(backend, bias)
+    for layout in ("torch", "keras"):
+        assert am.set_keras_params(theirs, am.get_params(other, layout=layout)) is theirs
+        for name, value in am.get_params(other, layout="keras").items():
+            attr, weight = name.split(".")
+            np.testing.assert_array_equal(getattr(getattr(theirs, attr), weight).numpy(), value)
+    back = am.keras_params(theirs)
+    with pytest.raises(ValueError, match=r"both 'W_q.kernel' and 'W_q.weight' are given"):
+        am.set_keras_params(theirs, {**back, "W_q.weight": back["W_q.kernel"].T})
+    with pytest.raises(ValueError, match=r"missing \['W_v.kernel'\], unknown \['W_x.kernel'\]"):
+        am.set_keras_params(
+            theirs, {**{n: x for n, x in back.items() if n != "W_v.kernel"}, "W_x.kernel": 0}
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"'W_q.weight' has shape \(4, 8\), the layer expects \(8, 4\) "
+        r"\(PyTorch's \(out, in\) layout: the transpose of 'W_q.kernel', \(4, 8\)\)",
+    ):
+        am.set_keras_params(
+            theirs, {**{n: x for n, x in back.items() if n != "W_q.kernel"},
+                     "W_q.weight": back["W_q.kernel"]}
+        )  # fmt: skip
+    np.testing.assert_array_equal(am.keras_params(theirs)["W_q.kernel"], back["W_q.kernel"])
+    # a Dense itself: kernel and bias, for a Linear
+    dense = _Dense(3, use_bias=True)
+    dense.build(2, np.random.default_rng(1))
+    lin = am.set_params(am.Linear(2, 3, backend=backend), am.keras_params(dense))
+    np.testing.assert_array_equal(am.get_params(lin)["weight"], dense.kernel.numpy().T)
+    assert am.keras_params(object()) == {}  # (no Dense: DotProductAttention)
+
+
 # ---------------------------------------------------------------------------
 # 8. Nadaraya-Watson training (seed 003)
 
