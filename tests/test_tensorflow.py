@@ -416,17 +416,6 @@ def _d2l():
     return d2l_tensorflow
 
 
-def _copy_dense(ours, theirs):
-    """d2l's Dense ``kernel`` (in, out) into our Linear ``weight`` (out, in)."""
-    am.set_params(
-        ours,
-        {
-            "weight": theirs.kernel.numpy().T,
-            **({"bias": theirs.bias.numpy()} if theirs.use_bias else {}),
-        },
-    )
-
-
 # (no length 0: d2l's row is then uniform, ours zeros, as documented)
 LENS = {"1d": np.array([2, 6]), "2d": np.array([[1, 2, 3, 4, 5], [6, 5, 4, 2, 1]])}
 
@@ -437,7 +426,7 @@ def test_d2l_dot_product_and_additive_attention(lens):
     q, k, v = (t(rng.normal(size=s), "float32") for s in ((2, 5, 4), (2, 6, 4), (2, 6, 3)))
     valid = t(LENS[lens], "int32")
     theirs = d2l.DotProductAttention(0.5)
-    ours = am.DotProductAttention(0.5, backend="tensorflow")
+    ours = am.set_params(am.DotProductAttention(0.5, backend="tensorflow"), am.keras_params(theirs))
     np.testing.assert_allclose(
         ours(q, k, v, valid).numpy(), theirs(q, k, v, valid).numpy(), atol=1e-5
     )
@@ -448,8 +437,8 @@ def test_d2l_dot_product_and_additive_attention(lens):
     theirs = d2l.AdditiveAttention(4, 3, 8, 0.1)
     ours = am.AdditiveAttention(4, 3, 8, 0.1, backend="tensorflow")
     theirs(qa, k, v, valid)
-    for name in ("W_k", "W_q", "w_v"):
-        _copy_dense(getattr(ours, name), getattr(theirs, name))
+    assert list(am.keras_params(theirs)) == ["W_k.kernel", "W_q.kernel", "w_v.kernel"]
+    am.set_params(ours, am.keras_params(theirs))
     np.testing.assert_allclose(
         ours(qa, k, v, valid).numpy(), theirs(qa, k, v, valid).numpy(), atol=1e-5
     )
@@ -472,8 +461,7 @@ def test_d2l_multi_head_attention(lens, bias):
     theirs = d2l.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias)
     ours = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias, backend="tensorflow")
     want = theirs(x, y, y, valid)
-    for name in ("W_q", "W_k", "W_v", "W_o"):
-        _copy_dense(getattr(ours, name), getattr(theirs, name))
+    am.set_params(ours, am.keras_params(theirs))
     np.testing.assert_allclose(ours(x, y, y, valid).numpy(), want.numpy(), atol=1e-5)
     np.testing.assert_allclose(
         ours.attention.attention_weights.numpy(),
@@ -495,14 +483,80 @@ def test_d2l_transformer_encoder_with_ours_in_every_block():
     ours(tokens, valid)
     ours.embedding.set_weights(theirs.embedding.get_weights())
     for mine, their in zip(ours.blks, theirs.blks):
-        for name in ("W_q", "W_k", "W_v", "W_o"):
-            _copy_dense(getattr(mine.attention, name), getattr(their.attention, name))
+        am.set_params(mine.attention, am.keras_params(their.attention))
         for part in ("addnorm1", "addnorm2", "ffn"):
             getattr(mine, part).set_weights(getattr(their, part).get_weights())
     got = ours(tokens, valid, training=False)
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-5)
     for a, b in zip(ours.attention_weights, theirs.attention_weights):
         np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-5)
+
+
+@pytest.mark.filterwarnings(D2L_UNBUILT)
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_d2l_layers_weights_load_into_ours_on_numpy_and_torch(bias):
+    """``am.keras_params`` of d2l's TF MultiHeadAttention into ours on other
+    backends: d2l's outputs and weights; and back, ours into d2l's."""
+    d2l = _d2l()
+    x, y = rng.normal(size=(2, 5, 6)), rng.normal(size=(2, 7, 6))
+    lens = np.array([3, 7])
+    theirs = d2l.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias)
+    with pytest.raises(ValueError, match=r"MultiHeadAttention.W_q \(Dense\) is not built yet"):
+        am.keras_params(theirs)
+    tx, ty, tlens = t(x, "float32"), t(y, "float32"), t(lens, "int32")
+    want = theirs(tx, ty, ty, tlens).numpy()
+    want_weights = theirs.attention.attention_weights.numpy()
+    params = am.keras_params(theirs)
+    assert all(type(a) is np.ndarray for a in params.values())
+    assert params["W_q.kernel"].shape == (6, 8) and ("W_q.bias" in params) == bias
+    for name in ("numpy", "torch"):
+        xp = am.get_backend(name)
+        ours = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, bias, backend=name).eval()
+        am.set_params(ours, params)
+        q, kv = xp.asarray(x, "float32"), xp.asarray(y, "float32")
+        got = ours(q, kv, kv, xp.asarray(lens, "int32"))
+        np.testing.assert_allclose(xp.to_numpy(got), want, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(
+            xp.to_numpy(ours.attention_weights), want_weights, atol=1e-5, err_msg=name
+        )
+    # the way back: ours (torch) into d2l's layer
+    assert am.set_keras_params(theirs, am.get_params(ours)) is theirs
+    np.testing.assert_allclose(theirs(tx, ty, ty, tlens).numpy(), xp.to_numpy(got), atol=1e-5)
+
+
+def test_the_keras_layout_on_tensorflow():
+    """get_params(layout="keras") -> set_params: identical outputs; the kernels
+    are the weights transposed; both namings of one weight, or a kernel of the
+    wrong shape, are refused with their names."""
+    x = t(rng.normal(size=(2, 5, 6)), "float32")
+    lens = t([2, 5], "int32")
+    src = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, True, backend="tensorflow")
+    dst = am.MultiHeadAttention(6, 6, 6, 8, 2, 0.0, True, backend="tensorflow")
+    params, torch_layout = am.get_params(src, layout="keras"), am.get_params(src)
+    for name, value in torch_layout.items():
+        if name.endswith(".weight"):
+            kernel = params[name.replace(".weight", ".kernel")]
+            assert kernel.shape == value.shape[::-1] and name not in params
+            np.testing.assert_array_equal(kernel, value.T)
+        else:
+            np.testing.assert_array_equal(params[name], value)
+    am.set_params(dst, params)
+    assert dst(x, x, x, lens).numpy().tobytes() == src(x, x, x, lens).numpy().tobytes()
+    with pytest.raises(ValueError, match=r"both 'W_o.kernel' and 'W_o.weight' are given"):
+        am.set_params(dst, {**params, "W_o.weight": torch_layout["W_o.weight"]})
+    with pytest.raises(
+        ValueError,
+        match=r"'W_q.kernel' has shape \(8, 6\), the module expects \(6, 8\) "
+        r"\(Keras' \(in, out\) layout: the transpose of 'W_q.weight', \(8, 6\)\)",
+    ):
+        am.set_params(dst, {**params, "W_q.kernel": torch_layout["W_q.weight"]})
+    # a Keras Dense and our Linear, both ways
+    dense = keras.layers.Dense(3)
+    dense(t(np.ones((1, 6)), "float32"))
+    lin = am.set_params(am.Linear(6, 3, backend="tensorflow"), am.keras_params(dense))
+    np.testing.assert_allclose(lin(x).numpy(), dense(x).numpy(), atol=1e-6)
+    am.set_keras_params(dense, am.get_params(am.Linear(6, 3, backend="tensorflow")))
+    assert not np.allclose(lin(x).numpy(), dense(x).numpy())
 
 
 def test_the_guides_tensorflow_example_runs(capsys):
