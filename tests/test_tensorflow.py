@@ -559,16 +559,24 @@ def test_the_keras_layout_on_tensorflow():
     assert not np.allclose(lin(x).numpy(), dense(x).numpy())
 
 
+@pytest.mark.filterwarnings(D2L_UNBUILT)
 def test_the_guides_tensorflow_example_runs(capsys):
-    """docs/guide/backends.md's TensorFlow block (test_docs runs that page on
-    the first stack, where TensorFlow is not installed)."""
+    """docs/guide/backends.md's TensorFlow blocks, in order, as one script
+    (test_docs runs that page on the first stack, where TensorFlow is not installed)."""
     from tests.test_docs import DOCS, blocks
 
     found = blocks(DOCS / "guide" / "backends.md")
-    (code,) = [code for need, _, code in found if need == "tensorflow"]
+    code = "\n".join(code for need, _, code in found if need == "tensorflow")
     exec(compile(code, "backends.md", "exec"), {"__name__": "guide"})  # noqa: S102
     out = capsys.readouterr().out.splitlines()
-    assert out == ["['W_k.weight', 'W_o.weight', 'W_q.weight', 'W_v.weight']", "float32"]
+    assert out == [
+        "['W_k.weight', 'W_o.weight', 'W_q.weight', 'W_v.weight']",
+        "float32",
+        "['W_k.kernel', 'W_o.kernel', 'W_q.kernel', 'W_v.kernel'] (6, 8)",
+        "True (8, 6)",
+        "True",
+        "(6, 8)",
+    ]
 
 
 @pytest.mark.parametrize("shape", [(0, 3, 0, 4), (2, 2, 0, 4)])
