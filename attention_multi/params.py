@@ -24,7 +24,7 @@ import numpy as np
 import attention_multi.backends as backends
 from attention_multi.backends.types import Array
 
-from .modules.base import Linear
+from .modules.base import Linear, Module
 
 _M = TypeVar("_M", bound=Any)  # an attention_multi module of any backend
 _L = TypeVar("_L", bound=Any)  # a Keras layer (duck-typed)
@@ -99,7 +99,7 @@ def keras_params(layer: Any) -> dict[str, np.ndarray]:
     ``.numpy()`` or ``np.asarray``. Keras creates a ``Dense``'s weights at its
     first call: a sublayer not built yet raises ValueError naming it.
     """
-    return {name: _read(var) for name, var in _keras_variables(layer).items()}
+    return {name: _read(var) for name, var in _keras_variables(layer, "keras_params").items()}
 
 
 def set_keras_params(layer: _L, params: Mapping[str, Any]) -> _L:
@@ -114,7 +114,7 @@ def set_keras_params(layer: _L, params: Mapping[str, Any]) -> _L:
     ``X.weight`` and ``X.kernel``, on a mismatched shape; nothing is
     assigned then.
     """
-    variables = _keras_variables(layer)
+    variables = _keras_variables(layer, "set_keras_params")
     current = {name: _read(var) for name, var in variables.items()}
     shapes = {name: tuple(value.shape) for name, value in current.items()}
     aliases = {
@@ -183,12 +183,14 @@ def _matched(
     missing = sorted(set(shapes) - set(given))
     unknown = sorted(name for target, (name, _) in given.items() if target not in shapes)
     if missing or unknown:
-        hint = ""
-        if aliases:
-            other, name = next(
-                ((o, n) for o, n in aliases.items() if n in missing), next(iter(aliases.items()))
-            )
-            hint = f"; a weight may be given transposed, in {alias_layout}: {other!r} for {name!r}"
+        hint = next(
+            (
+                f"; a weight may be given transposed, in {alias_layout}: {other!r} for {name!r}"
+                for other, name in aliases.items()
+                if name in missing
+            ),
+            "",
+        )
         raise ValueError(
             f"parameter names do not match {owner}: missing {missing}, unknown {unknown}; "
             f"the {what} expects {sorted(shapes)}{hint}"
@@ -221,8 +223,14 @@ def _has_kernel(obj: Any) -> bool:
     return isinstance(getattr(type(obj), "kernel", None), property) or hasattr(obj, "kernel")
 
 
-def _keras_variables(layer: Any) -> dict[str, Any]:
+def _keras_variables(layer: Any, caller: str) -> dict[str, Any]:
     """``{"W_q.kernel": variable, "W_q.bias": variable, ...}`` of ``layer``."""
+    if isinstance(layer, Module):
+        raise TypeError(
+            f"{caller} takes a Keras layer; this is attention_multi's "
+            f"{type(layer).__name__} (its Linears are not Dense layers): use "
+            f"am.get_params(module, layout='keras') or am.set_params"
+        )
     found: dict[str, Any] = {}
     owners = [("", layer)] if _has_kernel(layer) else []
     owners += [

@@ -833,6 +833,14 @@ def test_keras_params_load_a_keras_layer_by_attribute_name(backend, bias):
     lin = am.set_params(am.Linear(2, 3, backend=backend), am.keras_params(dense))
     np.testing.assert_array_equal(am.get_params(lin)["weight"], dense.kernel.numpy().T)
     assert am.keras_params(object()) == {}  # (no Dense: DotProductAttention)
+    with pytest.raises(TypeError, match=r"keras_params takes a Keras layer;.*get_params"):
+        am.keras_params(ours)  # (ours, even on TensorFlow, are not Dense layers)
+    with pytest.raises(TypeError, match=r"set_keras_params takes a Keras layer;.*set_params"):
+        am.set_keras_params(ours, params)
+    if bias:  # (a missing bias: no hint about kernels)
+        no_bias = {n: x for n, x in params.items() if n != "W_q.bias"}
+        with pytest.raises(ValueError, match=r"missing \['W_q.bias'\], unknown \[\]; [^;]*$"):
+            am.set_params(ours, no_bias)
 
 
 # ---------------------------------------------------------------------------
